@@ -1,0 +1,77 @@
+"""Shared pytest configuration: tolerances by dtype (stated once, here) and
+GPU detection. Tests ask for the `tol` fixture instead of writing numbers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+# Keep CPU runs deterministic and quiet; on a GPU use full-precision matmuls so
+# that parity is tight (TF32 is also disabled on the torch side in `gpu_setup`).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# Tolerances for comparing two float32 computations whose *inputs* were in the
+# given dtype. Both sides upcast the same low-precision values to float32, so
+# forward values agree to float32 rounding; gradients are returned in the input
+# dtype, so they carry one rounding of that dtype (bf16: 8 bits of mantissa,
+# relative step 2**-8 = 3.9e-3; fp16: 11 bits, 2**-11 = 4.9e-4).
+TOLERANCES: dict[str, dict[str, float]] = {
+    "float64": {"rtol": 1e-10, "atol": 1e-12},
+    "float32": {"rtol": 2e-5, "atol": 2e-6},
+    "bfloat16": {"rtol": 1.6e-2, "atol": 1e-2},
+    "float16": {"rtol": 2e-3, "atol": 1e-3},
+}
+
+
+def tolerance(dtype) -> dict[str, float]:
+    """rtol/atol for results computed from inputs of `dtype` (name or dtype)."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = np.dtype(dtype).name
+    if name not in TOLERANCES:
+        raise KeyError(f"no tolerance for dtype {name!r}; known: {sorted(TOLERANCES)}")
+    return dict(TOLERANCES[name])
+
+
+@pytest.fixture
+def tol():
+    """`tol("bfloat16") -> {"rtol": ..., "atol": ...}`."""
+    return tolerance
+
+
+def _has_gpu() -> bool:
+    try:
+        import jax
+
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+if HAS_GPU:  # tight parity on a GPU: no TF32 / bf16-pass matmuls on either side
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    except ImportError:
+        pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a GPU; none is present")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

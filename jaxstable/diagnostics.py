@@ -1,0 +1,1 @@
+"""JAX: public API of `jaxstable.diagnostics` (implementation in `jaxstable._src.diagnostics`)."""

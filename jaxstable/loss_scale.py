@@ -1,0 +1,1 @@
+"""JAX: public API of `jaxstable.loss_scale` (implementation in `jaxstable._src.loss_scale`)."""

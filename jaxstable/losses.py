@@ -1,0 +1,1 @@
+"""JAX: public API of `jaxstable.losses` (implementation in `jaxstable._src.losses`)."""

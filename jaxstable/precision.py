@@ -1,0 +1,1 @@
+"""JAX: public API of `jaxstable.precision` (implementation in `jaxstable._src.precision`)."""

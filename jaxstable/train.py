@@ -1,0 +1,1 @@
+"""JAX: public API of `jaxstable.train` (implementation in `jaxstable._src.train`)."""

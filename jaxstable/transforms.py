@@ -1,0 +1,1 @@
+"""JAX: public API of `jaxstable.transforms` (implementation in `jaxstable._src.transforms`)."""

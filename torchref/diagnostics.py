@@ -1,0 +1,1 @@
+"""PyTorch: public API of `torchref.diagnostics` (implementation in `torchref._src.diagnostics`)."""

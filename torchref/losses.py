@@ -1,0 +1,1 @@
+"""PyTorch: public API of `torchref.losses` (implementation in `torchref._src.losses`)."""

@@ -1,0 +1,1 @@
+"""PyTorch: public API of `torchref.precision` (implementation in `torchref._src.precision`)."""

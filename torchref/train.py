@@ -1,0 +1,1 @@
+"""PyTorch: public API of `torchref.train` (implementation in `torchref._src.train`)."""

@@ -1,0 +1,1 @@
+"""PyTorch: public API of `torchref.transforms` (implementation in `torchref._src.transforms`)."""
