@@ -1,0 +1,54 @@
+"""The two packages stay apart and mirror each other, module for module."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+MODULES = ["losses", "loss_scale", "transforms", "precision", "diagnostics", "train"]
+
+# Names that exist on one side only, and why. Keep this list short and honest.
+JAX_ONLY = {
+    # jax.value_and_grad with scaling has no torch analogue: torch scales the
+    # loss with GradScaler.scale(loss) before .backward().
+    "loss_scale": {"scaled_value_and_grad"},
+    # optax state types and helpers for finding them inside a chain.
+    "transforms": {"SkipNonFiniteState", "find_skip_state"},
+    "train": {"TrainState", "make_train_step"},
+}
+TORCH_ONLY = {
+    "train": {"TrainStep"},
+}
+
+
+def _run(code):
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_jaxstable_never_imports_torch():
+    out = _run("import sys, jaxstable; print('torch' in sys.modules)")
+    assert out == "False"
+
+
+def test_torchref_never_imports_jax():
+    out = _run("import sys, torchref; print('jax' in sys.modules)")
+    assert out == "False"
+
+
+def _public(package, module):
+    mod = importlib.import_module(f"{package}.{module}")
+    return {n for n in vars(mod) if not n.startswith("_") and n != "annotations"}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_public_names_mirror(module):
+    jax_names = _public("jaxstable", module) - JAX_ONLY.get(module, set())
+    torch_names = _public("torchref", module) - TORCH_ONLY.get(module, set())
+    assert jax_names, f"jaxstable.{module} exports nothing"
+    assert jax_names == torch_names, (
+        f"{module}: only in jaxstable {sorted(jax_names - torch_names)}, "
+        f"only in torchref {sorted(torch_names - jax_names)}"
+    )
