@@ -1,1 +1,13 @@
-"""PyTorch: public API of `torchref.transforms` (implementation in `torchref._src.transforms`)."""
+"""PyTorch: public API of `torchref.transforms`.
+
+Implementation in `torchref._src.transforms`.
+"""
+
+from torchref._src.transforms import SkipNonFinite as SkipNonFinite
+from torchref._src.transforms import SkipNonFiniteState as SkipNonFiniteState
+from torchref._src.transforms import StableOptimizer as StableOptimizer
+from torchref._src.transforms import clip_by_global_norm as clip_by_global_norm
+from torchref._src.transforms import find_skip_state as find_skip_state
+from torchref._src.transforms import global_norm as global_norm
+from torchref._src.transforms import skip_non_finite as skip_non_finite
+from torchref._src.transforms import stable_optimizer as stable_optimizer

@@ -1,0 +1,490 @@
+"""A guarded PyTorch train step and fit loop, mirroring `jaxstable.train`.
+
+`TrainStep` runs the recipe of the torch.amp docs with the real
+`torch.amp.GradScaler`, `torch.autocast` and `clip_grad_norm_` (as its two
+halves `get_total_norm` + `clip_grads_with_norm_`) and returns the same
+metrics as the JAX step: ``loss``, ``grad_norm``, ``loss_scale``, ``finite``,
+``skipped_total``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from torchref._src.diagnostics import format_report, non_finite_grad_report
+from torchref._src.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+)
+from torchref._src.precision import get_policy
+from torchref._src.transforms import (
+    SkipNonFinite,
+    SkipNonFiniteState,
+    _check_max_consecutive,
+    clip_by_global_norm,
+    global_norm,
+)
+
+__all__ = ["NAN_POLICIES", "NonFiniteError", "TrainStep", "fit"]
+
+NAN_POLICIES = ("skip", "stop")
+_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class NonFiniteError(FloatingPointError):
+    """Training stopped on non-finite gradients (``nan_policy="stop"``).
+
+    Attributes:
+        step: 0-based index of the last non-finite step.
+        report: `non_finite_grad_report` of the model at that step.
+    """
+
+    def __init__(self, message: str, *, step: int, report: list) -> None:
+        super().__init__(message)
+        self.step = step
+        self.report = report
+
+
+def _make_scaler(scaler: Any, device_type: str) -> torch.amp.GradScaler | None:
+    if scaler is None or isinstance(scaler, torch.amp.GradScaler):
+        return scaler
+    if isinstance(scaler, NoOpLossScale | StaticLossScale | DynamicLossScale):
+        return scaler.make_scaler(device_type)
+    raise TypeError(
+        "scaler must be None, a torch.amp.GradScaler or a torchref.loss_scale "
+        f"NoOpLossScale/StaticLossScale/DynamicLossScale, got {type(scaler).__name__}"
+    )
+
+
+def _autocast_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        dtype = get_policy(dtype).compute_dtype
+    if dtype not in _AUTOCAST_DTYPES:
+        raise ValueError(
+            "autocast_dtype must be None, torch.float16 or torch.bfloat16, "
+            f"got {dtype!r}"
+        )
+    return dtype
+
+
+class TrainStep:
+    """One guarded optimizer step: autocast, GradScaler, clip, skip.
+
+    Order of work in ``step(batch)`` (that of the torch.amp docs):
+
+    1. ``optimizer.zero_grad(set_to_none=True)``; snapshot the model's buffers
+       (batch-norm statistics) if `restore_buffers_on_skip`.
+    2. ``loss = loss_fn(model, batch)`` under ``torch.autocast(device_type,
+       dtype=autocast_dtype)`` when `autocast_dtype` is set.
+    3. ``scaler.scale(loss).backward()``; ``scaler.unscale_(optimizer)``.
+    4. ONE finiteness check. With an enabled GradScaler this is GradScaler's
+       own ``found_inf`` recorded by `unscale_` (read through its private
+       ``_found_inf_per_device(optimizer)``: it is the flag `scaler.step`
+       will act on, so both agree by construction); otherwise `all_finite`.
+    5. ``grad_norm`` = pre-clip global norm (float32); when finite and
+       `max_grad_norm` is set, grads are clipped (`clip_grads_with_norm_`,
+       i.e. `clip_grad_norm_`). On a non-finite step the NaN coefficient is
+       not multiplied in, so the grad report still names the bad leaves.
+    6. ``scaler.step(optimizer)`` (GradScaler skips `optimizer.step()` itself
+       on inf/NaN); with no (or a disabled) scaler we skip it ourselves.
+    7. ``scaler.update()`` (`DynamicGradScaler` also clamps to
+       `min_loss_scale`); counters; on a non-finite step the buffers are
+       restored, as the JAX step keeps `model_state` unchanged (the forward
+       already updated batch-norm running stats).
+
+    Args:
+        model: the `nn.Module` (its device gives autocast's device type).
+        optimizer: a `torch.optim.Optimizer` owning every trainable
+            parameter of `model` (GradScaler unscales only its grads).
+        loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, aux)``; loss a
+            scalar tensor.
+        max_grad_norm: clip threshold (> 0) or None.
+        scaler: None, a `torch.amp.GradScaler`, or a torchref loss scale
+            (`DynamicLossScale()` etc.; `make_scaler` is called for you).
+        autocast_dtype: None, torch.float16/torch.bfloat16 or a dtype name.
+        max_consecutive: sets ``skip_state.exceeded`` (see `skip_non_finite`).
+        clip_eps: eps of the clip formula (torch's 1e-6 by default).
+        restore_buffers_on_skip: restore buffers on non-finite steps.
+
+    Example:
+        >>> import torch
+        >>> from torchref.loss_scale import DynamicLossScale
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> mse = lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()
+        >>> step = TrainStep(model, opt, mse, max_grad_norm=1.0,
+        ...                  scaler=DynamicLossScale(loss_scale=2.0**10))
+        >>> m = step((torch.ones(4, 3), torch.zeros(4, 1)))
+        >>> sorted(m), m["loss_scale"], m["finite"]
+        (['finite', 'grad_norm', 'loss', 'loss_scale', 'skipped_total'], 1024.0, True)
+        >>> m = step((torch.full((4, 3), float("nan")), torch.zeros(4, 1)))
+        >>> m["finite"], m["skipped_total"], step.scaler.get_scale()
+        (False, 1, 512.0)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, Any], Any],
+        *,
+        max_grad_norm: float | None = None,
+        scaler: Any = None,
+        autocast_dtype: Any = None,
+        max_consecutive: int | None = None,
+        clip_eps: float = 1e-6,
+        restore_buffers_on_skip: bool = True,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be a torch.nn.Module, got {type(model).__name__}"
+            )
+        if isinstance(optimizer, SkipNonFinite):
+            raise TypeError(
+                "pass the plain torch optimizer (TrainStep skips non-finite steps "
+                "itself), not a torchref.transforms wrapper: use wrapper.optimizer"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer, "
+                f"got {type(optimizer).__name__}"
+            )
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable as loss_fn(model, batch)")
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [
+            n
+            for n, p in model.named_parameters()
+            if p.requires_grad and id(p) not in owned
+        ]
+        if missing:
+            raise ValueError(
+                "optimizer does not own these trainable parameters of the model "
+                f"(GradScaler would leave their grads scaled): {', '.join(missing)}"
+            )
+        first = next(itertools.chain(model.parameters(), model.buffers()), None)
+        self.device_type = first.device.type if first is not None else "cpu"
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scaler = _make_scaler(scaler, self.device_type)
+        self.autocast_dtype = _autocast_dtype(autocast_dtype)
+        self.max_consecutive = _check_max_consecutive(max_consecutive)
+        self.clip = (
+            None
+            if max_grad_norm is None
+            else clip_by_global_norm(max_grad_norm, eps=clip_eps)
+        )
+        self.restore_buffers_on_skip = bool(restore_buffers_on_skip)
+        self.skip_state = SkipNonFiniteState()
+        self.steps_done = 0
+        # State machine: "ready" between steps, else the stage a step is in
+        # (or was in when it raised): refuses re-entry and a half-done step.
+        self._stage = "ready"
+
+    # --------------------------------------------------------------- helpers
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _scaler_enabled(self) -> bool:
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def _finite(self, grads: list[torch.Tensor]) -> bool:
+        if self._scaler_enabled():
+            try:
+                found = self.scaler._found_inf_per_device(self.optimizer)
+            except AttributeError:  # a GradScaler without the (private) hook
+                found = None
+            if found:
+                return not bool(
+                    sum(f.to(self.device_type) for f in found.values()).item()
+                )
+        return all_finite(grads)
+
+    def reset(self) -> None:
+        """Discards a step that raised half-way, so that `step` can run again.
+
+        Zeroes the grads and clears the GradScaler's per-iteration record via
+        its public ``update(new_scale=current_scale)`` (scale unchanged).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        # GradScaler creates its private `_scale` lazily in scale(); before
+        # that it holds no per-iteration record and update() would refuse.
+        if self._scaler_enabled() and self.scaler._scale is not None:
+            self.scaler.update(float(self.scaler.get_scale()))
+        self._stage = "ready"
+
+    # ------------------------------------------------------------------ step
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        """Same as `step`."""
+        return self.step(batch)
+
+    def step(self, batch: Any) -> dict[str, Any]:
+        """Runs one guarded step; see the class docstring for the order.
+
+        Returns:
+            ``{"loss": float (unscaled), "grad_norm": float (pre-clip,
+            unscaled, float32; inf/nan on a non-finite step), "loss_scale":
+            float (the scale USED for this step), "finite": bool,
+            "skipped_total": int}`` plus ``"aux"`` when `loss_fn` returns
+            ``(loss, aux)``.
+        """
+        if self._stage != "ready":
+            raise RuntimeError(
+                f"TrainStep.step() called while a step is {self._stage!r}: either "
+                "loss_fn called step() re-entrantly, or the previous step raised "
+                "half-way (call .reset() to discard it)"
+            )
+        self._stage = "forward"
+        try:
+            return self._step(batch)
+        except BaseException:
+            # Before backward nothing but the grads (zeroed) and buffers was
+            # touched: the step can simply be retried. Later, GradScaler holds
+            # a half-done iteration, so the guard stays up until reset().
+            if self._stage == "forward":
+                self._stage = "ready"
+            raise
+
+    def _step(self, batch: Any) -> dict[str, Any]:
+        model, opt, scaler = self.model, self.optimizer, self.scaler
+        opt.zero_grad(set_to_none=True)
+        saved = None
+        if self.restore_buffers_on_skip:
+            saved = [b.detach().clone() for b in model.buffers()]
+        ctx = (
+            torch.autocast(self.device_type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            out = self.loss_fn(model, batch)
+        loss, aux = out if isinstance(out, tuple) else (out, None)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(
+                "loss_fn must return a scalar tensor (or (scalar, aux)), got "
+                f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}"
+            )
+        # The scale USED for this step (read before update changes it).
+        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        self._stage = "backward"
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        self._stage = "check"
+        params = self._params()
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = self._finite(grads)
+        if self.clip is not None and finite:
+            grad_norm = self.clip(params)
+        else:
+            grad_norm = global_norm(grads)
+        self._stage = "optimizer step"
+        if self._scaler_enabled():
+            scaler.step(opt)  # GradScaler skips optimizer.step() on inf/NaN
+            scaler.update()
+        elif finite:
+            opt.step()
+        self.skip_state.record(finite, self.max_consecutive)
+        if not finite and saved is not None:
+            with torch.no_grad():
+                for b, s in zip(model.buffers(), saved, strict=True):
+                    b.copy_(s)
+        self.steps_done += 1
+        self._stage = "ready"
+        metrics = {
+            "loss": float(loss.detach().float()),
+            "grad_norm": float(grad_norm),
+            "loss_scale": loss_scale,
+            "finite": bool(finite),
+            "skipped_total": int(self.skip_state.skipped_total),
+        }
+        if aux is not None:
+            metrics["aux"] = aux
+        return metrics
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, scaler and counters (for `torch.save`)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "skip_state": dataclasses.asdict(self.skip_state),
+            "steps_done": self.steps_done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self._scaler_enabled() and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.skip_state = SkipNonFiniteState(**state["skip_state"])
+        self.steps_done = int(state["steps_done"])
+
+
+_LOGGED = ("loss", "grad_norm", "loss_scale", "finite", "skipped_total")
+
+
+def fit(
+    step: TrainStep,
+    batches: Iterable[Any],
+    *,
+    steps: int | None = None,
+    nan_policy: str = "skip",
+    max_consecutive_nonfinite: int = 5,
+    log_path: str | os.PathLike | None = None,
+    progress: bool = True,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+) -> list[dict[str, Any]]:
+    """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
+
+    Per batch: ``metrics = step(batch)``; the history entry is
+    ``{"step": i, **metrics}`` (i 0-based). `log_path` gets one JSON line per
+    step with keys step, loss, grad_norm, loss_scale, finite, skipped_total
+    (python's json writes non-finite floats as NaN/Infinity, which
+    `json.loads` reads back). NaN policy:
+
+    * ``"skip"``: non-finite steps are skipped (by the step) and training
+      goes on.
+    * ``"stop"``: after `max_consecutive_nonfinite` non-finite steps in a
+      row, raise `NonFiniteError` naming the step and the non-finite
+      gradients (their report).
+
+    Checkpoints: every `checkpoint_every` steps, ``step.state_dict()`` is
+    saved with `torch.save` to ``checkpoint_dir/step_{n:08d}.pt`` (n = steps
+    done).
+
+    Args:
+        step: a `TrainStep`.
+        batches: any iterable of batches.
+        steps: stop after this many steps (None: exhaust `batches`).
+        nan_policy: "skip" or "stop".
+        max_consecutive_nonfinite: int >= 1, used by "stop".
+        log_path: JSONL file (overwritten) or None.
+        progress: show a tqdm bar (loss, grad_norm, loss_scale, skipped).
+        checkpoint_dir, checkpoint_every: both or neither.
+
+    Returns:
+        The history: list of per-step dicts.
+
+    Raises:
+        NonFiniteError: with ``nan_policy="stop"``.
+        ValueError: invalid options (listing the valid values).
+
+    Example:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                  lambda m, b: m(b).pow(2).mean())
+        >>> good, bad = torch.ones(4, 2), torch.full((4, 2), float("nan"))
+        >>> hist = fit(step, [good, bad, good], progress=False)
+        >>> [h["finite"] for h in hist], hist[-1]["skipped_total"]
+        ([True, False, True], 1)
+        >>> try:
+        ...     fit(step, [bad], nan_policy="stop", max_consecutive_nonfinite=1,
+        ...         progress=False)
+        ... except NonFiniteError as e:
+        ...     print(e.step, "|", str(e).split(";")[0])
+        0 | 1 non-finite step(s) in a row, the last at step 0
+    """
+    if not isinstance(step, TrainStep):
+        raise TypeError(
+            f"step must be a torchref.train.TrainStep, got {type(step).__name__}"
+        )
+    if nan_policy not in NAN_POLICIES:
+        raise ValueError(
+            f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}"
+        )
+    if isinstance(max_consecutive_nonfinite, bool) or not isinstance(
+        max_consecutive_nonfinite, int
+    ):
+        raise ValueError(
+            "max_consecutive_nonfinite must be an int >= 1, "
+            f"got {max_consecutive_nonfinite!r}"
+        )
+    if max_consecutive_nonfinite < 1:
+        raise ValueError(
+            "max_consecutive_nonfinite must be an int >= 1, "
+            f"got {max_consecutive_nonfinite!r}"
+        )
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
+    ):
+        raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
+    if (checkpoint_dir is None) != (checkpoint_every is None):
+        raise ValueError(
+            "checkpoint_dir and checkpoint_every must be given together (or neither)"
+        )
+    if checkpoint_every is not None and (
+        not isinstance(checkpoint_every, int) or checkpoint_every < 1
+    ):
+        raise ValueError(
+            f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}"
+        )
+
+    from tqdm.auto import tqdm
+
+    total = (
+        steps
+        if steps is not None
+        else (len(batches) if hasattr(batches, "__len__") else None)
+    )
+    it = iter(batches) if steps is None else itertools.islice(batches, steps)
+    log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
+    if checkpoint_dir is not None:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    history: list[dict[str, Any]] = []
+    bar = tqdm(total=total, disable=not progress, desc="fit")
+    run = 0
+    try:
+        for i, batch in enumerate(it):
+            metrics = step(batch)
+            entry = {"step": i, **metrics}
+            history.append(entry)
+            if log is not None:
+                log.write(json.dumps({k: entry[k] for k in ("step", *_LOGGED)}) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{metrics['loss']:.4g}",
+                grad_norm=f"{metrics['grad_norm']:.3g}",
+                loss_scale=f"{metrics['loss_scale']:.3g}",
+                skipped=metrics["skipped_total"],
+                refresh=False,
+            )
+            run = 0 if metrics["finite"] else run + 1
+            if nan_policy == "stop" and run >= max_consecutive_nonfinite:
+                report = non_finite_grad_report(step.model)
+                raise NonFiniteError(
+                    f"{run} non-finite step(s) in a row, the last at step {i}; "
+                    f"loss={metrics['loss']}, grad_norm={metrics['grad_norm']}, "
+                    f"loss_scale={metrics['loss_scale']}. Non-finite gradients:\n"
+                    f"{format_report(report)}",
+                    step=i,
+                    report=report,
+                )
+            if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
+                path = os.path.join(checkpoint_dir, f"step_{i + 1:08d}.pt")
+                torch.save(step.state_dict(), path)
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
+    return history

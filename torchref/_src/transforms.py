@@ -1,0 +1,459 @@
+"""Gradient guards for PyTorch optimizers, mirroring `jaxstable.transforms`.
+
+Clipping goes through `torch.nn.utils.get_total_norm` and
+`torch.nn.utils.clip_grads_with_norm_` (the two halves of `clip_grad_norm_`);
+skipping wraps any `torch.optim.Optimizer` so that a non-finite step leaves
+the parameters AND the optimizer state (Adam moments, step count) untouched,
+as `torch.amp.GradScaler.step` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from torchref._src.loss_scale import _tensors, all_finite
+
+__all__ = [
+    "SkipNonFinite",
+    "SkipNonFiniteState",
+    "StableOptimizer",
+    "clip_by_global_norm",
+    "find_skip_state",
+    "global_norm",
+    "skip_non_finite",
+    "stable_optimizer",
+]
+
+# clip_grads_with_norm_ hard-codes this eps (coef = max_norm/(norm + 1e-6)).
+_TORCH_CLIP_EPS = 1e-6
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def global_norm(tensors: Any) -> torch.Tensor:
+    """The L2 norm of all tensors viewed as one vector, as a float32 tensor.
+
+    Maths: ``sqrt(sum_i sum(x_i**2))``. For float32 tensors this is exactly
+    `torch.nn.utils.get_total_norm`. fp16/bf16 tensors are reduced with
+    ``vector_norm(x, dtype=float32)`` first: torch would otherwise return the
+    norm in the tensor's dtype (fp16 keeps 11 bits, so a norm of 9534.15
+    comes back as 9536, and any norm above 65504 as inf) whereas a float32
+    accumulation of fp16 values of 300 is finite and correct. float64 norms
+    are computed in float64 and returned as float32.
+
+    Args:
+        tensors: a tensor, a module (its parameters), a mapping or a sequence
+            of tensors; `None` entries are skipped.
+
+    Returns:
+        A 0-d float32 tensor (0.0 for no tensors); inf/nan if any element is.
+
+    Example:
+        >>> import torch
+        >>> g = [torch.full((1000,), 300.0, dtype=torch.float16)]
+        >>> round(float(global_norm(g)), 2)
+        9486.83
+    """
+    ts = [t.detach() for t in _tensors(tensors)]
+    return _total_norm(ts).to(torch.float32)
+
+
+def _total_norm(ts: list[torch.Tensor]) -> torch.Tensor:
+    """get_total_norm, with fp16/bf16 leaves reduced in float32 first."""
+    if not ts:
+        return torch.zeros((), dtype=torch.float32)
+    if not any(t.dtype in _LOW_PRECISION for t in ts):
+        return get_total_norm(ts)
+    per_leaf = [
+        torch.linalg.vector_norm(t, 2, dtype=torch.float32)
+        if t.dtype in _LOW_PRECISION
+        else torch.linalg.vector_norm(t, 2)
+        for t in ts
+    ]
+    # get_total_norm of per-leaf norms = sqrt(sum of their squares): the same
+    # two-level reduction torch does, with the leaves already in float32.
+    return get_total_norm(per_leaf)
+
+
+def _grads(parameters: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else None
+    if params is None:
+        params = list(
+            parameters.parameters()
+            if isinstance(parameters, torch.nn.Module)
+            else parameters
+        )
+    return params, [p.grad for p in params if p.grad is not None]
+
+
+def _apply_clip(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    max_norm: float,
+    total: torch.Tensor,
+    eps: float,
+) -> None:
+    if eps == _TORCH_CLIP_EPS:
+        clip_grads_with_norm_(params, max_norm, total)
+        return
+    # clip_grads_with_norm_ hard-codes eps=1e-6, so another eps applies the
+    # same formula here: coef = min(max_norm / (norm + eps), 1), in the norm's
+    # dtype, multiplied into every grad in place (no `if coef < 1` host sync).
+    with torch.no_grad():
+        coef = torch.clamp(max_norm / (total + eps), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device))
+
+
+def clip_by_global_norm(
+    max_norm: float, *, eps: float = 1e-6
+) -> Callable[[Any], torch.Tensor]:
+    """Clips gradients in place by their global norm, as `clip_grad_norm_`.
+
+    Maths: ``norm = global_norm(grads)`` (float32 accumulation, see
+    `global_norm`); ``coef = min(max_norm / (norm + eps), 1)``;
+    ``grad *= coef``. With the default ``eps=1e-6`` the norm goes through
+    `get_total_norm` and the scaling through `clip_grads_with_norm_`, so for
+    float32 grads the result equals `clip_grad_norm_` bit for bit. Any other
+    `eps` applies the same formula explicitly (torch hard-codes 1e-6).
+
+    Args:
+        max_norm: largest allowed global norm, > 0.
+        eps: added to the norm before dividing, >= 0.
+
+    Returns:
+        ``clip(parameters) -> pre-clip norm`` (0-d float32 tensor).
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> p.grad = torch.tensor([3.0, 4.0])
+        >>> clip = clip_by_global_norm(1.0)
+        >>> round(float(clip([p])), 4), [round(v, 4) for v in p.grad.tolist()]
+        (5.0, [0.6, 0.8])
+    """
+    max_norm = _check_max_norm(max_norm)
+    if not (isinstance(eps, int | float) and eps >= 0):
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+
+    def clip(parameters: Any) -> torch.Tensor:
+        params, grads = _grads(parameters)
+        total = _total_norm(grads)
+        if grads:
+            _apply_clip(params, grads, max_norm, total, float(eps))
+        return total.to(torch.float32)
+
+    return clip
+
+
+def _check_max_norm(max_norm: Any) -> float:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    return float(max_norm)
+
+
+@dataclasses.dataclass
+class SkipNonFiniteState:
+    """Counters of a non-finite skip guard (same fields as the JAX state).
+
+    Attributes:
+        skipped_total: non-finite steps skipped since creation.
+        consecutive: non-finite steps in a row up to the last step (0 after a
+            finite one).
+        last_finite: whether the last step's gradients were finite.
+        exceeded: ``consecutive > max_consecutive`` (False when
+            `max_consecutive` is None); recomputed every step.
+
+    Example:
+        >>> s = SkipNonFiniteState()
+        >>> s.skipped_total, s.consecutive, s.last_finite, s.exceeded
+        (0, 0, True, False)
+    """
+
+    skipped_total: int = 0
+    consecutive: int = 0
+    last_finite: bool = True
+    exceeded: bool = False
+
+    def record(self, finite: bool, max_consecutive: int | None) -> None:
+        """Counts one step whose gradients were (not) finite."""
+        finite = bool(finite)
+        self.last_finite = finite
+        if finite:
+            self.consecutive = 0
+        else:
+            self.consecutive += 1
+            self.skipped_total += 1
+        self.exceeded = (
+            max_consecutive is not None and self.consecutive > max_consecutive
+        )
+
+
+def _check_max_consecutive(max_consecutive: Any) -> int | None:
+    if max_consecutive is None:
+        return None
+    if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int):
+        raise ValueError(
+            f"max_consecutive must be None or an int >= 0, got {max_consecutive!r}"
+        )
+    if max_consecutive < 0:
+        raise ValueError(
+            f"max_consecutive must be None or an int >= 0, got {max_consecutive!r}"
+        )
+    return max_consecutive
+
+
+class SkipNonFinite:
+    """An optimizer wrapper whose `step()` is skipped on non-finite grads.
+
+    Made by `skip_non_finite`. `param_groups`, `state`, `zero_grad`,
+    `state_dict` and `load_state_dict` are the wrapped optimizer's;
+    `skip_state` holds the counters (`SkipNonFiniteState`).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, max_consecutive: int | None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer, "
+                f"got {type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self.max_consecutive = _check_max_consecutive(max_consecutive)
+        self.skip_state = SkipNonFiniteState()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's `zero_grad`."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients of every parameter that has one."""
+        return [
+            p.grad
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grads_finite: bool | None = None,
+    ):
+        """Steps the wrapped optimizer unless a gradient is non-finite.
+
+        Args:
+            closure: forwarded to the wrapped `step` (evaluated before the
+                check, so its backward produces the grads that are checked).
+            grads_finite: a finiteness flag already computed by the caller;
+                REUSED when given (no second check), else `all_finite(grads)`.
+
+        Returns:
+            The closure's loss (or None); None on a skipped step.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        finite = (
+            all_finite(self.grads()) if grads_finite is None else bool(grads_finite)
+        )
+        self.skip_state.record(finite, self.max_consecutive)
+        if finite:
+            self.optimizer.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus the skip counters."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "skip_state": dataclasses.asdict(self.skip_state),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.skip_state = SkipNonFiniteState(**state_dict["skip_state"])
+
+
+def skip_non_finite(
+    optimizer: torch.optim.Optimizer, *, max_consecutive: int | None = None
+) -> SkipNonFinite:
+    """Wraps an optimizer so that a non-finite step is never applied.
+
+    Maths: ``if all_finite(grads): optimizer.step() else: nothing`` — the
+    parameters and the optimizer state (Adam's moments and step count) are
+    left exactly as they were, as `torch.amp.GradScaler.step` does; the
+    counters in `skip_state` are updated either way.
+
+    Args:
+        optimizer: any `torch.optim.Optimizer`.
+        max_consecutive: when more than this many steps in a row are skipped,
+            ``skip_state.exceeded`` becomes True (the train loop acts on it;
+            the wrapper still never applies a bad step). None: never.
+
+    Returns:
+        A `SkipNonFinite` wrapper.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = skip_non_finite(torch.optim.Adam([w], lr=0.1))
+        >>> w.grad = torch.tensor([1.0, float("nan")])
+        >>> opt.step()
+        >>> w.tolist(), opt.state == {}, opt.skip_state.skipped_total
+        ([1.0, 1.0], True, 1)
+    """
+    return SkipNonFinite(optimizer, max_consecutive)
+
+
+class StableOptimizer(SkipNonFinite):
+    """Finiteness check, clipping and the optimizer step in one `step()`.
+
+    Made by `stable_optimizer`. After each `step()`, `grad_norm` holds the
+    pre-clip global norm (0-d float32 tensor) and `skip_state` the counters.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float | None,
+        skip: bool,
+        max_consecutive: int | None,
+        clip_eps: float,
+    ):
+        super().__init__(optimizer, max_consecutive)
+        self.skip = bool(skip)
+        self.clip = (
+            None
+            if max_grad_norm is None
+            else clip_by_global_norm(max_grad_norm, eps=clip_eps)
+        )
+        self.grad_norm: torch.Tensor | None = None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grads_finite: bool | None = None,
+    ):
+        """Check (once) -> clip -> step unless non-finite; see `stable_optimizer`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._params()
+        if self.skip:
+            finite = (
+                all_finite(self.grads()) if grads_finite is None else bool(grads_finite)
+            )
+            self.skip_state.record(finite, self.max_consecutive)
+        else:
+            finite = True
+        if self.clip is not None and finite:
+            self.grad_norm = self.clip(params)
+        else:
+            # Non-finite: the norm is reported (inf/nan) but not multiplied
+            # into the grads, so a later report still names the bad leaves.
+            self.grad_norm = global_norm(self.grads())
+        if finite:
+            self.optimizer.step()
+        return loss
+
+
+def stable_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    max_grad_norm: float | None = None,
+    skip_non_finite: bool = True,
+    max_consecutive: int | None = None,
+    clip_eps: float = 1e-6,
+) -> StableOptimizer:
+    """Skip-non-finite around (clip by global norm, then the optimizer).
+
+    Maths, per `step()`: ``finite = all_finite(grads)`` (one check, on the
+    raw grads); ``norm = global_norm(grads)``; if `max_grad_norm`:
+    ``grads *= min(max_grad_norm/(norm + clip_eps), 1)``; then
+    ``optimizer.step()`` only if finite. Mirrors
+    ``jaxstable.transforms.stable_optimizer`` =
+    ``skip_non_finite(chain(clip_by_global_norm(max_grad_norm), optimizer))``.
+
+    Args:
+        optimizer: any `torch.optim.Optimizer`.
+        max_grad_norm: clip threshold (> 0) or None for no clipping.
+        skip_non_finite: skip non-finite steps (default True). If False the
+            step is always applied and `find_skip_state` returns None.
+        max_consecutive: see `skip_non_finite`.
+        clip_eps: eps of the clip formula.
+
+    Returns:
+        A `StableOptimizer` (``.grad_norm`` = last pre-clip norm).
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = stable_optimizer(torch.optim.SGD([w], lr=1.0), max_grad_norm=1.0)
+        >>> w.grad = torch.tensor([3.0, 4.0])
+        >>> opt.step()
+        >>> round(float(opt.grad_norm), 4), [round(v, 4) for v in w.tolist()]
+        (5.0, [-0.6, -0.8])
+    """
+    return StableOptimizer(
+        optimizer,
+        max_grad_norm=max_grad_norm,
+        skip=skip_non_finite,
+        max_consecutive=max_consecutive,
+        clip_eps=clip_eps,
+    )
+
+
+def find_skip_state(obj: Any) -> SkipNonFiniteState | None:
+    """The `SkipNonFiniteState` inside a wrapper or a `TrainStep`, or None.
+
+    Args:
+        obj: a `SkipNonFinite`/`StableOptimizer`, a `torchref.train.TrainStep`
+            (anything with a `skip_state` attribute), or an iterable of them.
+
+    Returns:
+        The first skip state found; None when there is none (e.g. a plain
+        optimizer or ``stable_optimizer(..., skip_non_finite=False)``).
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(1))
+        >>> find_skip_state(skip_non_finite(torch.optim.SGD([w], lr=0.1))).skipped_total
+        0
+        >>> find_skip_state(torch.optim.SGD([w], lr=0.1)) is None
+        True
+    """
+    if isinstance(obj, StableOptimizer) and not obj.skip:
+        return None
+    state = getattr(obj, "skip_state", None)
+    if isinstance(state, SkipNonFiniteState):
+        return state
+    if isinstance(obj, list | tuple):
+        for item in obj:
+            found = find_skip_state(item)
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,337 @@
+"""torchref.train: TrainStep is the torch.amp docs recipe (real GradScaler,
+clip_grad_norm_) with metrics, skipping and buffer restore; fit's policies."""
+
+import copy
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from torchref import loss_scale as ls
+from torchref import train
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    )
+
+
+def _mse(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def _batches(n, poison=(), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randn(16, 4, generator=g)
+        if i in poison:
+            x[3, 1] = float("nan")
+        out.append((x, torch.randn(16, 1, generator=g)))
+    return out
+
+
+def _adam_state(opt):
+    return copy.deepcopy(opt.state_dict()["state"])
+
+
+def _states_equal(a, b):
+    return a.keys() == b.keys() and all(
+        all(torch.equal(a[k][n], b[k][n]) for n in a[k]) for k in a
+    )
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_trajectory_equals_docs_recipe_with_nan_at_step_k(opt_name):
+    k = 5
+    batches = _batches(12, poison={k})
+    make_opt = {
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+        "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    }[opt_name]
+    model = _mlp()
+    opt = make_opt(model.parameters())
+    step = train.TrainStep(
+        model,
+        opt,
+        _mse,
+        max_grad_norm=0.5,
+        scaler=ls.DynamicLossScale(2.0**8, period=3),
+    )
+    ref_model = _mlp()
+    ref_opt = make_opt(ref_model.parameters())
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    for i, batch in enumerate(batches):
+        params_before = [p.detach().clone() for p in model.parameters()]
+        state_before = _adam_state(opt)
+        m = step(batch)
+        # The torch.amp docs recipe, by hand.
+        ref_opt.zero_grad()
+        used = ref_scaler.get_scale()
+        loss = _mse(ref_model, batch)
+        ref_scaler.scale(loss).backward()
+        ref_scaler.unscale_(ref_opt)
+        norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            assert torch.equal(p, q), f"step {i}"
+        assert m["loss_scale"] == used
+        assert m["finite"] is (i != k)
+        assert m["skipped_total"] == (1 if i >= k else 0)
+        assert step.scaler.get_scale() == ref_scaler.get_scale()
+        if i == k:
+            assert math.isnan(m["grad_norm"]) and math.isnan(m["loss"])
+            assert all(
+                torch.equal(p, q)
+                for p, q in zip(model.parameters(), params_before, strict=True)
+            )
+            assert _states_equal(_adam_state(opt), state_before)
+            assert step.scaler.get_scale() == m["loss_scale"] / 2
+        else:
+            assert m["grad_norm"] == float(norm) and m["loss"] == float(loss.detach())
+            assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert step.scaler.get_scale() > 2.0**8  # it also grew (period 3)
+
+
+def test_accepts_a_plain_gradscaler():
+    model = _mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6)
+    step = train.TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), _mse, scaler=scaler
+    )
+    ms = [step(b) for b in _batches(3, poison={1})]
+    assert step.scaler is scaler
+    assert [m["loss_scale"] for m in ms] == [64.0, 64.0, 32.0]
+    assert [m["finite"] for m in ms] == [True, False, True]
+
+
+def test_no_scaler_skips_itself_and_counts():
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = train.TrainStep(model, opt, _mse, max_consecutive=1)
+    ms = [step(b) for b in _batches(6, poison={2, 3})]
+    assert [m["finite"] for m in ms] == [True, True, False, False, True, True]
+    assert [m["skipped_total"] for m in ms] == [0, 0, 1, 2, 2, 2]
+    assert all(m["loss_scale"] == 1.0 for m in ms)
+    assert float(opt.state_dict()["state"][0]["step"]) == 4.0
+    assert step.skip_state.exceeded is False and step.skip_state.consecutive == 0
+
+
+def test_noop_scaler_still_skips():
+    model = _mlp()
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _mse,
+        scaler=ls.NoOpLossScale(),
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    m = step(_batches(1, poison={0})[0])
+    assert not m["finite"]
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)
+    )
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 2, 3, padding=1),
+        torch.nn.BatchNorm2d(2),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(2 * 4 * 4, 1),
+    )
+
+
+def _bn_loss(model, x):
+    return model(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_batch_norm_buffers_restored_on_skip(restore):
+    model = _bn_net()
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _bn_loss,
+        scaler=ls.DynamicLossScale(),
+        restore_buffers_on_skip=restore,
+    )
+    step(torch.randn(2, 1, 4, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 1, 4, 4)
+    x[0, 0, 0, 0] = float("nan")
+    assert not step(x)["finite"]
+    after = model.state_dict()
+    bn = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    if restore:
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    else:  # the forward already folded the NaN batch into the statistics
+        assert not torch.isfinite(after["1.running_mean"]).all()
+        assert int(after[bn[2]]) == int(before[bn[2]]) + 1
+
+
+def test_autocast_bf16_on_cpu():
+    model = _mlp()
+    seen = []
+
+    def loss_fn(m, batch):
+        out = m(batch[0])
+        seen.append(out.dtype)
+        return ((out.float() - batch[1]) ** 2).mean(), {"out_dtype": str(out.dtype)}
+
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn,
+        autocast_dtype="bf16",
+        max_grad_norm=1.0,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    m = step(_batches(1)[0])
+    assert seen == [torch.bfloat16] and m["aux"] == {"out_dtype": "torch.bfloat16"}
+    assert m["finite"] and math.isfinite(m["grad_norm"])
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)
+    )
+
+
+def test_invalid_arguments():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError, match=r"scaler must be None, a torch\.amp\.GradScaler"
+    ):
+        train.TrainStep(model, opt, _mse, scaler="dynamic")
+    with pytest.raises(
+        ValueError, match=r"autocast_dtype must be None, torch\.float16"
+    ):
+        train.TrainStep(model, opt, _mse, autocast_dtype=torch.float32)
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        train.TrainStep(model, opt, _mse, max_grad_norm=0.0)
+    partial = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"does not own.*2\.weight, 2\.bias"):
+        train.TrainStep(model, partial, _mse)
+    step = train.TrainStep(model, opt, _mse)
+    with pytest.raises(
+        ValueError, match="nan_policy must be one of \\('skip', 'stop'\\)"
+    ):
+        train.fit(step, [], nan_policy="rollback")
+    with pytest.raises(
+        ValueError, match="max_consecutive_nonfinite must be an int >= 1"
+    ):
+        train.fit(step, [], max_consecutive_nonfinite=0)
+    with pytest.raises(ValueError, match="checkpoint_dir and checkpoint_every"):
+        train.fit(step, [], checkpoint_every=2)
+    with pytest.raises(ValueError, match="loss_fn must return a scalar tensor"):
+        train.TrainStep(model, opt, lambda m, b: m(b[0]))(_batches(1)[0])
+
+
+def test_state_machine_refuses_reentry_and_half_done_steps():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    holder = {}
+
+    def reentrant(m, batch):
+        return holder["step"](batch)
+
+    holder["step"] = train.TrainStep(model, opt, reentrant)
+    with pytest.raises(RuntimeError, match="re-entrantly"):
+        holder["step"](_batches(1)[0])
+
+    good = _batches(1)[0]
+    step = train.TrainStep(model, opt, _mse, scaler=ls.DynamicLossScale())
+    with pytest.raises(TypeError):
+        step(None)  # fails in the forward: nothing half-done, no lock
+    assert step(good)["finite"]
+    # A loss that cannot be differentiated fails in backward, after
+    # GradScaler.scale: the step stays locked until reset().
+    detached = train.TrainStep(
+        model, opt, lambda m, b: _mse(m, b).detach(), scaler=ls.DynamicLossScale()
+    )
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        detached(good)
+    with pytest.raises(RuntimeError, match="previous step raised half-way"):
+        detached(good)
+    detached.loss_fn = _mse
+    detached.reset()
+    assert detached(good)["finite"]
+
+
+def test_fit_stop_policy_names_step_and_report(tmp_path):
+    model = _mlp()
+    step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    batches = _batches(10, poison={4, 5, 6})
+    log = tmp_path / "log.jsonl"
+    with pytest.raises(
+        train.NonFiniteError,
+        match=r"3 non-finite step\(s\) in a row, the last at step 6",
+    ) as e:
+        train.fit(
+            step,
+            batches,
+            nan_policy="stop",
+            max_consecutive_nonfinite=3,
+            log_path=log,
+            progress=False,
+        )
+    assert isinstance(e.value, FloatingPointError) and e.value.step == 6
+    assert "0.weight" in str(e.value) and e.value.report[0].path == "0.weight"
+    lines = [json.loads(s) for s in log.read_text().splitlines()]
+    assert [d["step"] for d in lines] == list(range(7))
+    assert [d["finite"] for d in lines] == [True] * 4 + [False] * 3
+
+
+def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
+    model = _mlp()
+    step = train.TrainStep(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        _mse,
+        max_grad_norm=1.0,
+        scaler=ls.DynamicLossScale(2.0**4, period=2),
+    )
+    log = tmp_path / "run" / "log.jsonl"
+    log.parent.mkdir()
+    hist = train.fit(
+        step,
+        itertools.cycle(_batches(4, poison={1})),
+        steps=8,
+        log_path=log,
+        progress=True,
+        checkpoint_dir=tmp_path / "ck",
+        checkpoint_every=4,
+    )
+    assert len(hist) == 8 and [h["step"] for h in hist] == list(range(8))
+    assert [h["finite"] for h in hist] == [True, False, True, True] * 2
+    assert hist[-1]["skipped_total"] == 2
+    lines = [json.loads(s) for s in log.read_text().splitlines()]
+    keys = ["step", "loss", "grad_norm", "loss_scale", "finite", "skipped_total"]
+    assert [list(d) for d in lines] == [keys] * 8
+    assert [d["loss_scale"] for d in lines] == [h["loss_scale"] for h in hist]
+    assert math.isnan(lines[1]["grad_norm"])
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert files == ["step_00000004.pt", "step_00000008.pt"]
+    ck = torch.load(tmp_path / "ck" / files[-1], weights_only=False)
+    fresh_model = _mlp(seed=3)
+    fresh = train.TrainStep(
+        fresh_model,
+        torch.optim.Adam(fresh_model.parameters(), lr=1e-2),
+        _mse,
+        scaler=ls.DynamicLossScale(),
+    )
+    fresh.load_state_dict(ck)
+    assert fresh.scaler.get_scale() == step.scaler.get_scale()
+    assert fresh.skip_state == step.skip_state and fresh.steps_done == 8
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(fresh_model.parameters(), model.parameters(), strict=True)
+    )

@@ -1,0 +1,206 @@
+"""torchref.transforms: clipping equals clip_grad_norm_, float32 norms for
+half grads, and skipped steps leave params and optimizer state untouched."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from torchref import transforms as tr
+
+
+def _params_with_grads(scale, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = []
+    for shape in [(4, 3), (3,), (2, 2, 2)]:
+        p = torch.nn.Parameter(torch.randn(*shape, generator=g).to(dtype))
+        p.grad = (scale * torch.randn(*shape, generator=g)).to(dtype)
+        ps.append(p)
+    return ps
+
+
+@pytest.mark.parametrize("scale", [0.01, 10.0])
+def test_clip_equals_clip_grad_norm_bit_for_bit(scale):
+    a = _params_with_grads(scale)
+    b = copy.deepcopy(a)
+    for p, q in zip(a, b, strict=True):
+        q.grad = p.grad.clone()
+    norm = tr.clip_by_global_norm(1.0)(a)
+    ref = torch.nn.utils.clip_grad_norm_(b, 1.0)
+    assert norm.dtype == torch.float32
+    assert torch.equal(norm, ref)
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_clip_with_other_eps_uses_the_same_formula(tol):
+    ps = _params_with_grads(10.0)
+    before = [p.grad.clone() for p in ps]
+    norm = tr.clip_by_global_norm(2.0, eps=0.5)(ps)
+    coef = 2.0 / (float(norm) + 0.5)
+    assert coef < 1
+    for p, g in zip(ps, before, strict=True):
+        torch.testing.assert_close(p.grad, g * coef, **tol("float32"))
+
+
+def test_clip_accepts_a_module_and_leaves_small_grads_alone():
+    m = torch.nn.Linear(3, 2)
+    m(torch.ones(1, 3)).sum().mul(1e-3).backward()
+    before = [p.grad.clone() for p in m.parameters()]
+    tr.clip_by_global_norm(10.0)(m)
+    assert all(
+        torch.equal(p.grad, g) for p, g in zip(m.parameters(), before, strict=True)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_grads_of_300_norm_finite_and_correct(dtype, tol):
+    n = 1000
+    g = torch.full((n,), 300.0, dtype=dtype)  # 300**2 = 9e4 > fp16 max 65504
+    norm = tr.global_norm([g, g[:10]])
+    assert norm.dtype == torch.float32
+    expected = torch.tensor(math.sqrt(1010) * 300.0)
+    torch.testing.assert_close(norm, expected, **tol("float32"))
+    p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+    p.grad = g.clone()
+    pre = tr.clip_by_global_norm(1.0)([p])
+    torch.testing.assert_close(
+        pre, torch.tensor(math.sqrt(n) * 300.0), **tol("float32")
+    )
+    assert p.grad.dtype == dtype and bool(torch.isfinite(p.grad).all())
+    clipped = tr.global_norm([p.grad])
+    torch.testing.assert_close(clipped, torch.tensor(1.0), **tol(str(dtype)[6:]))
+
+
+def test_global_norm_edge_cases():
+    assert float(tr.global_norm([])) == 0.0
+    assert math.isinf(float(tr.global_norm([torch.tensor([1.0, float("inf")])])))
+    assert math.isnan(float(tr.global_norm([torch.tensor([float("nan")])])))
+    f64 = tr.global_norm(torch.tensor([3.0, 4.0], dtype=torch.float64))
+    assert f64.dtype == torch.float32 and float(f64) == 5.0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "1"])
+def test_clip_rejects_bad_max_norm(bad):
+    with pytest.raises(ValueError, match="max_norm must be"):
+        tr.clip_by_global_norm(bad)
+
+
+def test_clip_rejects_negative_eps():
+    with pytest.raises(ValueError, match="eps must be a number >= 0"):
+        tr.clip_by_global_norm(1.0, eps=-1.0)
+
+
+def _adam_setup(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Linear(4, 2)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _backward(m, x):
+    m.zero_grad()
+    m(x).pow(2).mean().backward()
+
+
+def test_skip_matches_gradscaler_skip_and_keeps_adam_state():
+    good, bad = torch.ones(3, 4), torch.full((3, 4), float("nan"))
+    m1, o1 = _adam_setup()
+    opt = tr.skip_non_finite(o1, max_consecutive=1)
+    m2, o2 = _adam_setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    for i, x in enumerate([good, bad, bad, good]):
+        _backward(m1, x)
+        state_before = copy.deepcopy(o1.state_dict())
+        params_before = [p.detach().clone() for p in m1.parameters()]
+        opt.step()
+        scaler.scale(m2(x).pow(2).mean()).backward()
+        scaler.step(o2)
+        scaler.update()
+        o2.zero_grad()
+        for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+            assert torch.equal(p, q)
+        if i in (1, 2):  # skipped: nothing moved, Adam's step count included
+            assert all(
+                torch.equal(p, q)
+                for p, q in zip(m1.parameters(), params_before, strict=True)
+            )
+            after = o1.state_dict()["state"]
+            for k, st in state_before["state"].items():
+                assert all(torch.equal(st[n], after[k][n]) for n in st)
+    st = opt.skip_state
+    assert (st.skipped_total, st.consecutive, st.last_finite) == (2, 0, True)
+    assert float(o1.state_dict()["state"][0]["step"]) == 2.0
+
+
+def test_skip_counters_and_exceeded():
+    m, o = _adam_setup()
+    opt = tr.skip_non_finite(o, max_consecutive=1)
+    bad = torch.full((1, 4), float("inf"))
+    flags = []
+    for _ in range(3):
+        _backward(m, bad)
+        opt.step()
+        flags.append((opt.skip_state.consecutive, opt.skip_state.exceeded))
+    assert flags == [(1, False), (2, True), (3, True)]
+    assert opt.state == {}  # Adam never initialised its moments
+    _backward(m, torch.ones(1, 4))
+    opt.step()
+    assert (opt.skip_state.consecutive, opt.skip_state.exceeded) == (0, False)
+
+
+def test_skip_reuses_given_flag():
+    m, o = _adam_setup()
+    opt = tr.skip_non_finite(o)
+    _backward(m, torch.ones(2, 4))
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.step(grads_finite=False)  # caller's flag is trusted, not recomputed
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True))
+    assert opt.skip_state.skipped_total == 1
+
+
+def test_skip_rejects_bad_args():
+    m, o = _adam_setup()
+    with pytest.raises(ValueError, match="max_consecutive must be None or an int >= 0"):
+        tr.skip_non_finite(o, max_consecutive=-1)
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        tr.skip_non_finite(m)
+
+
+def test_stable_optimizer_clips_then_steps_and_skips():
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = tr.stable_optimizer(torch.optim.SGD([w], lr=1.0), max_grad_norm=1.0)
+    w.grad = torch.tensor([30.0, 40.0])
+    opt.step()
+    assert float(opt.grad_norm) == 50.0
+    ref = torch.nn.Parameter(torch.zeros(2))
+    ref.grad = torch.tensor([30.0, 40.0])
+    torch.nn.utils.clip_grad_norm_([ref], 1.0)
+    assert torch.equal(w.detach(), -ref.grad)  # SGD lr=1 on the clipped grad
+    w.grad = torch.tensor([float("nan"), 1.0])
+    before = w.detach().clone()
+    opt.step()
+    assert torch.equal(w.detach(), before)
+    assert math.isnan(float(opt.grad_norm))
+    assert tr.find_skip_state(opt).skipped_total == 1
+
+
+def test_stable_optimizer_without_skip_has_no_skip_state():
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = tr.stable_optimizer(torch.optim.SGD([w], lr=1.0), skip_non_finite=False)
+    assert tr.find_skip_state(opt) is None
+    assert tr.find_skip_state(torch.optim.SGD([w], lr=1.0)) is None
+
+
+def test_wrapper_state_dict_round_trip():
+    m, o = _adam_setup()
+    opt = tr.skip_non_finite(o)
+    _backward(m, torch.full((1, 4), float("nan")))
+    opt.step()
+    _backward(m, torch.ones(1, 4))
+    opt.step()
+    _, o2 = _adam_setup(seed=1)
+    opt2 = tr.skip_non_finite(o2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.skip_state == opt.skip_state
+    assert float(o2.state_dict()["state"][0]["step"]) == 1.0
