@@ -1,1 +1,9 @@
-"""JAX: public API of `jaxstable.diagnostics` (implementation in `jaxstable._src.diagnostics`)."""
+"""JAX: public API of `jaxstable.diagnostics`.
+
+Implementation in `jaxstable._src.diagnostics`.
+"""
+
+from jaxstable._src.diagnostics import LeafReport as LeafReport
+from jaxstable._src.diagnostics import check_params as check_params
+from jaxstable._src.diagnostics import format_report as format_report
+from jaxstable._src.diagnostics import non_finite_report as non_finite_report

@@ -1,1 +1,9 @@
-"""JAX: public API of `jaxstable.precision` (implementation in `jaxstable._src.precision`)."""
+"""JAX: public API of `jaxstable.precision`.
+
+Implementation in `jaxstable._src.precision`.
+"""
+
+from jaxstable._src.precision import DtypeLimits as DtypeLimits
+from jaxstable._src.precision import dtype_limits as dtype_limits
+from jaxstable._src.precision import get_policy as get_policy
+from jaxstable._src.precision import headroom as headroom

@@ -1,1 +1,11 @@
-"""JAX: public API of `jaxstable.transforms` (implementation in `jaxstable._src.transforms`)."""
+"""JAX: public API of `jaxstable.transforms`.
+
+Implementation in `jaxstable._src.transforms`.
+"""
+
+from jaxstable._src.transforms import SkipNonFiniteState as SkipNonFiniteState
+from jaxstable._src.transforms import clip_by_global_norm as clip_by_global_norm
+from jaxstable._src.transforms import find_skip_state as find_skip_state
+from jaxstable._src.transforms import global_norm as global_norm
+from jaxstable._src.transforms import skip_non_finite as skip_non_finite
+from jaxstable._src.transforms import stable_optimizer as stable_optimizer

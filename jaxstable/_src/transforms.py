@@ -1,0 +1,311 @@
+"""Guarded optax transformations: torch-style clipping and non-finite skipping.
+
+Every transformation here is an optax `GradientTransformation` built from two
+closures, composable with `optax.chain`, `optax.MultiSteps` and
+`optax.inject_hyperparams`. None uses `lax.cond`: on a GPU a `conditional`
+copies its predicate to the host every step, so branches are `jnp.where`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxstable._src.loss_scale import all_finite
+
+__all__ = [
+    "SkipNonFiniteState",
+    "clip_by_global_norm",
+    "find_skip_state",
+    "global_norm",
+    "skip_non_finite",
+    "stable_optimizer",
+]
+
+
+def _concrete_float(x: Any) -> float | None:
+    """`float(x)` when `x` is a concrete scalar, None for tracers."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    arr = np.asarray(x)
+    if arr.shape != ():
+        raise ValueError(f"expected a scalar, got shape {arr.shape}")
+    return float(arr)
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """L2 norm of all leaves of `tree` together, accumulated in float32.
+
+    ``sqrt(sum_leaves sum(x.astype(float32) ** 2))``. Each leaf is upcast
+    before squaring: float16 gradients of 300 have squares of 9e4, above
+    fp16's max 65504, and bfloat16 sums lose digits after 2**8 terms.
+
+    Args:
+      tree: a pytree of arrays (any float dtype).
+
+    Returns:
+      A float32 scalar (0.0 for an empty tree).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import transforms
+      >>> float(transforms.global_norm({"a": jnp.full(4, 300.0, jnp.float16)}))
+      600.0
+    """
+    leaves = [
+        jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
+        for x in jax.tree_util.tree_leaves(tree)
+    ]
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    return jnp.sqrt(sum(leaves[1:], leaves[0]))
+
+
+def clip_by_global_norm(
+    max_norm: float, *, eps: float = 1e-6
+) -> optax.GradientTransformation:
+    """Clips updates by global norm with `torch.nn.utils.clip_grad_norm_`'s formula.
+
+    ``coef = min(max_norm / (global_norm(updates) + eps), 1)`` and every leaf is
+    multiplied by ``coef`` in float32 and cast back to its dtype. Unlike
+    `optax.clip_by_global_norm` there is an ``eps`` (torch's 1e-6) and the norm
+    is accumulated in float32 for float16/bfloat16 leaves. The coefficient is
+    formed as ``(1 / (norm + eps)) * max_norm``, the order torch's
+    ``Tensor.__rtruediv__`` uses, so float32 results round the same way.
+
+    Args:
+      max_norm: the largest allowed global norm, > 0.
+      eps: added to the norm before dividing (torch's 1e-6), >= 0.
+
+    Returns:
+      A stateless `optax.GradientTransformation` (state `optax.EmptyState`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import transforms
+      >>> tx = transforms.clip_by_global_norm(1.0)
+      >>> u, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(None))
+      >>> [round(v, 4) for v in u["w"].tolist()]
+      [0.6, 0.8]
+    """
+    value = _concrete_float(max_norm)
+    if value is not None and not value > 0:
+        raise ValueError(f"max_norm must be > 0, got {value}")
+    eps_value = _concrete_float(eps)
+    if eps_value is not None and not eps_value >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps_value}")
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        coef = (1.0 / (norm + jnp.asarray(eps, jnp.float32))) * jnp.asarray(
+            max_norm, jnp.float32
+        )
+        coef = jnp.minimum(coef, jnp.float32(1.0))
+        updates = jax.tree_util.tree_map(
+            lambda g: (jnp.asarray(g, jnp.float32) * coef).astype(jnp.result_type(g)),
+            updates,
+        )
+        return updates, state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class SkipNonFiniteState(NamedTuple):
+    """State of `skip_non_finite`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state (unchanged by a skip).
+      skipped_total: int32, number of skipped (non-finite) updates so far.
+      consecutive: int32, non-finite updates in a row up to now (0 after a
+        finite one).
+      last_finite: bool, whether the latest update was finite.
+      exceeded: bool, ``consecutive > max_consecutive`` (always False when
+        ``max_consecutive`` is None). A flag for the training loop to act on.
+    """
+
+    inner_state: Any
+    skipped_total: jax.Array
+    consecutive: jax.Array
+    last_finite: jax.Array
+    exceeded: jax.Array
+
+
+def skip_non_finite(
+    inner: optax.GradientTransformation, *, max_consecutive: int | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps `inner` so that a non-finite update is never applied.
+
+    With ``ok = grads_finite if given else all_finite(updates)``::
+
+        new_updates, new_inner = inner.update(updates, inner_state, params)
+        updates'    = new_updates if ok else zeros_like(new_updates)
+        inner_state = new_inner   if ok else inner_state   # e.g. Adam moments, count
+
+    Unlike `optax.apply_if_finite`, which applies the update once more than
+    ``max_consecutive_errors`` bad steps happened in a row, a bad update is
+    never applied: ``exceeded`` is raised in the state instead and the training
+    loop decides (``fit(nan_policy="stop")``). Selection uses `jnp.where`, so
+    the compiled update has no ``conditional``.
+
+    Args:
+      inner: the transformation to guard (plain or with extra args).
+      max_consecutive: non-finite updates in a row tolerated before
+        ``exceeded`` is set; None never sets it. >= 0.
+
+    Returns:
+      A `optax.GradientTransformationExtraArgs` whose ``update`` accepts
+      ``grads_finite=`` (a bool scalar already computed by the train step,
+      reused instead of a second reduction); other extra args go to `inner`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import transforms
+      >>> tx = transforms.skip_non_finite(optax.sgd(0.1))
+      >>> state = tx.init(jnp.zeros(2))
+      >>> u, state = tx.update(jnp.array([1.0, jnp.nan]), state)
+      >>> u.tolist(), int(state.skipped_total), bool(state.last_finite)
+      ([0.0, 0.0], 1, False)
+    """
+    if max_consecutive is not None:
+        if isinstance(max_consecutive, bool) or not isinstance(
+            max_consecutive, int | np.integer | jax.Array
+        ):
+            raise ValueError(
+                f"max_consecutive must be None or an int >= 0, got {max_consecutive!r}"
+            )
+        limit = _concrete_float(max_consecutive)
+        if limit is not None and limit < 0:
+            raise ValueError(
+                f"max_consecutive must be None or an int >= 0, got {max_consecutive}"
+            )
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipNonFiniteState(
+            inner_state=inner.init(params),
+            skipped_total=jnp.zeros([], jnp.int32),
+            consecutive=jnp.zeros([], jnp.int32),
+            last_finite=jnp.ones([], jnp.bool_),
+            exceeded=jnp.zeros([], jnp.bool_),
+        )
+
+    def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
+        ok = all_finite(updates) if grads_finite is None else grads_finite
+        ok = jnp.asarray(ok, jnp.bool_)
+        new_updates, new_inner = inner.update(
+            updates, state.inner_state, params, **extra_args
+        )
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates
+        )
+        new_inner = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(ok, new, old), new_inner, state.inner_state
+        )
+        bad = jnp.logical_not(ok).astype(jnp.int32)
+        consecutive = jnp.where(ok, 0, state.consecutive + 1).astype(jnp.int32)
+        if max_consecutive is None:
+            exceeded = jnp.zeros([], jnp.bool_)
+        else:
+            exceeded = consecutive > max_consecutive
+        return new_updates, SkipNonFiniteState(
+            inner_state=new_inner,
+            skipped_total=(state.skipped_total + bad).astype(jnp.int32),
+            consecutive=consecutive,
+            last_finite=ok,
+            exceeded=exceeded,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def stable_optimizer(
+    optimizer: optax.GradientTransformation,
+    *,
+    max_grad_norm: float | None = None,
+    skip_non_finite: bool = True,
+    max_consecutive: int | None = None,
+    clip_eps: float = 1e-6,
+) -> optax.GradientTransformationExtraArgs:
+    """The usual guarded chain in one call: skip(chain(clip, optimizer)).
+
+    ``skip_non_finite(chain(clip_by_global_norm(max_grad_norm, eps=clip_eps),
+    optimizer), max_consecutive=max_consecutive)``; the clip is left out when
+    ``max_grad_norm`` is None and the skip when ``skip_non_finite`` is False.
+    The order is torch's: clip the unscaled gradients, then step.
+
+    Args:
+      optimizer: any optax transformation (e.g. ``optax.adam(1e-3)``).
+      max_grad_norm: global-norm clip threshold (> 0) or None for no clip.
+      skip_non_finite: wrap everything in `skip_non_finite` (outermost state
+        is then a `SkipNonFiniteState`).
+      max_consecutive: passed to `skip_non_finite`.
+      clip_eps: torch's eps in the clip coefficient.
+
+    Returns:
+      A `optax.GradientTransformationExtraArgs`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import transforms
+      >>> tx = transforms.stable_optimizer(optax.sgd(1.0), max_grad_norm=1.0)
+      >>> params = jnp.zeros(2)
+      >>> u, state = tx.update(jnp.array([30.0, 40.0]), tx.init(params))
+      >>> [round(v, 3) for v in u.tolist()], type(state).__name__
+      ([-0.6, -0.8], 'SkipNonFiniteState')
+    """
+    if not isinstance(skip_non_finite, bool):
+        raise ValueError(
+            f"skip_non_finite must be True or False, got {skip_non_finite!r}"
+        )
+    parts = []
+    if max_grad_norm is not None:
+        parts.append(clip_by_global_norm(max_grad_norm, eps=clip_eps))
+    parts.append(optimizer)
+    tx = (
+        optax.chain(*parts)
+        if len(parts) > 1
+        else optax.with_extra_args_support(optimizer)
+    )
+    if skip_non_finite:
+        tx = _skip(tx, max_consecutive=max_consecutive)
+    return tx
+
+
+_skip = skip_non_finite
+
+
+def find_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
+    """The first `SkipNonFiniteState` inside `opt_state` (depth first), or None.
+
+    Looks through any nesting: `optax.chain` tuples, `optax.inject_hyperparams`
+    and `optax.MultiSteps` states, dicts.
+
+    Args:
+      opt_state: an optimizer state pytree.
+
+    Returns:
+      The `SkipNonFiniteState`, or None when there is none.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import transforms
+      >>> tx = optax.chain(optax.scale(1.0), transforms.skip_non_finite(optax.sgd(0.1)))
+      >>> int(transforms.find_skip_state(tx.init(jnp.zeros(2))).skipped_total)
+      0
+    """
+    found = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, SkipNonFiniteState)
+    )
+    for node in found:
+        if isinstance(node, SkipNonFiniteState):
+            return node
+    return None

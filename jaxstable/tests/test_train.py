@@ -1,0 +1,292 @@
+"""Unit tests of jaxstable.train: the guarded step and the fit loop."""
+
+import json
+import re
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxstable import loss_scale as jls
+from jaxstable import train, transforms
+
+
+def _has_conditional(lowered) -> bool:
+    # An HLO instruction `... conditional(...)`; metadata may hold the word.
+    return re.search(r"\sconditional\(", lowered.compile().as_text()) is not None
+
+
+def _init_params(seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {
+        "w1": jax.random.normal(k1, (4, 8)) * 0.5,
+        "b1": jnp.zeros(8),
+        "w2": jax.random.normal(k2, (8, 1)) * 0.5,
+    }
+
+
+def _mlp_loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    pred = (h @ params["w2"])[:, 0]
+    return jnp.mean((pred.astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+
+
+def _batch(seed, nan=False):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    if nan:
+        x[3, 1] = np.nan
+    y = x.sum(axis=1).astype(np.float32)
+    return jax.device_put((jnp.asarray(x), jnp.asarray(y)))
+
+
+def _state(tx=None, ls=None):
+    tx = tx or transforms.stable_optimizer(optax.adam(1e-2), max_grad_norm=1.0)
+    return train.TrainState.create(
+        params=_init_params(), optimizer=tx, loss_scale=ls or jls.DynamicLossScale()
+    )
+
+
+_STEP = train.make_train_step(_mlp_loss)  # one jitted step reused by the tests
+
+
+def test_step_trains_and_reports_metrics(tol):
+    state = _state()
+    first = None
+    for i in range(30):
+        state, m = _STEP(state, _batch(i % 4))
+        first = first if first is not None else float(m["loss"])
+    assert set(m) == {"loss", "grad_norm", "loss_scale", "finite", "skipped_total"}
+    assert m["loss"].dtype == jnp.float32 and m["grad_norm"].dtype == jnp.float32
+    assert m["loss_scale"].dtype == jnp.float32 and m["finite"].dtype == jnp.bool_
+    assert m["skipped_total"].dtype == jnp.int32
+    assert float(m["loss"]) < 0.5 * first
+    assert int(state.step) == 30 and int(m["skipped_total"]) == 0
+    # grad_norm is the pre-clip norm of the unscaled gradients.
+    grads = jax.grad(_mlp_loss)(state.params, _batch(1))
+    _, m = _STEP(state, _batch(1))
+    np.testing.assert_allclose(
+        float(m["grad_norm"]), float(transforms.global_norm(grads)), **tol("float32")
+    )
+
+
+def test_nan_batch_is_skipped():
+    state, _ = _STEP(_state(), _batch(0))
+    new, m = _STEP(state, _batch(1, nan=True))
+    assert not bool(m["finite"])
+    assert int(m["skipped_total"]) == 1 and int(new.skipped_total) == 1
+    assert float(m["loss_scale"]) == 2.0**16  # the scale used for this step
+    assert float(new.loss_scale.loss_scale) == 2.0**15  # halved after it
+    jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+    jax.tree.map(
+        np.testing.assert_array_equal, new.opt_state, _skip_counts_only(state, new)
+    )
+    assert int(new.step) == int(state.step) + 1
+
+
+def _skip_counts_only(old, new):
+    """old.opt_state with the skip counters that a skip is meant to change."""
+    s_old, s_new = old.opt_state, new.opt_state
+    return s_old._replace(
+        skipped_total=s_new.skipped_total,
+        consecutive=s_new.consecutive,
+        last_finite=s_new.last_finite,
+        exceeded=s_new.exceeded,
+    )
+
+
+def test_plain_optax_optimizer_is_guarded_by_the_step():
+    state = _state(tx=optax.adam(1e-2))
+    new, m = _STEP(state, _batch(1, nan=True))
+    assert not bool(m["finite"]) and int(m["skipped_total"]) == 1
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        (new.params, new.opt_state),
+        (state.params, state.opt_state),
+    )
+
+
+def test_compiled_step_has_no_conditional_and_one_finiteness_reduction():
+    state, batch = _state(), _batch(0)
+    lowered = _STEP.lower(state, batch)
+    assert not _has_conditional(lowered)
+    # One is_finite per gradient leaf (the single all_finite) plus one on the
+    # grown scalar scale inside DynamicLossScale.adjust; the skip reuses the flag.
+    n_leaves = len(jax.tree.leaves(state.params))
+    assert lowered.as_text().count("is_finite") == n_leaves + 1
+
+
+def test_step_runs_under_transfer_guard_without_retracing():
+    state, batch = _state(), _batch(0)
+    bad = _batch(1, nan=True)
+    step = jax.jit(
+        chex.assert_max_traces(train.make_train_step(_mlp_loss, jit=False).raw, n=1)
+    )
+    state, _ = step(state, batch)  # warm: compile once
+    with jax.transfer_guard("disallow"):
+        for b in (batch, bad, batch):
+            state, m = step(state, b)
+    assert int(m["skipped_total"]) == 1
+    chex.clear_trace_counter()
+
+
+def test_has_aux_and_donate():
+    def loss(params, batch):
+        value = _mlp_loss(params, batch)
+        return value, {"twice": 2 * value}
+
+    step = train.make_train_step(loss, has_aux=True, donate=True)
+    state, m = step(_state(), _batch(0))
+    np.testing.assert_array_equal(m["aux"]["twice"], 2 * m["loss"])
+    state, m = step(state, _batch(1))
+    assert bool(m["finite"])
+
+
+def test_float16_compute_policy():
+    seen = []
+
+    def loss(params, batch):
+        seen.append((params["w1"].dtype, batch[0].dtype))
+        return _mlp_loss(params, batch)
+
+    step = train.make_train_step(
+        loss, policy="params=float32,compute=float16,output=float32"
+    )
+    state = _state()
+    losses = []
+    for i in range(20):
+        state, m = step(state, _batch(i % 4))
+        losses.append(float(m["loss"]))
+    assert seen[0] == (jnp.float16, jnp.float16)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(state.params))
+    # Step 1 overflows: the fp16 cotangent of the loss is the scale, 2**16 > 65504.
+    assert int(m["skipped_total"]) >= 1
+    assert np.isfinite(losses[-1]) and losses[-1] < losses[0]
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(state.params))
+
+
+class _BNNet(nn.Module):
+    """Dense -> BatchNorm -> tanh -> Dense: the batch stats are model state."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        return nn.Dense(1)(jnp.tanh(x))[:, 0]
+
+
+def test_batch_norm_model_state():
+    model = _BNNet()
+    variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+
+    def loss(params, model_state, batch):
+        x, y = batch
+        pred, new_state = model.apply(
+            {"params": params, **model_state}, x, mutable=["batch_stats"]
+        )
+        return jnp.mean((pred - y) ** 2), new_state
+
+    step = train.make_train_step(loss, has_state=True)
+    state = train.TrainState.create(
+        params=variables["params"],
+        optimizer=transforms.stable_optimizer(optax.sgd(0.05), max_grad_norm=1.0),
+        loss_scale=jls.DynamicLossScale(),
+        model_state={"batch_stats": variables["batch_stats"]},
+    )
+    new, m = step(state, _batch(0))
+    assert bool(m["finite"])
+    mean0 = state.model_state["batch_stats"]["BatchNorm_0"]["mean"]
+    mean1 = new.model_state["batch_stats"]["BatchNorm_0"]["mean"]
+    assert not np.allclose(mean0, mean1)  # running stats moved
+    after_bad, m = step(new, _batch(1, nan=True))
+    assert not bool(m["finite"])
+    jax.tree.map(np.testing.assert_array_equal, after_bad.model_state, new.model_state)
+    jax.tree.map(np.testing.assert_array_equal, after_bad.params, new.params)
+
+
+def test_bad_flags():
+    with pytest.raises(TypeError, match="has_aux must be True or False"):
+        train.make_train_step(_mlp_loss, has_aux=1)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        train.make_train_step(_mlp_loss, policy="compute=f8")
+
+
+def test_fit_logs_and_skips(tmp_path, capsys):
+    batches = [_batch(i, nan=(i == 2)) for i in range(6)]
+    log = tmp_path / "log.jsonl"
+    state, hist = train.fit(
+        _state(),
+        _STEP,
+        batches,
+        log_path=log,
+        progress=True,
+        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=4,
+    )
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert json.dumps(lines) == json.dumps(hist) and len(hist) == 6  # NaN != NaN
+    assert set(hist[0]) == {
+        "step",
+        "loss",
+        "grad_norm",
+        "loss_scale",
+        "finite",
+        "skipped_total",
+    }
+    assert [h["finite"] for h in hist] == [True, True, False, True, True, True]
+    assert hist[-1]["skipped_total"] == 1 and hist[3]["loss_scale"] == 2.0**15
+    err = capsys.readouterr().err
+    assert "loss_scale" in err and "skipped" in err  # the tqdm bar
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step_4.msgpack",
+        "step_6.msgpack",
+    ]
+    blank = _state()
+    restored = train.load_checkpoint(tmp_path / "ckpt" / "step_6.msgpack", blank)
+    jax.tree.map(np.testing.assert_array_equal, restored.params, state.params)
+    assert float(restored.loss_scale.loss_scale) == float(state.loss_scale.loss_scale)
+    assert int(restored.skipped_total) == 1
+    _, short = train.fit(_state(), _STEP, iter(batches), steps=2, progress=False)
+    assert len(short) == 2
+
+
+def test_fit_stop_raises_with_report():
+    batches = [_batch(0)] + [_batch(i, nan=True) for i in range(1, 6)]
+    with pytest.raises(train.NonFiniteError) as info:
+        train.fit(
+            _state(),
+            _STEP,
+            batches,
+            nan_policy="stop",
+            max_consecutive_nonfinite=3,
+            progress=False,
+        )
+    err = info.value
+    assert isinstance(err, FloatingPointError)
+    assert err.step == 4
+    msg = str(err)
+    assert "step 4: 3 non-finite steps in a row" in msg
+    assert "['w1']" in msg  # gradient leaf named in the report
+    assert "non-finite batch inputs" in msg and "[0]" in msg
+    assert {r.path for r in err.report} >= {"['w1']", "['b1']", "['w2']"}
+    assert all(
+        bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(err.state.params)
+    )
+
+
+def test_fit_invalid_arguments():
+    with pytest.raises(
+        ValueError, match=r"nan_policy must be one of \('skip', 'stop'\)"
+    ):
+        train.fit(_state(), _STEP, [], nan_policy="ignore")
+    with pytest.raises(
+        ValueError, match="max_consecutive_nonfinite must be an int >= 1"
+    ):
+        train.fit(_state(), _STEP, [], max_consecutive_nonfinite=0)
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
+        train.fit(_state(), _STEP, [], checkpoint_every=2)
