@@ -1,0 +1,717 @@
+"""Float32-safe losses for low-precision (fp16/bf16) JAX training.
+
+Every loss here computes in float32 and returns float32 whatever the dtype of
+its inputs. The cross-entropy reads bf16/fp16 logits directly: the cast to
+float32 is fused into its reductions and its custom VJP writes the gradient in
+the logits' dtype, so no float32 copy of the logits is ever materialised.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any  # jax.Array or anything jnp.asarray accepts
+
+_REDUCTIONS = ("mean", "sum", "none")
+_F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------
+# validation helpers (host side; they only look at static shapes/dtypes or at
+# concrete values, never at tracers)
+# ---------------------------------------------------------------------------
+
+
+def _is_concrete(x) -> bool:
+    """True when `x` holds values now (not a tracer under jit/vmap/grad)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"unknown reduction {reduction!r}; valid values: {', '.join(_REDUCTIONS)}"
+        )
+
+
+def _check_float(name: str, x: Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating array, got dtype {x.dtype}")
+
+
+def _check_same_shape(name_a: str, a: Array, name_b: str, b: Array) -> None:
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{name_a} and {name_b} must have the same shape, got "
+            f"{name_a}.shape={a.shape} and {name_b}.shape={b.shape}"
+        )
+
+
+def _check_positive(name: str, value, *, allow_zero: bool = False) -> None:
+    """Raise ValueError for a concrete `value` <= 0 (< 0 with allow_zero)."""
+    if not _is_concrete(value):
+        return  # a traced (e.g. learnable) value cannot be checked here
+    v = np.asarray(value, dtype=np.float64)
+    bad = (v < 0) if allow_zero else (v <= 0)
+    if v.size and (bool(np.any(bad)) or bool(np.any(np.isnan(v)))):
+        rule = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _bad_label_message(bad_values: np.ndarray, n_classes: int, ignore_index) -> str:
+    uniq = np.unique(bad_values)
+    shown = ", ".join(str(int(v)) for v in uniq[:10])
+    more = f" (+{uniq.size - 10} more)" if uniq.size > 10 else ""
+    ign = "" if ignore_index is None else f" and not ignore_index={ignore_index}"
+    return (
+        f"labels must be in [0, {n_classes}){ign}; found {bad_values.size} "
+        f"element(s) with values [{shown}]{more}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# softmax cross-entropy
+# ---------------------------------------------------------------------------
+
+
+def _label_masks(labels, n_classes: int, ignore_index):
+    """(valid, bad, safe_labels): bad = not ignored and outside [0, C)."""
+    ignored = (
+        jnp.zeros(labels.shape, bool)
+        if ignore_index is None
+        else labels == ignore_index
+    )
+    in_range = (labels >= 0) & (labels < n_classes)
+    valid = in_range & ~ignored
+    bad = ~in_range & ~ignored
+    safe = jnp.where(valid, labels, 0).astype(jnp.int32)
+    return valid, bad, safe
+
+
+# How the reductions are written is a memory decision, checked by
+# jaxstable/tests/test_losses.py::test_ce_compiled_temp_memory (XLA:CPU 0.10):
+# - XLA:CPU hands single-output add/max reductions whose reducer is exactly
+#   `p0 + p1` / `max(p0, p1)` to its YNNPACK library fusion, which does not
+#   absorb the broadcast of the row max and so stores a float32 `x - m` array
+#   (2x the bf16 logits);
+# - it splits single-output reductions over rows longer than 32 into a
+#   reduce-window fed by a stored float32 copy of the input.
+# Multi-output (variadic) reductions and integer max-reductions of the raw bits
+# are neither, so the cast stays fused and nothing logits-sized is stored.
+# GPU backends fuse any of these forms.
+def _ordered_bits_max(a, b):
+    """max of two floats given as signed-int bit patterns (IEEE order)."""
+    shift = jnp.array(8 * a.dtype.itemsize - 1, a.dtype)
+    magnitude = jnp.array(np.iinfo(a.dtype).max, a.dtype)
+    # flipping the magnitude bits of negatives makes int order == float order
+    key_a = a ^ ((a >> shift) & magnitude)
+    key_b = b ^ ((b >> shift) & magnitude)
+    return jnp.where(key_a >= key_b, a, b)
+
+
+def _row_max(logits):
+    """Exact row max over the last axis, read straight from the logits' bits.
+
+    A max over bf16/fp16 values is exact, but XLA:CPU splits long rows (> 32)
+    into a reduce-window that it runs in float32 after storing a float32
+    copy of the input. Reducing the raw bit patterns as integers (a free
+    bitcast) needs no such copy. A NaN logit is not propagated here; the
+    sum of exp(x - max) turns it into a NaN loss.
+    """
+    int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[logits.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(logits, int_dtype)
+    lowest = jax.lax.bitcast_convert_type(jnp.array(-jnp.inf, logits.dtype), int_dtype)
+    m_bits = jax.lax.reduce(bits, lowest, _ordered_bits_max, (logits.ndim - 1,))
+    return jax.lax.bitcast_convert_type(m_bits, logits.dtype).astype(_F32)
+
+
+def _sum_reducer(a, b):
+    # `a - (-b)`, not `a + b`: not the library-fusion pattern (see above)
+    return tuple(x - (-y) for x, y in zip(a, b, strict=True))
+
+
+def _ce_stats(logits, safe_labels, weights):
+    """Row max m, log-sum-exp minus m, sum_c w_c (m - x_c), m - x_y; float32.
+
+    Two passes over the low-precision logits with the cast to float32 fused
+    into each: a max, then one variadic sum of (exp(x - m), [c == y](m - x_c),
+    w_c (m - x_c)). Every summand is >= 0 (no cancellation) and exp only sees
+    numbers <= 0 (fp16 exp overflows above 11.09).
+    """
+    n_classes = logits.shape[-1]
+    axis = (logits.ndim - 1,)
+    m = _row_max(logits)
+    xf = logits.astype(_F32)
+    gap = m[..., None] - xf  # >= 0
+    is_label = jnp.arange(n_classes) == safe_labels[..., None]
+    w = jnp.ones((), _F32) if weights is None else weights.astype(_F32)
+    operands = (jnp.exp(-gap), jnp.where(is_label, gap, 0.0), gap * w)
+    inits = (jnp.zeros((), _F32),) * 3
+    sum_exp, gap_y, gap_w = jax.lax.reduce(operands, inits, _sum_reducer, axis)
+    return m, jnp.log(sum_exp), gap_w, gap_y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ce_rows(logits, labels, weights, ignore_index, smoothing):
+    """Per-element cross-entropy, class axis last, float32 result."""
+    return _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing)[0]
+
+
+def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing):
+    n_classes = logits.shape[-1]
+    valid, bad, safe = _label_masks(labels, n_classes, ignore_index)
+    m, lse_m, gap_w, gap_y = _ce_stats(logits, safe, weights)
+    # lse - x_y = (lse - m) + (m - x_y): two non-negative terms, no cancellation.
+    nll = lse_m + gap_y
+    if weights is not None:
+        nll = nll * weights.astype(_F32)[safe]
+    loss = (1.0 - smoothing) * nll
+    if smoothing:
+        # sum_c w_c (lse - x_c) = (lse - m) sum(w) + sum_c w_c (m - x_c) >= 0
+        w_sum = n_classes if weights is None else jnp.sum(weights.astype(_F32))
+        loss = loss + (smoothing / n_classes) * (lse_m * w_sum + gap_w)
+    loss = jnp.where(valid, loss, 0.0)
+    # An out-of-range label under jit: NaN, never a finite wrong loss.
+    loss = jnp.where(bad, jnp.nan, loss)
+    return loss, (logits, labels, weights, m, lse_m, gap_y)
+
+
+def _ce_rows_bwd(ignore_index, smoothing, res, g):
+    logits, labels, weights, m, lse_m, gap_y = res
+    n_classes = logits.shape[-1]
+    valid, bad, safe = _label_masks(labels, n_classes, ignore_index)
+    g = jnp.where(bad, jnp.nan, jnp.where(valid, g.astype(_F32), 0.0))
+    if weights is None:
+        w_y = jnp.ones_like(g)
+        w_sum = float(n_classes)
+    else:
+        w = weights.astype(_F32)
+        w_y = w[safe]
+        w_sum = jnp.sum(w)
+    # d loss / d x_c = p_c ((1-s) w_y + s W / C) - (1-s) w_y [c == y] - s w_c / C
+    z = logits.astype(_F32) - m[..., None]
+    p = jnp.exp(z - lse_m[..., None])  # softmax, recomputed in float32
+    coef = g * ((1.0 - smoothing) * w_y + smoothing * w_sum / n_classes)
+    onehot = jnp.arange(n_classes) == safe[..., None]
+    # The label column from the saved m - x_y (same value as p there). Using
+    # this residual also keeps the forward's sum a multi-output reduction,
+    # which XLA:CPU neither hands to YNNPACK nor splits through a float32 copy.
+    p_y = jnp.exp(-gap_y - lse_m)
+    label_grad = p_y * coef - g * (1.0 - smoothing) * w_y
+    grad = jnp.where(onehot, label_grad[..., None], p * coef[..., None])
+    if smoothing:
+        per_class = 1.0 if weights is None else w
+        grad = grad - (g * (smoothing / n_classes))[..., None] * per_class
+    grad = grad.astype(logits.dtype)
+
+    d_weights = None
+    if weights is not None:
+        # d loss / d w_k = (1-s) [k == y] (lse - x_y) + s/C (lse - x_k); XLA
+        # drops this entirely when nobody asks for the weights' gradient.
+        nll_raw = (
+            lse_m
+            + m
+            - jnp.take_along_axis(logits, safe[..., None], -1)[..., 0].astype(_F32)
+        )
+        gz = jnp.where(valid, g, 0.0) * (1.0 - smoothing) * nll_raw
+        d_w = jnp.zeros((n_classes,), _F32).at[safe.ravel()].add(gz.ravel())
+        if smoothing:
+            lse_minus_x = lse_m[..., None] - z
+            d_w = d_w + (smoothing / n_classes) * jnp.sum(
+                (g[..., None] * lse_minus_x).reshape(-1, n_classes), axis=0
+            )
+        d_weights = d_w.astype(weights.dtype)
+    return grad, None, d_weights
+
+
+_ce_rows.defvjp(_ce_rows_fwd, _ce_rows_bwd)
+
+
+def _masked_mean(total, denominator):
+    """total / denominator, and 0.0 (zero gradient) where denominator is 0."""
+    nonzero = denominator > 0
+    return jnp.where(nonzero, total / jnp.where(nonzero, denominator, 1.0), 0.0)
+
+
+def softmax_cross_entropy(
+    logits: Array,
+    labels: Array,
+    *,
+    axis: int = -1,
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    weights: Array | None = None,
+    reduction: str = "mean",
+) -> jax.Array:
+    r"""Cross-entropy with integer labels, computed in float32 for any logits dtype.
+
+    Same result as ``torch.nn.functional.cross_entropy`` (class weights, label
+    smoothing, ``ignore_index``). For an element ``n`` with label ``y``, ``C``
+    classes, weights ``w`` (ones by default) and smoothing ``s``::
+
+        lse   = log sum_c exp(x_c)
+        l_n   = (1 - s) w_y (lse - x_y) + (s / C) sum_c w_c (lse - x_c)
+        mean  = sum_n l_n / sum_n w_{y_n}     (ignored elements excluded)
+
+    Deviation from torch (documented, tested): a mean over zero valid
+    elements (every label ignored, or an empty batch) is 0.0 with a zero
+    gradient; torch returns NaN (0/0).
+
+    bf16/fp16 logits are read as they are: max and log-sum-exp are taken in
+    float32 inside the reductions, the backward pass recomputes the softmax in
+    float32 and writes the gradient in the logits' dtype (custom VJP), so no
+    float32 copy of the logits is materialised (fp16 ``exp`` overflows above
+    11.09; float32 after max-subtraction never does).
+
+    Args:
+      logits: floating array with the class axis at ``axis`` (NHWC: -1).
+      labels: integer array, ``logits.shape`` without the class axis.
+      axis: class axis of ``logits``.
+      ignore_index: label value that contributes nothing (e.g. 255).
+      label_smoothing: ``s`` in [0, 1] (a Python number, static).
+      weights: optional per-class weights, shape ``(C,)``.
+      reduction: "mean", "sum" or "none" (per-element losses, float32).
+
+    Returns:
+      float32 scalar (or per-element array for reduction="none"). A label
+      outside [0, C) that is not ``ignore_index`` raises ``ValueError`` naming
+      the bad values when ``labels`` are concrete; under ``jit`` that
+      element's loss (and so the mean) is NaN, so finiteness guards see it.
+      NaN/inf logits give a NaN loss.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> logits = jnp.array([[3000.0, 0.0], [0.0, 1.0]], jnp.float16)
+      >>> loss = losses.softmax_cross_entropy(logits, jnp.array([1, 255]),
+      ...                                     ignore_index=255)
+      >>> print(loss.dtype, float(loss))
+      float32 3000.0
+    """
+    _check_reduction(reduction)
+    logits = jnp.asarray(logits)
+    labels = jnp.asarray(labels)
+    _check_float("logits", logits)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"labels must be an integer array of class indices, got dtype "
+            f"{labels.dtype} (probability targets are not supported)"
+        )
+    if logits.ndim == 0:
+        raise ValueError("logits must have a class axis, got a scalar")
+    if not -logits.ndim <= axis < logits.ndim:
+        raise ValueError(
+            f"axis={axis} is out of range for logits with {logits.ndim} dims"
+        )
+    expected = (
+        logits.shape[: axis % logits.ndim] + logits.shape[axis % logits.ndim + 1 :]
+    )
+    if labels.shape != expected:
+        raise ValueError(
+            f"labels.shape={labels.shape} must equal logits.shape={logits.shape} "
+            f"without the class axis {axis}, i.e. {expected}"
+        )
+    n_classes = logits.shape[axis]
+    if n_classes == 0:
+        raise ValueError(f"logits have 0 classes along axis {axis}")
+    smoothing = float(label_smoothing)
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if weights is not None:
+        weights = jnp.asarray(weights)
+        _check_float("weights", weights)
+        if weights.shape != (n_classes,):
+            raise ValueError(
+                f"weights must have shape ({n_classes},) (one per class), got "
+                f"{weights.shape}"
+            )
+    if _is_concrete(labels) and labels.size:
+        lab = np.asarray(labels)
+        bad = (lab < 0) | (lab >= n_classes)
+        if ignore_index is not None:
+            bad &= lab != ignore_index
+        if bad.any():
+            raise ValueError(_bad_label_message(lab[bad], n_classes, ignore_index))
+
+    x = jnp.moveaxis(logits, axis, -1)
+    per_elem = _ce_rows(x, labels, weights, ignore_index, smoothing)
+    if reduction == "none":
+        return per_elem
+    total = jnp.sum(per_elem)
+    if reduction == "sum":
+        return total
+    valid, _, safe = _label_masks(labels, n_classes, ignore_index)
+    w_y = 1.0 if weights is None else weights.astype(_F32)[safe]
+    return _masked_mean(total, jnp.sum(jnp.where(valid, w_y, 0.0)))
+
+
+# ---------------------------------------------------------------------------
+# binary losses
+# ---------------------------------------------------------------------------
+
+
+def _bce_with_logits(x, t):
+    """max(x, 0) - x t + log(1 + exp(-|x|)): exp never sees a positive number."""
+    return jnp.maximum(x, 0.0) - x * t + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def sigmoid_binary_cross_entropy(
+    logits: Array,
+    targets: Array,
+    *,
+    weights: Array | None = None,
+    reduction: str = "mean",
+) -> jax.Array:
+    r"""Binary cross-entropy on logits in float32 (as torch's BCE-with-logits).
+
+    ``l = w * (max(x, 0) - x t + log(1 + exp(-|x|)))``; "mean" divides the sum
+    by the number of elements (as torch does, not by the sum of weights); the
+    mean of an empty array is 0.0 (torch: NaN).
+
+    Args:
+      logits: floating array of any shape (any float dtype).
+      targets: same shape, values in [0, 1] (soft targets allowed).
+      weights: optional elementwise weights, broadcastable to ``logits``.
+      reduction: "mean", "sum" or "none".
+
+    Returns:
+      float32 scalar, or float32 array of ``logits.shape`` for "none".
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> x = jnp.array([-20000.0, 0.0, 20000.0], jnp.float16)
+      >>> loss = losses.sigmoid_binary_cross_entropy(x, jnp.array([0.0, 1.0, 1.0]))
+      >>> print(loss.dtype, round(float(loss), 4))
+      float32 0.231
+    """
+    _check_reduction(reduction)
+    logits, targets = jnp.asarray(logits), jnp.asarray(targets)
+    _check_float("logits", logits)
+    _check_same_shape("logits", logits, "targets", targets)
+    loss = _bce_with_logits(logits.astype(_F32), targets.astype(_F32))
+    if weights is not None:
+        weights = jnp.asarray(weights)
+        try:
+            jnp.broadcast_shapes(weights.shape, logits.shape)
+        except ValueError:
+            raise ValueError(
+                f"weights.shape={weights.shape} does not broadcast to "
+                f"logits.shape={logits.shape}"
+            ) from None
+        loss = loss * weights.astype(_F32)
+    if reduction == "none":
+        return jnp.broadcast_to(loss, logits.shape)
+    if reduction == "sum":
+        return jnp.sum(loss)
+    return jnp.sum(loss) / max(logits.size, 1)
+
+
+def balanced_binary_cross_entropy(
+    logits: Array,
+    targets: Array,
+    mask: Array,
+    *,
+    negative_ratio: float = 3.0,
+    eps: float = 1e-6,
+) -> jax.Array:
+    r"""DBNet's balanced BCE with online hard negative mining, on logits, in float32.
+
+    Positives are ``targets > 0.5`` inside ``mask > 0.5``; negatives the rest of
+    the mask. With ``P`` positives and ``N`` negatives, ``k = min(N,
+    floor(ratio * P))`` and::
+
+        loss = (sum of positive BCE + sum of the k largest negative BCE) / (P + k + eps)
+
+    Works under ``jit``: the hardest negatives come from a full sort with a
+    mask ``rank < k`` instead of a top-k with a data-dependent ``k``.
+
+    Args:
+      logits: shrink-map logits (any float dtype), any shape.
+      targets: binary ground-truth map, same shape.
+      mask: binary training mask, same shape.
+      negative_ratio: negatives kept per positive (> 0).
+      eps: added to the count (>= 0); an image without positives gives 0.0.
+
+    Returns:
+      float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> x = jnp.array([2.0, -1.0, 3.0, -4.0, 0.0])
+      >>> g = jnp.array([1.0, 0.0, 0.0, 0.0, 0.0])
+      >>> loss = losses.balanced_binary_cross_entropy(x, g, jnp.ones(5),
+      ...                                            negative_ratio=2.0)
+      >>> print(round(float(loss), 4))
+      1.2896
+    """
+    logits, targets, mask = map(jnp.asarray, (logits, targets, mask))
+    _check_float("logits", logits)
+    _check_same_shape("logits", logits, "targets", targets)
+    _check_same_shape("logits", logits, "mask", mask)
+    _check_positive("negative_ratio", negative_ratio)
+    _check_positive("eps", eps, allow_zero=True)
+    in_mask = mask > 0.5
+    positive = (targets > 0.5) & in_mask
+    negative = ~(targets > 0.5) & in_mask
+    loss = _bce_with_logits(logits.astype(_F32), positive.astype(_F32)).ravel()
+    n_pos = jnp.sum(positive, dtype=jnp.int32)
+    n_neg = jnp.sum(negative, dtype=jnp.int32)
+    k = jnp.minimum(n_neg, jnp.floor(n_pos * negative_ratio).astype(jnp.int32))
+    neg_loss = jnp.where(negative.ravel(), loss, 0.0)
+    hardest = -jnp.sort(-neg_loss)  # descending
+    top_k = jnp.sum(jnp.where(jnp.arange(hardest.size) < k, hardest, 0.0))
+    pos_sum = jnp.sum(jnp.where(positive.ravel(), loss, 0.0))
+    return (pos_sum + top_k) / ((n_pos + k).astype(_F32) + eps)
+
+
+def dice_loss(
+    probs: Array,
+    targets: Array,
+    mask: Array | None = None,
+    *,
+    eps: float = 1e-6,
+) -> jax.Array:
+    r"""Dice loss in float32: ``1 - 2 sum(p g m) / (sum(p m) + sum(g m) + eps)``.
+
+    An empty mask (or empty prediction and target) gives 1.0 with a finite
+    gradient: the denominator is at least ``eps``.
+
+    Args:
+      probs: predicted probabilities (any float dtype).
+      targets: ground truth, same shape.
+      mask: optional weights/mask, same shape (ones when None).
+      eps: > 0, keeps the ratio finite.
+
+    Returns:
+      float32 scalar in [-inf, 1] (in [0, 1] for probabilities in [0, 1]).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> p = jnp.array([0.75, 0.25, 0.5], jnp.bfloat16)
+      >>> print(round(float(losses.dice_loss(p, jnp.array([1.0, 0.0, 1.0]))), 3))
+      0.286
+    """
+    probs, targets = jnp.asarray(probs), jnp.asarray(targets)
+    _check_float("probs", probs)
+    _check_same_shape("probs", probs, "targets", targets)
+    _check_positive("eps", eps)
+    p, g = probs.astype(_F32), targets.astype(_F32)
+    if mask is None:
+        m = jnp.ones((), _F32)
+    else:
+        mask = jnp.asarray(mask)
+        _check_same_shape("probs", probs, "mask", mask)
+        m = mask.astype(_F32)
+    intersection = jnp.sum(p * g * m)
+    union = jnp.sum(p * m) + jnp.sum(g * m) + eps
+    return 1.0 - 2.0 * intersection / union
+
+
+def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
+    r"""Masked mean absolute error in float32: ``sum(|p - t| m) / sum(m)``.
+
+    An empty mask gives 0.0 with a zero (finite) gradient, as DBNet's
+    reference returns the zero mask sum instead of dividing by it.
+
+    Args:
+      pred: predictions (any float dtype), e.g. DBNet's threshold map.
+      target: same shape.
+      mask: non-negative weights/mask, same shape.
+
+    Returns:
+      float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> p, t = jnp.array([0.5, 0.2, 0.9]), jnp.array([0.3, 0.2, 0.0])
+      >>> print(round(float(losses.masked_l1_loss(p, t, jnp.array([1, 1, 0]))), 3))
+      0.1
+      >>> print(float(losses.masked_l1_loss(p, t, jnp.zeros(3))))
+      0.0
+    """
+    pred, target, mask = map(jnp.asarray, (pred, target, mask))
+    _check_float("pred", pred)
+    _check_same_shape("pred", pred, "target", target)
+    _check_same_shape("pred", pred, "mask", mask)
+    m = mask.astype(_F32)
+    total = jnp.sum(jnp.abs(pred.astype(_F32) - target.astype(_F32)) * m)
+    return _masked_mean(total, jnp.sum(m))
+
+
+def db_step(prob: Array, thresh: Array, *, k: float = 50.0) -> jax.Array:
+    r"""DBNet's differentiable binarisation ``sigmoid(k (prob - thresh))`` in float32.
+
+    Equal in value to the references' ``reciprocal(1 + exp(-k (x - y)))``,
+    but that form overflows: with k=50, ``exp(-k (x - y))`` exceeds the fp16
+    maximum once ``x - y < -0.222`` (exp overflows fp16 above 11.09) and its
+    backward then multiplies inf by 0. ``jax.nn.sigmoid`` in float32 has a
+    finite gradient for every input in [0, 1].
+
+    Args:
+      prob: probability map (any float dtype).
+      thresh: threshold map, broadcastable with ``prob``.
+      k: amplification factor, > 0.
+
+    Returns:
+      float32 array, the broadcast shape of ``prob`` and ``thresh``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> out = losses.db_step(jnp.array([0.0, 0.5, 1.0], jnp.float16),
+      ...                      jnp.array([1.0, 0.5, 0.0], jnp.float16))
+      >>> print(out.dtype, [round(float(v), 4) for v in out])
+      float32 [0.0, 0.5, 1.0]
+    """
+    prob, thresh = jnp.asarray(prob), jnp.asarray(thresh)
+    _check_float("prob", prob)
+    _check_positive("k", k)
+    try:
+        jnp.broadcast_shapes(prob.shape, thresh.shape)
+    except ValueError:
+        raise ValueError(
+            f"prob.shape={prob.shape} and thresh.shape={thresh.shape} do not broadcast"
+        ) from None
+    return jax.nn.sigmoid(k * (prob.astype(_F32) - thresh.astype(_F32)))
+
+
+def db_loss(
+    shrink_logits: Array,
+    thresh: Array,
+    gt: Array,
+    mask: Array,
+    thresh_map: Array,
+    thresh_mask: Array,
+    *,
+    k: float = 50.0,
+    bce_weight: float = 5.0,
+    l1_weight: float = 10.0,
+    dice_weight: float = 1.0,
+    negative_ratio: float = 3.0,
+    eps: float = 1e-6,
+    return_terms: bool = False,
+):
+    r"""DBNet's total loss, in float32, on the shrink-map logits.
+
+    ``bce_weight * balanced_bce(shrink_logits, gt, mask)
+    + l1_weight * masked_l1(thresh, thresh_map, thresh_mask)
+    + dice_weight * dice(db_step(sigmoid(shrink_logits), thresh, k), gt, mask)``
+    with DBNet's weights 5, 10 and 1 by default.
+
+    Args:
+      shrink_logits: logits of the shrink (probability) map, e.g. (B, H, W).
+      thresh: predicted threshold map in [0, 1], same shape.
+      gt: binary shrink-map ground truth, same shape.
+      mask: training mask for the shrink map, same shape.
+      thresh_map: threshold-map ground truth, same shape.
+      thresh_mask: mask of the threshold map, same shape.
+      k: step amplification for the approximate binary map (> 0).
+      bce_weight, l1_weight, dice_weight: weights of the three terms.
+      negative_ratio, eps: passed to the balanced BCE (eps also to the dice).
+      return_terms: also return ``{"bce", "l1", "dice"}`` (unweighted terms).
+
+    Returns:
+      float32 scalar, or ``(total, terms)`` when ``return_terms``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> gt = jnp.zeros((1, 8, 8)).at[:, 2:6, 2:6].set(1.0)
+      >>> ones = jnp.ones((1, 8, 8))
+      >>> total, terms = losses.db_loss(6.0 * (2 * gt - 1), 0.3 * ones, gt, ones,
+      ...                               0.3 * ones, ones, return_terms=True)
+      >>> print(round(float(total), 4), sorted(terms))
+      0.0124 ['bce', 'dice', 'l1']
+    """
+    bce = balanced_binary_cross_entropy(
+        shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
+    )
+    l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
+    prob = jax.nn.sigmoid(jnp.asarray(shrink_logits).astype(_F32))
+    binary = db_step(prob, thresh, k=k)
+    dice = dice_loss(binary, gt, mask, eps=eps)
+    total = bce_weight * bce + l1_weight * l1 + dice_weight * dice
+    if return_terms:
+        return total, {"bce": bce, "l1": l1, "dice": dice}
+    return total
+
+
+# ---------------------------------------------------------------------------
+# contrastive
+# ---------------------------------------------------------------------------
+
+
+def _safe_normalize(x, eps):
+    """x / max(||x||, eps), with a finite gradient at x = 0 (as F.normalize)."""
+    sq = jnp.sum(x * x, axis=-1, keepdims=True)
+    # sqrt of the clamped square: the gradient of sqrt at 0 would be inf*0=NaN.
+    return x / jnp.sqrt(jnp.maximum(sq, eps * eps))
+
+
+def info_nce(
+    a: Array,
+    b: Array,
+    *,
+    temperature: float | Array = 0.07,
+    min_temperature: float = 0.01,
+    eps: float = 1e-8,
+) -> jax.Array:
+    r"""Symmetric InfoNCE (CLIP) loss in float32, with eps-safe normalisation.
+
+    ``a_i`` and ``b_i`` are a positive pair. With ``â = a / max(||a||, eps)``
+    (rows), ``t = max(temperature, min_temperature)`` and
+    ``S = â b̂^T / t``::
+
+        loss = (CE(S, arange(N)) + CE(S^T, arange(N))) / 2
+
+    Finite for zero embeddings (they give a zero row of ``S``) and for bf16
+    inputs with tiny temperatures: ``|S| <= 1 / t`` and the log-softmax is
+    max-subtracted in float32.
+
+    Args:
+      a, b: embeddings, shape (N, D), any float dtype.
+      temperature: > 0; a Python number or a (learnable) array, clamped
+        from below by ``min_temperature``.
+      min_temperature: >= 0.
+      eps: > 0, norm floor.
+
+    Returns:
+      float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> a = jnp.eye(3, dtype=jnp.bfloat16)
+      >>> print(round(float(losses.info_nce(a, a, temperature=0.1)), 4))
+      0.0001
+      >>> print(bool(jnp.isfinite(losses.info_nce(a * 0, a))))
+      True
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    _check_float("a", a)
+    _check_float("b", b)
+    if a.ndim != 2:
+        raise ValueError(f"a must have shape (N, D), got a.shape={a.shape}")
+    _check_same_shape("a", a, "b", b)
+    if a.shape[0] == 0:
+        raise ValueError("info_nce needs at least one pair, got N=0")
+    _check_positive("temperature", temperature)
+    _check_positive("min_temperature", min_temperature, allow_zero=True)
+    _check_positive("eps", eps)
+    an = _safe_normalize(a.astype(_F32), eps)
+    bn = _safe_normalize(b.astype(_F32), eps)
+    t = jnp.maximum(jnp.asarray(temperature, _F32), min_temperature)
+    sim = jnp.matmul(an, bn.T, precision=jax.lax.Precision.HIGHEST) / t
+    diag = jnp.diagonal(sim)
+    loss_ab = jnp.mean(jax.nn.logsumexp(sim, axis=1) - diag)
+    loss_ba = jnp.mean(jax.nn.logsumexp(sim, axis=0) - diag)
+    return 0.5 * (loss_ab + loss_ba)

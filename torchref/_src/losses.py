@@ -1,0 +1,520 @@
+"""Float32-safe losses for low-precision (fp16/bf16) PyTorch training.
+
+The PyTorch twin of `jaxstable.losses`: the same functions and semantics, built
+on what a careful PyTorch user already calls (`F.cross_entropy`,
+`F.binary_cross_entropy_with_logits`, `torch.sigmoid`) applied to float32
+upcasts of the inputs. Inside `torch.autocast` these functions are on the
+float32 list anyway; the explicit `.float()` also covers models cast with
+`.half()` and code outside autocast. Gradients flow back in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# ---------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(
+            f"unknown reduction {reduction!r}; valid values: {', '.join(_REDUCTIONS)}"
+        )
+
+
+def _check_float(name: str, x: torch.Tensor) -> None:
+    if not torch.is_floating_point(x):
+        raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+
+
+def _check_same_shape(name_a: str, a, name_b: str, b) -> None:
+    if a.shape != b.shape:
+        raise ValueError(
+            f"{name_a} and {name_b} must have the same shape, got "
+            f"{name_a}.shape={tuple(a.shape)} and {name_b}.shape={tuple(b.shape)}"
+        )
+
+
+def _check_positive(name: str, value, *, allow_zero: bool = False) -> None:
+    """Raise ValueError for a value <= 0 (< 0 with allow_zero) or NaN."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            return  # learnable: clamped, not checked (that would sync every step)
+        v = value.detach().double()
+        bad = bool((v < 0).any() if allow_zero else (v <= 0).any())
+        bad = bad or bool(torch.isnan(v).any())
+    else:
+        v = float(value)
+        bad = (v < 0 if allow_zero else v <= 0) or math.isnan(v)
+    if bad:
+        rule = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _bad_label_message(bad_values: torch.Tensor, n_classes: int, ignore_index) -> str:
+    uniq = torch.unique(bad_values)
+    shown = ", ".join(str(int(v)) for v in uniq[:10])
+    more = f" (+{uniq.numel() - 10} more)" if uniq.numel() > 10 else ""
+    ign = "" if ignore_index is None else f" and not ignore_index={ignore_index}"
+    return (
+        f"labels must be in [0, {n_classes}){ign}; found {bad_values.numel()} "
+        f"element(s) with values [{shown}]{more}"
+    )
+
+
+def _masked_mean(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """total / denominator, and 0.0 (zero gradient) where denominator is 0."""
+    nonzero = denominator > 0
+    safe = torch.where(nonzero, denominator, torch.ones_like(denominator))
+    return torch.where(nonzero, total / safe, torch.zeros_like(total))
+
+
+# ---------------------------------------------------------------------------
+# softmax cross-entropy
+# ---------------------------------------------------------------------------
+
+
+def softmax_cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    dim: int = 1,
+    ignore_index: int | None = None,
+    label_smoothing: float = 0.0,
+    weights: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    r"""``F.cross_entropy`` on a float32 upcast of the logits, any class dim.
+
+    For an element with label ``y``, ``C`` classes, class weights ``w`` and
+    smoothing ``s``: ``l = (1 - s) w_y (lse - x_y) + (s / C) sum_c w_c (lse -
+    x_c)``; "mean" is ``sum l / sum w_y`` over non-ignored elements (exactly
+    ``F.cross_entropy``'s definition). Deviation (documented, tested, same as
+    jaxstable): a mean over zero valid elements (all ignored, or an empty
+    batch) is 0.0 with a zero gradient, where ``F.cross_entropy`` gives NaN.
+
+    Args:
+      logits: floating tensor with classes along ``dim`` (NCHW: 1).
+      labels: integer class indices, ``logits.shape`` without ``dim``.
+      dim: class dimension.
+      ignore_index: label value that contributes nothing (e.g. 255).
+      label_smoothing: ``s`` in [0, 1].
+      weights: optional per-class weights, shape ``(C,)``.
+      reduction: "mean", "sum" or "none".
+
+    Returns:
+      float32 scalar (per-element float32 tensor for "none"). Labels outside
+      [0, C) that are not ``ignore_index`` raise ``ValueError`` naming them
+      (this check reads the labels on the host: one sync per call).
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> logits = torch.tensor([[3000.0, 0.0], [0.0, 1.0]]).half()
+      >>> loss = losses.softmax_cross_entropy(logits, torch.tensor([1, 255]),
+      ...                                     ignore_index=255)
+      >>> print(loss.dtype, float(loss))
+      torch.float32 3000.0
+    """
+    _check_reduction(reduction)
+    _check_float("logits", logits)
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(
+            f"labels must be an integer tensor of class indices, got dtype "
+            f"{labels.dtype} (probability targets are not supported)"
+        )
+    if logits.ndim == 0:
+        raise ValueError("logits must have a class dim, got a scalar")
+    if not -logits.ndim <= dim < logits.ndim:
+        raise ValueError(
+            f"dim={dim} is out of range for logits with {logits.ndim} dims"
+        )
+    dim = dim % logits.ndim
+    expected = logits.shape[:dim] + logits.shape[dim + 1 :]
+    if labels.shape != expected:
+        raise ValueError(
+            f"labels.shape={tuple(labels.shape)} must equal logits.shape="
+            f"{tuple(logits.shape)} without the class dim {dim}, i.e. "
+            f"{tuple(expected)}"
+        )
+    n_classes = logits.shape[dim]
+    if n_classes == 0:
+        raise ValueError(f"logits have 0 classes along dim {dim}")
+    smoothing = float(label_smoothing)
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if weights is not None:
+        _check_float("weights", weights)
+        if tuple(weights.shape) != (n_classes,):
+            raise ValueError(
+                f"weights must have shape ({n_classes},) (one per class), got "
+                f"{tuple(weights.shape)}"
+            )
+        weights = weights.float()
+    labels = labels.long()
+    bad = (labels < 0) | (labels >= n_classes)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    if bool(bad.any()):  # torch's own message names one value, ours all of them
+        raise ValueError(_bad_label_message(labels[bad], n_classes, ignore_index))
+
+    x = logits.float()
+    if x.ndim > 1 and dim != 1:
+        x = x.movedim(dim, 1)
+    # ignore_index=None: pass torch's default; every label was checked above.
+    ii = -100 if ignore_index is None else int(ignore_index)
+    torch_red = "sum" if reduction == "mean" else reduction
+    out = F.cross_entropy(
+        x, labels, weight=weights, ignore_index=ii, label_smoothing=smoothing,
+        reduction=torch_red,
+    )  # fmt: skip
+    if reduction != "mean":
+        return out
+    valid = labels != ii
+    if weights is None:
+        denominator = valid.sum().float()
+    else:
+        w_y = weights[torch.where(valid, labels, 0)]
+        denominator = torch.where(valid, w_y, torch.zeros_like(w_y)).sum()
+    return _masked_mean(out, denominator)
+
+
+# ---------------------------------------------------------------------------
+# binary losses
+# ---------------------------------------------------------------------------
+
+
+def sigmoid_binary_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    weights: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    r"""``F.binary_cross_entropy_with_logits`` on float32 upcasts.
+
+    ``l = w * (max(x, 0) - x t + log(1 + exp(-|x|)))``; "mean" divides by the
+    number of elements (as torch); the mean of an empty tensor is 0.0 (torch:
+    NaN).
+
+    Args:
+      logits: floating tensor, any shape and float dtype.
+      targets: same shape, values in [0, 1].
+      weights: optional elementwise weights broadcastable to ``logits``.
+      reduction: "mean", "sum" or "none".
+
+    Returns:
+      float32 scalar, or float32 tensor of ``logits.shape`` for "none".
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> x = torch.tensor([-20000.0, 0.0, 20000.0]).half()
+      >>> loss = losses.sigmoid_binary_cross_entropy(x, torch.tensor([0.0, 1.0, 1.0]))
+      >>> print(loss.dtype, round(float(loss), 4))
+      torch.float32 0.231
+    """
+    _check_reduction(reduction)
+    _check_float("logits", logits)
+    _check_same_shape("logits", logits, "targets", targets)
+    if weights is not None:
+        try:
+            torch.broadcast_shapes(weights.shape, logits.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"weights.shape={tuple(weights.shape)} does not broadcast to "
+                f"logits.shape={tuple(logits.shape)}"
+            ) from None
+        weights = weights.float()
+    out = F.binary_cross_entropy_with_logits(
+        logits.float(),
+        targets.float(),
+        weight=weights,
+        reduction="sum" if reduction == "mean" else reduction,
+    )
+    if reduction == "mean":
+        return out / max(logits.numel(), 1)
+    return out
+
+
+def balanced_binary_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    negative_ratio: float = 3.0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""DBNet's balanced BCE with online hard negative mining, on logits, float32.
+
+    Positives are ``targets > 0.5`` inside ``mask > 0.5``; negatives the rest
+    of the mask. ``k = min(#neg, int(ratio * #pos))`` hardest negatives are
+    kept (``torch.topk``, as DBNet's reference)::
+
+        loss = (sum positive BCE + sum of top-k negative BCE) / (#pos + k + eps)
+
+    Args:
+      logits: shrink-map logits, any shape and float dtype.
+      targets: binary ground truth, same shape.
+      mask: binary training mask, same shape.
+      negative_ratio: > 0.
+      eps: >= 0.
+
+    Returns:
+      float32 scalar (reads the counts on the host, as the reference does).
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> x = torch.tensor([2.0, -1.0, 3.0, -4.0, 0.0])
+      >>> g = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0])
+      >>> loss = losses.balanced_binary_cross_entropy(x, g, torch.ones(5),
+      ...                                            negative_ratio=2.0)
+      >>> print(round(float(loss), 4))
+      1.2896
+    """
+    _check_float("logits", logits)
+    _check_same_shape("logits", logits, "targets", targets)
+    _check_same_shape("logits", logits, "mask", mask)
+    _check_positive("negative_ratio", negative_ratio)
+    _check_positive("eps", eps, allow_zero=True)
+    in_mask = mask > 0.5
+    positive = (targets > 0.5) & in_mask
+    negative = ~(targets > 0.5) & in_mask
+    loss = F.binary_cross_entropy_with_logits(
+        logits.float(), positive.float(), reduction="none"
+    )
+    n_pos = int(positive.sum())
+    n_neg = int(negative.sum())
+    k = min(n_neg, math.floor(n_pos * negative_ratio))
+    neg_loss = torch.where(negative, loss, torch.zeros_like(loss)).reshape(-1)
+    top_k = torch.topk(neg_loss, k).values.sum()
+    pos_sum = torch.where(positive, loss, torch.zeros_like(loss)).sum()
+    return (pos_sum + top_k) / (n_pos + k + eps)
+
+
+def dice_loss(
+    probs: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    r"""Dice loss in float32: ``1 - 2 sum(p g m) / (sum(p m) + sum(g m) + eps)``.
+
+    An empty mask gives 1.0 with a finite gradient.
+
+    Args:
+      probs: predicted probabilities (any float dtype).
+      targets: ground truth, same shape.
+      mask: optional mask/weights, same shape.
+      eps: > 0.
+
+    Returns:
+      float32 scalar.
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> p = torch.tensor([0.75, 0.25, 0.5]).bfloat16()
+      >>> print(round(float(losses.dice_loss(p, torch.tensor([1.0, 0.0, 1.0]))), 3))
+      0.286
+    """
+    _check_float("probs", probs)
+    _check_same_shape("probs", probs, "targets", targets)
+    _check_positive("eps", eps)
+    p, g = probs.float(), targets.float()
+    if mask is None:
+        m = torch.ones((), dtype=torch.float32, device=p.device)
+    else:
+        _check_same_shape("probs", probs, "mask", mask)
+        m = mask.float()
+    intersection = (p * g * m).sum()
+    union = (p * m).sum() + (g * m).sum() + eps
+    return 1.0 - 2.0 * intersection / union
+
+
+def masked_l1_loss(
+    pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    r"""Masked mean absolute error in float32: ``sum(|p - t| m) / sum(m)``.
+
+    An empty mask gives 0.0 with a zero gradient (no host sync, unlike the
+    DBNet reference's ``if mask.sum().item() == 0``).
+
+    Args:
+      pred: predictions (any float dtype).
+      target: same shape.
+      mask: non-negative mask/weights, same shape.
+
+    Returns:
+      float32 scalar.
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> p, t = torch.tensor([0.5, 0.2, 0.9]), torch.tensor([0.3, 0.2, 0.0])
+      >>> print(round(float(losses.masked_l1_loss(p, t, torch.tensor([1, 1, 0]))), 3))
+      0.1
+      >>> print(float(losses.masked_l1_loss(p, t, torch.zeros(3))))
+      0.0
+    """
+    _check_float("pred", pred)
+    _check_same_shape("pred", pred, "target", target)
+    _check_same_shape("pred", pred, "mask", mask)
+    m = mask.float()
+    total = ((pred.float() - target.float()).abs() * m).sum()
+    return _masked_mean(total, m.sum())
+
+
+def db_step(prob: torch.Tensor, thresh: torch.Tensor, *, k: float = 50.0):
+    r"""DBNet's differentiable binarisation ``sigmoid(k (prob - thresh))``, float32.
+
+    Equal in value to the references' ``torch.reciprocal(1 + torch.exp(-k (x -
+    y)))``, whose ``exp`` overflows fp16 once ``x - y < -0.222`` at k=50 (exp
+    overflows fp16 above 11.09) and whose backward then yields NaN.
+
+    Args:
+      prob: probability map (any float dtype).
+      thresh: threshold map, broadcastable with ``prob``.
+      k: > 0.
+
+    Returns:
+      float32 tensor.
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> out = losses.db_step(torch.tensor([0.0, 0.5, 1.0]).half(),
+      ...                      torch.tensor([1.0, 0.5, 0.0]).half())
+      >>> print(out.dtype, [round(float(v), 4) for v in out])
+      torch.float32 [0.0, 0.5, 1.0]
+    """
+    _check_float("prob", prob)
+    _check_positive("k", k)
+    try:
+        torch.broadcast_shapes(prob.shape, thresh.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"prob.shape={tuple(prob.shape)} and thresh.shape="
+            f"{tuple(thresh.shape)} do not broadcast"
+        ) from None
+    return torch.sigmoid(k * (prob.float() - thresh.float()))
+
+
+def db_loss(
+    shrink_logits: torch.Tensor,
+    thresh: torch.Tensor,
+    gt: torch.Tensor,
+    mask: torch.Tensor,
+    thresh_map: torch.Tensor,
+    thresh_mask: torch.Tensor,
+    *,
+    k: float = 50.0,
+    bce_weight: float = 5.0,
+    l1_weight: float = 10.0,
+    dice_weight: float = 1.0,
+    negative_ratio: float = 3.0,
+    eps: float = 1e-6,
+    return_terms: bool = False,
+):
+    r"""DBNet's total loss in float32, on the shrink-map logits.
+
+    ``bce_weight * balanced_bce(shrink_logits, gt, mask) + l1_weight *
+    masked_l1(thresh, thresh_map, thresh_mask) + dice_weight *
+    dice(db_step(sigmoid(shrink_logits), thresh, k), gt, mask)`` (5, 10, 1).
+
+    Args:
+      shrink_logits, thresh, gt, mask, thresh_map, thresh_mask: same shape.
+      k, bce_weight, l1_weight, dice_weight, negative_ratio, eps: see
+        ``jaxstable.losses.db_loss``.
+      return_terms: also return ``{"bce", "l1", "dice"}``.
+
+    Returns:
+      float32 scalar, or ``(total, terms)``.
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> gt = torch.zeros(1, 8, 8); gt[:, 2:6, 2:6] = 1.0
+      >>> ones = torch.ones(1, 8, 8)
+      >>> total, terms = losses.db_loss(6.0 * (2 * gt - 1), 0.3 * ones, gt, ones,
+      ...                               0.3 * ones, ones, return_terms=True)
+      >>> print(round(float(total), 4), sorted(terms))
+      0.0124 ['bce', 'dice', 'l1']
+    """
+    bce = balanced_binary_cross_entropy(
+        shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
+    )
+    l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
+    binary = db_step(torch.sigmoid(shrink_logits.float()), thresh, k=k)
+    dice = dice_loss(binary, gt, mask, eps=eps)
+    total = bce_weight * bce + l1_weight * l1 + dice_weight * dice
+    if return_terms:
+        return total, {"bce": bce, "l1": l1, "dice": dice}
+    return total
+
+
+# ---------------------------------------------------------------------------
+# contrastive
+# ---------------------------------------------------------------------------
+
+
+def info_nce(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 0.07,
+    min_temperature: float = 0.01,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    r"""Symmetric InfoNCE (CLIP) loss in float32 with ``F.normalize(eps=eps)``.
+
+    ``S = normalize(a) normalize(b)^T / max(temperature, min_temperature)``;
+    ``loss = (CE(S, arange N) + CE(S^T, arange N)) / 2``.
+
+    Args:
+      a, b: embeddings (N, D), any float dtype.
+      temperature: > 0, a number or a (learnable) tensor, clamped from below.
+      min_temperature: >= 0.
+      eps: > 0, norm floor.
+
+    Returns:
+      float32 scalar.
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> a = torch.eye(3).bfloat16()
+      >>> print(round(float(losses.info_nce(a, a, temperature=0.1)), 4))
+      0.0001
+      >>> print(bool(torch.isfinite(losses.info_nce(a * 0, a))))
+      True
+    """
+    _check_float("a", a)
+    _check_float("b", b)
+    if a.ndim != 2:
+        raise ValueError(f"a must have shape (N, D), got a.shape={tuple(a.shape)}")
+    _check_same_shape("a", a, "b", b)
+    if a.shape[0] == 0:
+        raise ValueError("info_nce needs at least one pair, got N=0")
+    _check_positive("temperature", temperature)
+    _check_positive("min_temperature", min_temperature, allow_zero=True)
+    _check_positive("eps", eps)
+    an = F.normalize(a.float(), dim=1, eps=eps)
+    bn = F.normalize(b.float(), dim=1, eps=eps)
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.float().clamp(min=min_temperature)
+    else:
+        t = max(float(temperature), min_temperature)
+    sim = an @ bn.T / t
+    target = torch.arange(a.shape[0], device=a.device)
+    return 0.5 * (F.cross_entropy(sim, target) + F.cross_entropy(sim.T, target))

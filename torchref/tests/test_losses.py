@@ -1,0 +1,130 @@
+"""Unit tests of torchref.losses (torch only; parity with JAX is in parity_tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchref import losses
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ce_inputs(n=4, n_classes=7, hw=(5, 5), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, n_classes, *hw, generator=g) * 3).to(dtype)
+    y = torch.randint(0, n_classes, (n, *hw), generator=g)
+    y[torch.rand(n, *hw, generator=g) < 0.1] = 255
+    return x, y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ce_matches_float64_and_returns_float32(dtype, tol):
+    x, y = _ce_inputs(dtype=dtype)
+    x = x.requires_grad_()
+    out = losses.softmax_cross_entropy(x, y, ignore_index=255, label_smoothing=0.1)
+    ref = F.cross_entropy(x.detach().double(), y, ignore_index=255, label_smoothing=0.1)
+    assert out.dtype == torch.float32
+    np.testing.assert_allclose(out.item(), ref.item(), **tol("float32"))
+    out.backward()
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+
+
+def test_ce_any_class_dim(tol):
+    x, y = _ce_inputs()
+    base = losses.softmax_cross_entropy(x, y, ignore_index=255, reduction="none")
+    last = losses.softmax_cross_entropy(
+        x.movedim(1, -1), y, dim=-1, ignore_index=255, reduction="none"
+    )
+    np.testing.assert_allclose(last.numpy(), base.numpy(), **tol("float32"))
+    flat = losses.softmax_cross_entropy(x[0, :, 0, 0], y[0, 0, 0].clamp(max=6), dim=0)
+    assert flat.shape == ()
+
+
+def test_ce_all_ignored_zero_with_zero_grad_native_is_nan():
+    x, _ = _ce_inputs()
+    x.requires_grad_()
+    y = torch.full((4, 5, 5), 255)
+    out = losses.softmax_cross_entropy(x, y, ignore_index=255, weights=torch.ones(7))
+    out.backward()
+    assert out.item() == 0.0 and not x.grad.any()
+    assert torch.isnan(F.cross_entropy(x.detach(), y, ignore_index=255))
+
+
+def test_ce_out_of_range_names_all_bad_values():
+    x, y = _ce_inputs()
+    y[0, 0, 0], y[1, 1, 1], y[2, 2, 2] = 9, -1, 9
+    with pytest.raises(ValueError, match=r"3 element\(s\) with values \[-1, 9\]"):
+        losses.softmax_cross_entropy(x, y, ignore_index=255)
+    with pytest.raises(IndexError):  # torch's own check names only one value
+        F.cross_entropy(x, y, ignore_index=255)
+
+
+def test_ce_fp16_model_outside_autocast_is_finite():
+    """seeds/000 in torch: a .half() model's logits, loss outside autocast."""
+    x, y = _ce_inputs(dtype=torch.float16)
+    x = (x.float() * 3000).clamp(-60000, 60000).half().requires_grad_()
+    assert x.abs().max() > 10000
+    out = losses.softmax_cross_entropy(x, y, ignore_index=255)
+    out.backward()
+    assert torch.isfinite(out) and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_db_step_grad_finite_reference_is_not_in_fp16(dtype):
+    grid = torch.linspace(0, 1, 101)
+    xs, ys = torch.meshgrid(grid, grid, indexing="ij")
+    x = xs.to(dtype).requires_grad_()
+    out = losses.db_step(x, ys.to(dtype))
+    out.sum().backward()
+    assert out.dtype == torch.float32 and torch.isfinite(x.grad).all()
+    if dtype == torch.float16:
+        xr = xs.half().requires_grad_()
+        torch.reciprocal(1 + torch.exp(-50 * (xr - ys.half()))).sum().backward()
+        assert not torch.isfinite(xr.grad).all()
+
+
+def test_info_nce_learnable_temperature_clamped():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    t = torch.tensor(0.07, requires_grad=True)
+    losses.info_nce(a, b, temperature=t).backward()
+    assert t.grad.item() != 0.0
+    t_low = torch.tensor(1e-6, requires_grad=True)
+    out = losses.info_nce(a.bfloat16(), b.bfloat16(), temperature=t_low)
+    out.backward()
+    assert torch.isfinite(out) and t_low.grad.item() == 0.0
+
+
+def test_info_nce_zero_rows_finite():
+    a = torch.zeros(4, 8, requires_grad=True)
+    b = torch.randn(4, 8)
+    out = losses.info_nce(a, b)
+    out.backward()
+    assert torch.isfinite(out) and torch.isfinite(a.grad).all()
+
+
+def test_empty_masks():
+    p = torch.full((4, 4), 0.3, requires_grad=True)
+    z = torch.zeros(4, 4)
+    d = losses.dice_loss(p, z, z)
+    l1 = losses.masked_l1_loss(p, z + 1, z)
+    (d + l1).backward()
+    assert d.item() == 1.0 and l1.item() == 0.0 and torch.isfinite(p.grad).all()
+
+
+def test_balanced_bce_matches_explicit_selection(tol):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 16, 16, generator=g) * 3
+    gt = (torch.rand(2, 16, 16, generator=g) < 0.1).float()
+    m = (torch.rand(2, 16, 16, generator=g) < 0.8).float()
+    bce = F.binary_cross_entropy_with_logits(x.double(), gt.double(), reduction="none")
+    pos, neg = (gt * m).bool(), ((1 - gt) * m).bool()
+    k = min(int(neg.sum()), int(pos.sum() * 3))
+    ref = (bce[pos].sum() + bce[neg].sort(descending=True).values[:k].sum()) / (
+        pos.sum() + k + 1e-6
+    )
+    out = losses.balanced_binary_cross_entropy(x, gt, m)
+    np.testing.assert_allclose(out.item(), ref.item(), **tol("float32"))
