@@ -13,12 +13,20 @@ JAX_ONLY = {
     # jax.value_and_grad with scaling has no torch analogue: torch scales the
     # loss with GradScaler.scale(loss) before .backward().
     "loss_scale": {"scaled_value_and_grad"},
-    # optax state types and helpers for finding them inside a chain.
-    "transforms": {"SkipNonFiniteState", "find_skip_state"},
+    # A functional step needs its state as a pytree and a factory; torch's
+    # TrainStep object holds the model and optimizer itself.
     "train": {"TrainState", "make_train_step"},
 }
 TORCH_ONLY = {
-    "train": {"TrainStep"},
+    # GradScaler subclasses: a static scale and the min-scale floor/hysteresis
+    # on top of the real torch.amp.GradScaler.
+    "loss_scale": {"DynamicGradScaler", "StaticGradScaler"},
+    # The optimizer-wrapper classes that torch's `skip_non_finite` and
+    # `stable_optimizer` return (optax returns GradientTransformations).
+    "transforms": {"SkipNonFinite", "StableOptimizer"},
+    # torch keeps gradients on the parameters; in JAX they are a pytree and
+    # `non_finite_report(grads)` already covers them.
+    "diagnostics": {"non_finite_grad_report"},
 }
 
 

@@ -10,6 +10,10 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+# The policy type is jmp's own (params/compute/output dtypes and their casts);
+# re-exported so that both packages name it `precision.Policy`.
+Policy = jmp.Policy
+
 __all__ = ["DtypeLimits", "dtype_limits", "get_policy", "headroom"]
 
 # Names accepted for a dtype in a policy string. "half" follows jmp: float16

@@ -53,6 +53,16 @@ class TrainState:
       skipped_total: int32, number of steps whose gradients were non-finite
         (their update was not applied).
       tx: the optax transformation (static, not a pytree leaf).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import loss_scale, train, transforms
+      >>> tx = transforms.stable_optimizer(optax.sgd(0.1), max_grad_norm=1.0)
+      >>> state = train.TrainState.create(
+      ...     params={"w": jnp.ones(3)}, optimizer=tx,
+      ...     loss_scale=loss_scale.DynamicLossScale())
+      >>> int(state.step), int(state.skipped_total), float(state.loss_scale.loss_scale)
+      (0, 0, 65536.0)
     """
 
     step: jax.Array
@@ -114,6 +124,18 @@ class TrainStep:
       raw: the pure, un-jitted step function.
       grads: ``grads(state, batch) -> unscaled gradients`` (jitted), used by
         `fit` to report which gradient leaves went non-finite.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import train
+      >>> step = train.make_train_step(lambda p, b: jnp.sum((p["w"] * b) ** 2))
+      >>> state = train.TrainState.create(params={"w": jnp.ones(2)},
+      ...                                 optimizer=optax.sgd(0.1))
+      >>> state, metrics = step(state, jnp.array([1.0, jnp.nan]))
+      >>> bool(metrics["finite"]), int(metrics["skipped_total"])
+      (False, 1)
+      >>> state.params["w"].tolist()  # the NaN step was not applied
+      [1.0, 1.0]
     """
 
     def __init__(self, raw: Callable, grads: Callable, jit: bool, donate: bool):
@@ -332,7 +354,14 @@ def load_checkpoint(path: str | os.PathLike, target: Any) -> Any:
       The restored state.
 
     Example:
-      See `save_checkpoint`.
+      >>> import os, tempfile, jax.numpy as jnp, optax
+      >>> from jaxstable import train
+      >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.msgpack")
+      >>> s = train.TrainState.create(params=jnp.full(2, 3.0), optimizer=optax.sgd(0.1))
+      >>> train.save_checkpoint(path, s)
+      >>> blank = s.replace(params=jnp.zeros(2))
+      >>> train.load_checkpoint(path, blank).params.tolist()
+      [3.0, 3.0]
     """
     with open(path, "rb") as f:
         return serialization.from_state_dict(

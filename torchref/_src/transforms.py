@@ -215,6 +215,16 @@ class SkipNonFinite:
     Made by `skip_non_finite`. `param_groups`, `state`, `zero_grad`,
     `state_dict` and `load_state_dict` are the wrapped optimizer's;
     `skip_state` holds the counters (`SkipNonFiniteState`).
+
+    Example:
+        >>> import torch
+        >>> from torchref import transforms
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = transforms.skip_non_finite(torch.optim.SGD([w], lr=0.1))
+        >>> w.grad = torch.tensor([1.0, float("inf")])
+        >>> opt.step()
+        >>> w.tolist(), opt.skip_state.skipped_total
+        ([1.0, 1.0], 1)
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_consecutive: int | None):
@@ -328,6 +338,17 @@ class StableOptimizer(SkipNonFinite):
 
     Made by `stable_optimizer`. After each `step()`, `grad_norm` holds the
     pre-clip global norm (0-d float32 tensor) and `skip_state` the counters.
+
+    Example:
+        >>> import torch
+        >>> from torchref import transforms
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> opt = transforms.stable_optimizer(torch.optim.SGD([w], lr=1.0),
+        ...                                   max_grad_norm=1.0)
+        >>> w.grad = torch.tensor([3.0, 4.0])
+        >>> opt.step()
+        >>> round(opt.grad_norm.item(), 4), [round(v, 4) for v in w.tolist()]
+        (5.0, [-0.6, -0.8])
     """
 
     def __init__(
