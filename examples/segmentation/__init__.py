@@ -1,0 +1,1 @@
+"""Semantic segmentation example: synthetic data, a U-Net in Flax NNX and torch."""
