@@ -22,6 +22,13 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "float32": {"rtol": 2e-5, "atol": 2e-6},
     "bfloat16": {"rtol": 1.6e-2, "atol": 1e-2},
     "float16": {"rtol": 2e-3, "atol": 1e-3},
+    # Parameters after tens of float32 optimizer steps taken independently in
+    # two frameworks: each step's last-bit rounding differences are carried
+    # forward, and Adam's m/sqrt(v) turns a relative difference in a tiny
+    # gradient component into a difference in an O(lr) update. Measured on
+    # CPU over 44 Adam steps at lr 1e-2: up to 0.97 of the float32 class, so
+    # this class leaves 4x room rather than sitting at the edge.
+    "float32_trajectory": {"rtol": 8e-5, "atol": 8e-6},
 }
 
 
