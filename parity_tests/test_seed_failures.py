@@ -53,6 +53,18 @@ def test_seed000_naive_exp_sum_in_fp16_overflows_ours_does_not(tol):
     np.testing.assert_allclose(ours_t.numpy(), _f64_ce(x, y), **tol("float32"))
 
 
+def test_seed000_torch_cross_entropy_on_fp16_logits_outside_autocast(tol):
+    """seeds/000's real failure mode in torch: F.cross_entropy on fp16 logits
+    of a `.half()` model (outside autocast) is inf; torchref's is finite."""
+    x, y = _fp16_logits(3000.0)
+    xt = torch.tensor(x).half().permute(0, 3, 1, 2)
+    yt = torch.tensor(y)
+    assert not torch.isfinite(F.cross_entropy(xt, yt))
+    ours = tl.softmax_cross_entropy(xt, yt)
+    assert ours.dtype == torch.float32
+    np.testing.assert_allclose(ours.item(), _f64_ce(x, y).mean(), **tol("float32"))
+
+
 def test_seed000_max_subtracted_fp16_ce_overflows_when_range_exceeds_fp16(tol):
     """Even optax's / torch's max-subtracted CE in fp16 breaks once the logit
     spread exceeds 65504 (x - max is -inf in fp16); in float32 it is fine."""
@@ -133,6 +145,12 @@ def test_seed002_reciprocal_exp_step_gives_nan_grad_in_fp16_db_step_does_not(tol
     ref_t = torch.reciprocal(1 + torch.exp(-50.0 * (xt - torch.tensor(ys).half())))
     ref_t.sum().backward()
     assert not torch.isfinite(xt.grad).all()
+    # The reference is only broken in fp16: bf16 and fp32 have exp's range.
+    for dtype in ("bfloat16", "float32"):
+        g = jax.grad(lambda a, d=dtype: jnp.sum(_reference_step(a, ys.astype(d))))(
+            jnp.asarray(xs, dtype)
+        )
+        assert bool(jnp.all(jnp.isfinite(g))), dtype
     for dtype in ("float16", "bfloat16", "float32"):
         gx, gy = jax.grad(lambda a, b: jnp.sum(jl.db_step(a, b)), argnums=(0, 1))(
             jnp.asarray(xs, dtype), jnp.asarray(ys, dtype)
