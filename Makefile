@@ -26,7 +26,7 @@ test: venv
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: venv
-	$(PY) examples/showcase_losses.py
+	$(PY) examples/compare.py demo
 
 bench: venv
 	$(PY) benchmarks/bench_losses.py
