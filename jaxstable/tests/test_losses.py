@@ -51,6 +51,9 @@ def test_ce_matches_float64_reference_and_returns_float32(dtype, tol):
         ((8, 32, 32), 19, "float16", 0.1),
         ((512,), 1000, "bfloat16", 0.1),
         ((512,), 1000, "float16", 0.0),
+        # long rows that do not tile into the two-stage chunks (remainders)
+        ((512,), 1001, "bfloat16", 0.1),
+        ((512,), 1009, "float16", 0.1),
     ],
 )
 def test_ce_compiled_temp_memory_below_a_float32_copy(
@@ -70,6 +73,55 @@ def test_ce_compiled_temp_memory_below_a_float32_copy(
         compiled = jax.jit(transform(loss)).lower(x, y).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         assert temp < f32_copy / 2, (transform.__name__, temp, f32_copy)
+
+
+def _np_ce_weighted(x, y, w, smoothing, ignore=255):
+    """float64 per-element loss and d(sum of losses)/dx (the docstring maths)."""
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    y, w = np.asarray(y), np.asarray(w, np.float64)
+    n_classes = x.shape[-1]
+    valid = y != ignore
+    ys = np.where(valid, y, 0)
+    m = x.max(-1, keepdims=True)
+    lse = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+    w_y = w[ys][..., None]
+    per = (1 - smoothing) * w_y[..., 0] * (
+        lse[..., 0] - np.take_along_axis(x, ys[..., None], -1)[..., 0]
+    ) + smoothing / n_classes * ((lse - x) * w).sum(-1)
+    p = np.exp(x - lse)
+    onehot = np.arange(n_classes) == ys[..., None]
+    grad = (
+        p * ((1 - smoothing) * w_y + smoothing * w.sum() / n_classes)
+        - (1 - smoothing) * w_y * onehot
+        - smoothing * w / n_classes
+    )
+    return np.where(valid, per, 0.0), np.where(valid[..., None], grad, 0.0)
+
+
+@pytest.mark.parametrize("n_classes", [33, 150, 1000, 1009])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ce_long_rows_weighted_smoothed_match_float64(n_classes, dtype, tol):
+    """Rows > 32 classes take the two-stage (chunked) reductions: whole chunks,
+    a remainder (33, 150, 1009) and no exact tiling of the max (prime 1009).
+    A 3000 logit (exp overflows if the row max misses it) sits in the first
+    chunk, the middle and the last class (in the remainder when there is one)."""
+    x, y = _ce_inputs((12,), n_classes, dtype, seed=3)
+    x = x.at[0, 0].set(3000.0).at[1, -1].set(3000.0).at[2, n_classes // 2].set(3000.0)
+    y = y.at[1].set(n_classes - 1)
+    w = jnp.asarray(np.random.default_rng(4).uniform(0.2, 3.0, n_classes), jnp.float32)
+
+    def loss(v, reduction):
+        return losses.softmax_cross_entropy(
+            v, y, ignore_index=255, label_smoothing=0.1, weights=w, reduction=reduction
+        )
+
+    per, grad = _np_ce_weighted(x, y, w, 0.1)
+    np.testing.assert_allclose(
+        jax.jit(loss, static_argnums=1)(x, "none"), per, **tol("float32")
+    )
+    g = jax.jit(jax.grad(loss), static_argnums=1)(x, "sum")
+    assert g.dtype == jnp.dtype(dtype)
+    np.testing.assert_allclose(np.asarray(g, np.float64), grad, **tol(dtype))
 
 
 def test_ce_naive_upcast_does_store_a_float32_copy():
