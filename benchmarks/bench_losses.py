@@ -10,14 +10,20 @@ What is timed, for each shape (all fwd+bwd, i.e. value and d loss/d logits):
   torch_float             F.cross_entropy(logits.float(), ...) + backward on bf16
                           NCHW logits (the "hybrid AMP" fix of seeds/000)
 
-Timing is interleaved (round-robin over the variants, many reps) and reported
-as medians; ratios come from the same run. Compiled temporary memory is
+Timing is interleaved (every rep runs each variant once, in a fresh random
+order, so no variant always follows torch) and reported as medians; ratios
+come from the same run. OMP_WAIT_POLICY=PASSIVE is set before torch loads:
+otherwise torch's OpenMP workers spin after each op and slow whichever JAX
+variant runs next (seen here: the variant after torch ran ~30% slower).
+Compiled temporary memory is
 `jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes`.
-Run: .venv/bin/python benchmarks/bench_losses.py  (writes benchmarks/results/)
+Run: .venv/bin/python benchmarks/bench_losses.py [--reps N]
+(writes benchmarks/results/bench_losses_cpu.{md,json})
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -29,6 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+# Must be set before torch (and its OpenMP runtime) is imported; see above.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.nn.functional as F
 
@@ -104,10 +113,13 @@ def bench_shape(name, lead, n_classes, ignore_frac, reps, seed=0):
         fn()
         fn()
     times = {k: [] for k in variants}
+    order = list(variants)
+    shuffle = np.random.default_rng(seed + 1)
     for _ in range(reps):
-        for k, fn in variants.items():
+        shuffle.shuffle(order)  # no variant always runs right after torch
+        for k in order:
             t0 = time.perf_counter()
-            fn()
+            variants[k]()
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     mem = {
@@ -150,7 +162,8 @@ def to_markdown(results, device) -> str:
         f"Device: **{device['cpu']}**, {device['cores']} cores visible; "
         f"jax {device['jax']} ({device['backend']}), torch {device['torch']} "
         f"({device['torch_threads']} threads), Python {device['python']}.",
-        "Timing interleaved round-robin over the variants; medians of `reps` "
+        "Timing interleaved (each rep runs every variant once, random order; "
+        "OMP_WAIT_POLICY=PASSIVE); medians of `reps` "
         "calls; ratios from this one run. Temp = XLA compiled temporary bytes.",
         "The machine is shared with other jobs: ratios are more robust than "
         "absolute times.",
@@ -180,6 +193,9 @@ def to_markdown(results, device) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=None, help="reps per shape")
+    args = parser.parse_args()
     device = {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
@@ -187,9 +203,13 @@ def main() -> None:
         "backend": jax.default_backend(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "python": platform.python_version(),
     }
-    results = [bench_shape(name, *spec) for name, spec in SHAPES.items()]
+    results = [
+        bench_shape(name, lead, c, frac, args.reps or reps)
+        for name, (lead, c, frac, reps) in SHAPES.items()
+    ]
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"device": device, "results": results}
     for r in payload["results"]:
