@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tolerance
 from jaxstable import losses as jl
 from torchref import losses as tl
 
@@ -268,3 +269,68 @@ def test_out_of_range_label_raises_under_eager_grad():
     """Eager jax.grad traces only the logits: the labels are still checked."""
     with pytest.raises(ValueError, match=r"\[-3, 7\]"):
         jax.grad(lambda x: jl.softmax_cross_entropy(x, j(_bad_labels(Y))))(j(X))
+
+
+# ---------------------------------------------------------------------------
+# Edge cases found in review: each gave a silent wrong number or a mismatch.
+# ---------------------------------------------------------------------------
+
+
+def test_ohem_k_agrees_for_a_ratio_not_exact_in_binary():
+    """100 positives, ratio 0.57: both pick k = floor(float32(100 * 0.57)) = 57
+    (DBNet's float64 reference would pick 56: documented)."""
+    n = 400
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(n,)).astype(np.float32)
+    targets = np.zeros(n, np.float32)
+    targets[:100] = 1.0
+    mask = np.ones(n, np.float32)
+    j = jl.balanced_binary_cross_entropy(
+        jnp.asarray(logits),
+        jnp.asarray(targets),
+        jnp.asarray(mask),
+        negative_ratio=0.57,
+    )
+    t = tl.balanced_binary_cross_entropy(
+        torch.tensor(logits),
+        torch.tensor(targets),
+        torch.tensor(mask),
+        negative_ratio=0.57,
+    )
+    # the value with k = 57 hardest negatives, in float64
+    x = logits.astype(np.float64)
+    bce = np.maximum(x, 0) - x * targets + np.log1p(np.exp(-np.abs(x)))
+    hardest = np.sort(bce[100:])[::-1][:57]
+    expected = (bce[:100].sum() + hardest.sum()) / (100 + 57 + 1e-6)
+    np.testing.assert_allclose(float(j), expected, **tolerance("float32"))
+    np.testing.assert_allclose(t.item(), expected, **tolerance("float32"))
+
+
+@pytest.mark.parametrize("side", ["jax", "torch"])
+def test_bce_weights_larger_than_logits_are_refused(side):
+    logits, targets, weights = np.zeros(3), np.ones(3), np.ones((2, 3))
+    with pytest.raises(ValueError, match=r"weights.shape=\(2, 3\) does not broadcast"):
+        if side == "jax":
+            jl.sigmoid_binary_cross_entropy(
+                jnp.asarray(logits), jnp.asarray(targets), weights=jnp.asarray(weights)
+            )
+        else:
+            tl.sigmoid_binary_cross_entropy(
+                torch.tensor(logits),
+                torch.tensor(targets),
+                weights=torch.tensor(weights),
+            )
+
+
+@pytest.mark.parametrize("side", ["jax", "torch"])
+def test_balanced_bce_eps_zero_is_refused(side):
+    z = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        if side == "jax":
+            jl.balanced_binary_cross_entropy(
+                jnp.asarray(z), jnp.asarray(z), jnp.asarray(z), eps=0.0
+            )
+        else:
+            tl.balanced_binary_cross_entropy(
+                torch.tensor(z), torch.tensor(z), torch.tensor(z), eps=0.0
+            )

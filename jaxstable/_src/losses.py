@@ -487,12 +487,14 @@ def sigmoid_binary_cross_entropy(
     if weights is not None:
         weights = jnp.asarray(weights)
         try:
-            jnp.broadcast_shapes(weights.shape, logits.shape)
+            fits = jnp.broadcast_shapes(weights.shape, logits.shape) == logits.shape
         except ValueError:
+            fits = False
+        if not fits:  # weights of a larger shape would silently change the mean
             raise ValueError(
                 f"weights.shape={weights.shape} does not broadcast to "
                 f"logits.shape={logits.shape}"
-            ) from None
+            )
         loss = loss * weights.astype(_F32)
     if reduction == "none":
         return jnp.broadcast_to(loss, logits.shape)
@@ -520,12 +522,18 @@ def balanced_binary_cross_entropy(
     Works under ``jit``: the hardest negatives come from a full sort with a
     mask ``rank < k`` instead of a top-k with a data-dependent ``k``.
 
+    ``ratio * P`` is taken in float32 on both sides (jaxstable and torchref),
+    so they pick the same ``k``. DBNet's reference takes it in float64; for a
+    ratio that is not exact in binary (0.57, say) the two can differ by one
+    (float32: 100 * 0.57 = 57.000002 -> 57; float64: 56.99999999999999 -> 56).
+    The default ratio 3.0 is exact for any ``P`` below 2**22.
+
     Args:
       logits: shrink-map logits (any float dtype), any shape.
       targets: binary ground-truth map, same shape.
       mask: binary training mask, same shape.
       negative_ratio: negatives kept per positive (> 0).
-      eps: added to the count (>= 0); an image without positives gives 0.0.
+      eps: added to the count (> 0); an image without positives gives 0.0.
 
     Returns:
       float32 scalar.
@@ -545,14 +553,15 @@ def balanced_binary_cross_entropy(
     _check_same_shape("logits", logits, "targets", targets)
     _check_same_shape("logits", logits, "mask", mask)
     _check_positive("negative_ratio", negative_ratio)
-    _check_positive("eps", eps, allow_zero=True)
+    _check_positive("eps", eps)  # > 0: no positives and no negatives is 0 / eps
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
     negative = ~(targets > 0.5) & in_mask
     loss = _bce_with_logits(logits.astype(_F32), positive.astype(_F32)).ravel()
     n_pos = jnp.sum(positive, dtype=jnp.int32)
     n_neg = jnp.sum(negative, dtype=jnp.int32)
-    k = jnp.minimum(n_neg, jnp.floor(n_pos * negative_ratio).astype(jnp.int32))
+    ratio_p = n_pos.astype(_F32) * jnp.float32(negative_ratio)  # float32 (see above)
+    k = jnp.minimum(n_neg, jnp.floor(ratio_p).astype(jnp.int32))
     neg_loss = jnp.where(negative.ravel(), loss, 0.0)
     hardest = -jnp.sort(-neg_loss)  # descending
     top_k = jnp.sum(jnp.where(jnp.arange(hardest.size) < k, hardest, 0.0))
@@ -769,7 +778,8 @@ def info_nce(
     Args:
       a, b: embeddings, shape (N, D), any float dtype.
       temperature: > 0; a Python number or a (learnable) array, clamped
-        from below by ``min_temperature``.
+        from below by ``min_temperature``. A concrete value <= 0 raises; a
+        traced one (being differentiated) is clamped, not checked.
       min_temperature: >= 0.
       eps: > 0, norm floor.
 

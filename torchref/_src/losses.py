@@ -227,12 +227,14 @@ def sigmoid_binary_cross_entropy(
     _check_same_shape("logits", logits, "targets", targets)
     if weights is not None:
         try:
-            torch.broadcast_shapes(weights.shape, logits.shape)
+            fits = torch.broadcast_shapes(weights.shape, logits.shape) == logits.shape
         except RuntimeError:
+            fits = False
+        if not fits:  # weights of a larger shape would silently change the mean
             raise ValueError(
                 f"weights.shape={tuple(weights.shape)} does not broadcast to "
                 f"logits.shape={tuple(logits.shape)}"
-            ) from None
+            )
         weights = weights.float()
     out = F.binary_cross_entropy_with_logits(
         logits.float(),
@@ -256,7 +258,7 @@ def balanced_binary_cross_entropy(
     r"""DBNet's balanced BCE with online hard negative mining, on logits, float32.
 
     Positives are ``targets > 0.5`` inside ``mask > 0.5``; negatives the rest
-    of the mask. ``k = min(#neg, int(ratio * #pos))`` hardest negatives are
+    of the mask. ``k = min(#neg, floor(ratio * #pos))`` hardest negatives are
     kept (``torch.topk``, as DBNet's reference)::
 
         loss = (sum positive BCE + sum of top-k negative BCE) / (#pos + k + eps)
@@ -265,8 +267,11 @@ def balanced_binary_cross_entropy(
       logits: shrink-map logits, any shape and float dtype.
       targets: binary ground truth, same shape.
       mask: binary training mask, same shape.
-      negative_ratio: > 0.
-      eps: >= 0.
+      negative_ratio: > 0. ``ratio * #pos`` is taken in float32, as in
+        jaxstable, so both pick the same ``k``; DBNet's reference uses float64
+        and can pick one fewer for a ratio not exact in binary (100 * 0.57:
+        57 here, 56 there). The default 3.0 is exact below 2**22 positives.
+      eps: > 0 (no positives and no negatives gives 0 / eps = 0).
 
     Returns:
       float32 scalar (reads the counts on the host, as the reference does).
@@ -285,7 +290,7 @@ def balanced_binary_cross_entropy(
     _check_same_shape("logits", logits, "targets", targets)
     _check_same_shape("logits", logits, "mask", mask)
     _check_positive("negative_ratio", negative_ratio)
-    _check_positive("eps", eps, allow_zero=True)
+    _check_positive("eps", eps)
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
     negative = ~(targets > 0.5) & in_mask
@@ -294,7 +299,10 @@ def balanced_binary_cross_entropy(
     )
     n_pos = int(positive.sum())
     n_neg = int(negative.sum())
-    k = min(n_neg, math.floor(n_pos * negative_ratio))
+    # float32 product, as jaxstable computes it under jit (see the docstring)
+    f32 = torch.float32
+    ratio_p = torch.tensor(n_pos, dtype=f32) * torch.tensor(negative_ratio, dtype=f32)
+    k = min(n_neg, math.floor(ratio_p.item()))
     neg_loss = torch.where(negative, loss, torch.zeros_like(loss)).reshape(-1)
     top_k = torch.topk(neg_loss, k).values.sum()
     pos_sum = torch.where(positive, loss, torch.zeros_like(loss)).sum()
@@ -484,6 +492,8 @@ def info_nce(
     Args:
       a, b: embeddings (N, D), any float dtype.
       temperature: > 0, a number or a (learnable) tensor, clamped from below.
+        A value <= 0 raises, except for a tensor that requires grad: that one
+        is clamped, not checked (a check would sync with the device).
       min_temperature: >= 0.
       eps: > 0, norm floor.
 
