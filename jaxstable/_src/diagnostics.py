@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["LeafReport", "check_params", "format_report", "non_finite_report"]
@@ -21,8 +22,8 @@ class LeafReport(NamedTuple):
       path: the leaf's path, as `jax.tree_util.keystr` writes it (``['w']``).
       nan_count: number of NaN elements.
       inf_count: number of +-Inf elements.
-      max_abs_finite: largest |x| among the finite elements (nan if none is
-        finite).
+      max_abs_finite: largest |x| among the finite elements; nan when no
+        element is finite (the same in `torchref.diagnostics`).
       shape: the leaf's shape.
       dtype: the leaf's dtype name.
     """
@@ -38,8 +39,10 @@ class LeafReport(NamedTuple):
 def non_finite_report(tree: Any) -> list[LeafReport]:
     """Lists every leaf of `tree` holding a NaN or an Inf, with counts.
 
-    Reads every leaf to the host (not for use inside `jax.jit`). Integer and
-    boolean leaves are never reported.
+    Reads every leaf to the host (not for use inside `jax.jit`). Every
+    floating dtype is checked (float64/32/16, bfloat16 and the float8
+    variants) and complex ones too; integer and boolean leaves are never
+    reported.
 
     Args:
       tree: a pytree of arrays (params, gradients, a batch, ...).
@@ -61,10 +64,13 @@ def non_finite_report(tree: Any) -> list[LeafReport]:
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     for path, leaf in leaves:
         arr = np.asarray(jax.device_get(leaf))
-        if not (np.issubdtype(arr.dtype, np.inexact) or arr.dtype.name == "bfloat16"):
+        # jnp.issubdtype knows the ml_dtypes types (bfloat16, float8_*), which
+        # numpy's own np.inexact does not.
+        if not jnp.issubdtype(arr.dtype, jnp.inexact):
             continue
         dtype = arr.dtype.name
-        # bfloat16 (an ml_dtypes type) is widened so numpy's ufuncs apply.
+        # ml_dtypes leaves (bfloat16, float8_*) are widened so numpy's ufuncs
+        # apply; the widening is exact.
         wide = arr.astype(np.complex128 if np.iscomplexobj(arr) else np.float64)
         nan = np.isnan(wide)
         inf = np.isinf(wide)
@@ -89,12 +95,16 @@ def non_finite_report(tree: Any) -> list[LeafReport]:
 def format_report(report: list[LeafReport]) -> str:
     """Formats a `non_finite_report` as a readable table.
 
+    The layout is the same as `torchref.diagnostics.format_report`: a header
+    ``path nan inf max|finite| shape dtype`` and one row per leaf, columns
+    two spaces apart, numbers right-aligned, ``max|finite|`` with 6
+    significant digits (``nan`` when no element is finite).
+
     Args:
       report: the list returned by `non_finite_report`.
 
     Returns:
-      A multi-line string: one header row and one row per leaf, or
-      ``"all finite"`` for an empty report.
+      A multi-line string, or ``"all finite"`` for an empty report.
 
     Example:
       >>> import jax.numpy as jnp
@@ -114,8 +124,8 @@ def format_report(report: list[LeafReport]) -> str:
             r.path,
             str(r.nan_count),
             str(r.inf_count),
-            f"{r.max_abs_finite:.4g}",
-            str(r.shape),
+            f"{r.max_abs_finite:.6g}",
+            str(tuple(r.shape)),
             r.dtype,
         )
         for r in report
@@ -144,24 +154,34 @@ def check_params(tree: Any) -> None:
       tree: a pytree of arrays.
 
     Raises:
-      FloatingPointError: naming every non-finite leaf with its counts (the
-        `format_report` table).
+      FloatingPointError: ``"k of n leaves is/are not finite: <paths>"`` and
+        the `format_report` table (same text layout as
+        `torchref.diagnostics.check_params`).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxstable import diagnostics
       >>> diagnostics.check_params({"w": jnp.ones(2)})
-      >>> try:
-      ...     diagnostics.check_params({"w": jnp.array([jnp.inf, 1.0])})
-      ... except FloatingPointError as e:
-      ...     print(str(e).splitlines()[0])
-      1 of 1 leaf is not finite: ['w']
+      >>> diagnostics.check_params({"w": jnp.array([jnp.inf, 1.0]), "b": jnp.ones(2)})
+      Traceback (most recent call last):
+      ...
+      FloatingPointError: 1 of 2 leaves is not finite: ['w']
+      path   nan  inf  max|finite|  shape  dtype
+      ['w']    0    1            1  (2,)   float32
     """
     report = non_finite_report(tree)
     if report:
-        n = len(jax.tree_util.tree_leaves(tree))
-        names = ", ".join(r.path for r in report)
-        noun = "leaf is" if len(report) == 1 else "leaves are"
         raise FloatingPointError(
-            f"{len(report)} of {n} {noun} not finite: {names}\n{format_report(report)}"
+            _check_message(report, len(jax.tree_util.tree_leaves(tree)))
         )
+
+
+def _check_message(report: list[LeafReport], n_leaves: int) -> str:
+    # "1 of 2 leaves is not finite: ['w']" + the table; same text as torchref.
+    noun = "leaf" if n_leaves == 1 else "leaves"
+    verb = "is" if len(report) == 1 else "are"
+    names = ", ".join(r.path for r in report)
+    return (
+        f"{len(report)} of {n_leaves} {noun} {verb} not finite: {names}\n"
+        f"{format_report(report)}"
+    )

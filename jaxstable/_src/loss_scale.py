@@ -142,13 +142,19 @@ class NoOpLossScale:
         return self
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False (Static and Dynamic): their fields are arrays, so the generated
+# __eq__ would compare arrays (ambiguous truth value; an error on tracers) and
+# __hash__ would hash an unhashable jax.Array. Equality is identity and the
+# hash is id-based, like any object; compare `.loss_scale` values instead.
+@dataclasses.dataclass(frozen=True, eq=False)
 class StaticLossScale:
     """Scales by a fixed constant; jmp-compatible.
 
     ``scale(tree) = tree * loss_scale``; ``unscale(tree) = tree * (1/loss_scale)``
     (multiplication by the reciprocal, as `torch.amp.GradScaler` unscales).
     Leaves keep their dtype; the product is taken in float32.
+
+    Equality is identity and `hash` is id-based (the field is an array).
 
     Args:
       loss_scale: the constant, a finite number > 0 (stored as float32).
@@ -182,7 +188,7 @@ class StaticLossScale:
         return self
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale:
     """Dynamic loss scale with `torch.amp.GradScaler`'s defaults and arithmetic.
 
@@ -222,9 +228,16 @@ class DynamicLossScale:
     Python ints ``period`` and ``hysteresis`` are aux data and are also
     written by `flax.serialization.to_state_dict`.
 
+    Concrete (non-traced) arguments are validated like
+    `torchref.loss_scale.DynamicLossScale`, with the same messages; fields
+    that are tracers (construction inside `jax.jit`) are not. Equality is
+    identity and `hash` is id-based (the fields are arrays).
+
     Args:
-      loss_scale: initial scale, > 0 (float32). GradScaler's ``init_scale``.
-      counter: consecutive finite steps since the last change (int32).
+      loss_scale: initial scale, > 0 (float32). GradScaler's ``init_scale``;
+        must be >= ``min_loss_scale``.
+      counter: consecutive finite steps since the last change (int32),
+        ``0 <= counter < period``.
       period: finite steps in a row before growing, >= 1 (``growth_interval``).
       factor: growth factor, > 1 (float32); the backoff is ``1/factor``.
       min_loss_scale: floor of the scale, > 0 (float32).
@@ -272,6 +285,27 @@ class DynamicLossScale:
             if f.shape != () or not (np.isfinite(f) and f > 1):
                 raise ValueError(
                     f"factor must be a finite number > 1, got {self.factor!r}"
+                )
+        if _is_concrete(self.counter):
+            c = np.asarray(self.counter)
+            value = c.item() if c.shape == () else self.counter
+            if not (
+                np.issubdtype(c.dtype, np.integer)
+                and c.shape == ()
+                and 0 <= value < self.period
+            ):
+                raise ValueError(
+                    "counter must be an int with 0 <= counter < "
+                    f"period={int(self.period)}, got {value!r}"
+                )
+        if _is_concrete(self.loss_scale) and _is_concrete(self.min_loss_scale):
+            # A scale below its floor would be RAISED by the next backoff
+            # (max(scale / factor, floor) > scale).
+            scale = float(np.asarray(self.loss_scale))
+            floor = float(np.asarray(self.min_loss_scale))
+            if floor > scale:
+                raise ValueError(
+                    f"min_loss_scale={floor!r} must be <= loss_scale={scale!r}"
                 )
         set_ = object.__setattr__
         set_(self, "period", int(self.period))

@@ -16,38 +16,37 @@ Policy = jmp.Policy
 
 __all__ = ["DtypeLimits", "dtype_limits", "get_policy", "headroom"]
 
-# Names accepted for a dtype in a policy string. "half" follows jmp: float16
-# on CPU/GPU, bfloat16 on TPU.
+# The policy grammar is the same in torchref.precision (same names, same
+# errors, same messages): one dtype name for all three parts, a Keras-style
+# mixed name, or key=dtype pairs; case-insensitive. "half" follows jmp:
+# float16 on CPU/GPU, bfloat16 on TPU (torch, without TPUs: float16).
 _DTYPE_NAMES: dict[str, Any] = {
-    "float32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
     "f32": jnp.float32,
+    "f64": jnp.float64,
+    "float16": jnp.float16,
+    "float32": jnp.float32,
+    "float64": jnp.float64,
+    "fp16": jnp.float16,
     "fp32": jnp.float32,
     "full": jnp.float32,
-    "float16": jnp.float16,
-    "f16": jnp.float16,
-    "fp16": jnp.float16,
-    "bfloat16": jnp.bfloat16,
-    "bf16": jnp.bfloat16,
-    "float64": jnp.float64,
-    "f64": jnp.float64,
 }
 _KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute"}
 _KEYS |= {"output": "output", "o": "output"}
-# Keras-style names for the usual mixed-precision recipe.
+# Keras-style names for the usual mixed-precision recipe: (params, compute, output).
 _NAMED = {
     "mixed_float16": (jnp.float32, jnp.float16, jnp.float32),
     "mixed_bfloat16": (jnp.float32, jnp.bfloat16, jnp.float32),
 }
-
-
-def _allowed() -> str:
-    return (
-        "a dtype name applying to params, compute and output "
-        f"({', '.join([*sorted(_DTYPE_NAMES), 'half'])}), one of "
-        f"{', '.join(sorted(_NAMED))}, or comma-separated key=dtype pairs with "
-        "keys params|p, compute|c, output|o (e.g. 'params=float32,compute=float16,"
-        "output=float32' or 'p=f32,c=bf16,o=f32')"
-    )
+_ALLOWED = (
+    "one dtype name for params, compute and output "
+    f"({', '.join(sorted([*_DTYPE_NAMES, 'half']))}), "
+    f"{' or '.join(sorted(_NAMED))}, or comma-separated key=dtype pairs with "
+    "keys params|p, compute|c, output|o (e.g. 'params=float32,compute=float16,"
+    "output=float32' or 'p=f32,c=bf16,o=f32'); case-insensitive"
+)
 
 
 def _parse_dtype(name: str, spec: str):
@@ -55,7 +54,7 @@ def _parse_dtype(name: str, spec: str):
         return jmp.half_dtype()
     if name not in _DTYPE_NAMES:
         raise ValueError(
-            f"unknown dtype {name!r} in policy {spec!r}; allowed: {_allowed()}"
+            f"unknown dtype {name!r} in policy {spec!r}; allowed: {_ALLOWED}"
         )
     return _DTYPE_NAMES[name]
 
@@ -63,12 +62,19 @@ def _parse_dtype(name: str, spec: str):
 def get_policy(policy: str | jmp.Policy) -> jmp.Policy:
     """Parses a mixed-precision policy string into a `jmp.Policy`.
 
-    Grammar (jmp's, with validation): either one dtype name for all three
-    parts (``"bf16"``, ``"half"``, ``"f32"``), ``"mixed_float16"`` /
-    ``"mixed_bfloat16"`` (params and output float32, compute low), or
-    ``key=dtype`` pairs separated by commas with keys ``params|p``,
-    ``compute|c``, ``output|o``. Missing keys follow jmp: params default to
-    float32, compute follows params, output follows compute.
+    Grammar (the same in `torchref.precision.get_policy`; case-insensitive,
+    spaces ignored):
+
+    - one dtype name for all three parts: ``bf16``, ``bfloat16``, ``f16``,
+      ``fp16``, ``float16``, ``half``, ``f32``, ``fp32``, ``float32``,
+      ``full``, ``f64``, ``float64`` (``half`` is jmp's: float16 on CPU/GPU,
+      bfloat16 on TPU);
+    - ``mixed_float16`` / ``mixed_bfloat16``: params and output float32,
+      compute float16 / bfloat16;
+    - comma-separated ``key=dtype`` pairs with keys ``params|p``,
+      ``compute|c``, ``output|o``, each key at most once. Missing keys follow
+      jmp: params default to float32, compute follows params, output follows
+      compute.
 
     Args:
       policy: the string, or a `jmp.Policy` (returned unchanged).
@@ -79,6 +85,7 @@ def get_policy(policy: str | jmp.Policy) -> jmp.Policy:
     Raises:
       ValueError: unknown key or dtype name, repeated key, empty string; the
         message lists what is allowed.
+      TypeError: `policy` is neither a string nor a `jmp.Policy`.
 
     Example:
       >>> from jaxstable import precision
@@ -87,6 +94,8 @@ def get_policy(policy: str | jmp.Policy) -> jmp.Policy:
       ['float32', 'float16', 'float32']
       >>> precision.get_policy("p=f32,c=bf16").output_dtype.__name__
       'bfloat16'
+      >>> precision.get_policy("Mixed_Float16").compute_dtype.__name__
+      'float16'
     """
     if isinstance(policy, jmp.Policy):
         return policy
@@ -96,7 +105,7 @@ def get_policy(policy: str | jmp.Policy) -> jmp.Policy:
         )
     spec = policy.strip().lower()
     if not spec:
-        raise ValueError(f"empty policy string; allowed: {_allowed()}")
+        raise ValueError(f"empty policy string {policy!r}; allowed: {_ALLOWED}")
     if spec in _NAMED:
         p, c, o = _NAMED[spec]
         return jmp.Policy(param_dtype=p, compute_dtype=c, output_dtype=o)
@@ -108,12 +117,11 @@ def get_policy(policy: str | jmp.Policy) -> jmp.Policy:
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep or key not in _KEYS:
             raise ValueError(
-                f"bad part {item!r} in policy {policy!r}; allowed: {_allowed()}"
+                f"bad part {item.strip()!r} in policy {policy!r}; allowed: {_ALLOWED}"
             )
         if _KEYS[key] in parts:
             raise ValueError(
-                f"{_KEYS[key]!r} given twice in policy {policy!r}; "
-                f"allowed: {_allowed()}"
+                f"{_KEYS[key]!r} given twice in policy {policy!r}; allowed: {_ALLOWED}"
             )
         parts[_KEYS[key]] = _parse_dtype(value, policy)
     param = parts.get("params", jnp.float32)
@@ -149,7 +157,8 @@ def dtype_limits(dtype: Any) -> DtypeLimits:
       `DtypeLimits` of Python floats.
 
     Raises:
-      ValueError: `dtype` is not a floating dtype.
+      TypeError: `dtype` is not a floating dtype (the same error and text as
+        `torchref.precision.dtype_limits`).
 
     Example:
       >>> from jaxstable import precision
@@ -159,11 +168,13 @@ def dtype_limits(dtype: Any) -> DtypeLimits:
     """
     try:
         dt = jnp.dtype(dtype)
-    except TypeError as e:
-        raise ValueError(f"unknown dtype {dtype!r}") from e
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(
-            f"dtype must be floating (float16, bfloat16, float32, float64), got {dt}"
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        name = repr(dtype) if dt is None else dt.name
+        raise TypeError(
+            "dtype_limits needs a floating dtype (float16, bfloat16, float32, "
+            f"float64, float8 variants), got {name}"
         )
     fi = jnp.finfo(dt)
     mx = float(fi.max)

@@ -21,9 +21,14 @@ import optax
 from flax import serialization
 
 from jaxstable._src.diagnostics import format_report, non_finite_report
-from jaxstable._src.loss_scale import NoOpLossScale, scaled_value_and_grad
+from jaxstable._src.loss_scale import (
+    DynamicLossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    scaled_value_and_grad,
+)
 from jaxstable._src.precision import get_policy
-from jaxstable._src.transforms import find_skip_state, global_norm
+from jaxstable._src.transforms import SkipNonFiniteState, global_norm
 
 __all__ = [
     "NAN_POLICIES",
@@ -117,6 +122,26 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def _skip_is_outermost(opt_state: Any) -> bool:
+    """Whether ``tx``'s OUTERMOST state is a `SkipNonFiniteState`.
+
+    Only then does the skip transform see (and zero) the whole update. A skip
+    nested inside a chain zeroes its own part only: in
+    ``chain(skip_non_finite(sgd), add_decayed_weights(0.5))`` the decay would
+    still move the params on a NaN step. `optax.inject_hyperparams` around the
+    skip is accepted too (its step count still advances on a skipped step, as
+    a torch LR scheduler stepped every iteration does).
+    """
+    if isinstance(opt_state, SkipNonFiniteState):
+        return True
+    return isinstance(opt_state, _INJECT_STATES) and isinstance(
+        opt_state.inner_state, SkipNonFiniteState
+    )
+
+
 class TrainStep:
     """What `make_train_step` returns: ``step(state, batch) -> (state, metrics)``.
 
@@ -124,6 +149,8 @@ class TrainStep:
       raw: the pure, un-jitted step function.
       grads: ``grads(state, batch) -> unscaled gradients`` (jitted), used by
         `fit` to report which gradient leaves went non-finite.
+      jit: whether calls are jitted.
+      donate: whether a jitted call donates its input state.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -140,6 +167,8 @@ class TrainStep:
 
     def __init__(self, raw: Callable, grads: Callable, jit: bool, donate: bool):
         self.raw = raw
+        self.jit = bool(jit)
+        self.donate = bool(donate)
         self.grads = jax.jit(grads) if jit else grads
         self._fn = jax.jit(raw, donate_argnums=(0,) if donate else ()) if jit else raw
 
@@ -149,8 +178,15 @@ class TrainStep:
         return self._fn(state, batch)
 
     def lower(self, state: TrainState, batch: Any):
-        """`jax.jit(...).lower(state, batch)` of the step (for HLO inspection)."""
-        return self._fn.lower(state, batch)
+        """`jax.jit(...).lower(state, batch)` of the step (for HLO inspection).
+
+        With ``jit=False`` the raw step is jitted for the occasion (with the
+        same donation), so the HLO is that of the jitted step.
+        """
+        fn = self._fn
+        if not self.jit:
+            fn = jax.jit(self.raw, donate_argnums=(0,) if self.donate else ())
+        return fn.lower(state, batch)
 
 
 def make_train_step(
@@ -172,9 +208,12 @@ def make_train_step(
         loss_scale = ls.adjust(finite)
 
     ``finite`` is reduced once and reused by the skip transform and the loss
-    scale. If ``tx`` holds no `skip_non_finite`, the step itself keeps the old
-    params and optimizer state on a non-finite step; the model state (batch
-    stats) is always kept unchanged on a non-finite step.
+    scale. Unless ``tx``'s OUTERMOST state is a `SkipNonFiniteState` (as with
+    `stable_optimizer`, possibly inside `optax.inject_hyperparams`), the step
+    itself keeps the old params and optimizer state on a non-finite step,
+    with the same flag: a skip nested inside a chain would zero only its own
+    part of the update. The model state (batch stats) is always kept
+    unchanged on a non-finite step.
 
     Contracts of ``loss_fn``:
       - ``has_state=False``: ``loss_fn(params, batch) -> loss`` or, with
@@ -237,8 +276,10 @@ def make_train_step(
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss, jnp.float32)
         if loss.shape != ():
+            # Same text as torchref.train.TrainStep.
             raise ValueError(
-                f"loss_fn must return a scalar loss, got shape {loss.shape}"
+                f"loss_fn must return a scalar (0-d) loss, got shape {loss.shape}; "
+                "reduce it, e.g. with .mean()"
             )
         return loss, (aux, new_model_state)
 
@@ -258,8 +299,8 @@ def make_train_step(
         else:
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if find_skip_state(state.opt_state) is None:
-            # No skip transform in tx: guard here (the same single flag).
+        if not _skip_is_outermost(state.opt_state):
+            # No skip transform around the whole of tx: guard here (same flag).
             params = _select(finite, params, state.params)
             opt_state = _select(finite, opt_state, state.opt_state)
         if state.model_state is not None:
@@ -297,11 +338,13 @@ class NonFiniteError(FloatingPointError):
     """Raised by `fit(nan_policy="stop")` after too many non-finite steps in a row.
 
     Attributes:
-      step: 1-based index (within the `fit` call) of the step that hit the
-        limit.
-      state: the latest `TrainState` (skipped steps left params unchanged).
-      report: `non_finite_report` of that step's gradients.
-      history: the per-step metrics recorded so far.
+      step: 0-based index (within the `fit` call) of the step that hit the
+        limit, as in `torchref.train.NonFiniteError`.
+      state: the `TrainState` produced by that step (its update was skipped;
+        no later batch was applied).
+      report: `non_finite_report` of that step's gradients, recomputed at the
+        loss scale that step used.
+      history: the per-step records, ending with that step.
     """
 
     def __init__(
@@ -353,6 +396,11 @@ def load_checkpoint(path: str | os.PathLike, target: Any) -> Any:
     Returns:
       The restored state.
 
+    Raises:
+      ValueError: the checkpoint's loss scale is of another type than
+        ``target.loss_scale`` (e.g. saved `DynamicLossScale`, target
+        `NoOpLossScale`): restoring would silently drop or invent fields.
+
     Example:
       >>> import os, tempfile, jax.numpy as jnp, optax
       >>> from jaxstable import train
@@ -364,8 +412,34 @@ def load_checkpoint(path: str | os.PathLike, target: Any) -> Any:
       [3.0, 3.0]
     """
     with open(path, "rb") as f:
-        return serialization.from_state_dict(
-            target, serialization.msgpack_restore(f.read())
+        raw = serialization.msgpack_restore(f.read())
+    _check_loss_scale_type(path, raw, target)
+    return serialization.from_state_dict(target, raw)
+
+
+def _loss_scale_kind(fields: dict) -> str:
+    known = {
+        frozenset(serialization.to_state_dict(cls())): cls.__name__
+        for cls in (NoOpLossScale, StaticLossScale, DynamicLossScale)
+    }
+    return known.get(
+        frozenset(fields), f"an unknown loss scale with fields {sorted(fields)}"
+    )
+
+
+def _check_loss_scale_type(path: Any, raw: Any, target: Any) -> None:
+    ls = getattr(target, "loss_scale", None)
+    if ls is None or not isinstance(raw, dict) or "loss_scale" not in raw:
+        return
+    expected = serialization.to_state_dict(ls)
+    saved = raw["loss_scale"]
+    if not (isinstance(expected, dict) and isinstance(saved, dict)):
+        return  # a loss scale flax does not serialise field by field (jmp's)
+    if set(saved) != set(expected):
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds a {_loss_scale_kind(saved)} "
+            f"but target.loss_scale is a {type(ls).__name__}: build the target "
+            "with the loss-scale type the checkpoint was saved with"
         )
 
 
@@ -387,6 +461,14 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
+def _may_donate(train_step: Callable) -> bool:
+    # An unknown callable may donate its input (e.g. jax.jit(step.raw,
+    # donate_argnums=0)); a TrainStep says whether it does.
+    if isinstance(train_step, TrainStep):
+        return train_step.jit and train_step.donate
+    return True
+
+
 def fit(
     state: TrainState,
     train_step: Callable,
@@ -402,9 +484,21 @@ def fit(
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
-    Metrics of step k are read to the host only after step k+1 has been
-    dispatched, so the device is never idle waiting for the host. The step
-    itself never syncs.
+    The records, the JSONL log, the checkpoints and `NonFiniteError` are
+    those of `torchref.train.fit`: step indices are 0-based, the log is
+    overwritten at the start of each call, checkpoints are named
+    ``step_{n:08d}.msgpack`` with n the number of steps done.
+
+    Pipelining: the metrics of step k are read to the host only after step
+    k+1 has been dispatched, so the device is never idle waiting for the
+    host (the step itself never syncs). With ``nan_policy="stop"`` this
+    lookahead is kept only when the step does not donate its input (a
+    `TrainStep` made with ``donate=False``): the state produced by the
+    failing step must still exist when its metrics are read. With a donating
+    step (or a callable that is not a `TrainStep`) "stop" reads each step's
+    metrics before dispatching the next (one host sync per step). Either way
+    the error carries the failing step's own state and nothing after it is
+    applied, logged or checkpointed.
 
     Args:
       state: the initial `TrainState`.
@@ -416,21 +510,24 @@ def fit(
         or ``"stop"`` (raise `NonFiniteError` after
         ``max_consecutive_nonfinite`` non-finite steps in a row).
       max_consecutive_nonfinite: the limit for ``"stop"``, >= 1.
-      log_path: append one JSON line per step (keys ``step, loss, grad_norm,
-        loss_scale, finite, skipped_total`` and ``aux[...]`` scalars).
+      log_path: JSONL file, overwritten at the start of the call: one line
+        per step (keys ``step, loss, grad_norm, loss_scale, finite,
+        skipped_total`` and ``aux[...]`` scalars).
       progress: show a tqdm progress bar with loss, grad_norm, loss_scale,
         skipped.
-      checkpoint_dir: where to write ``step_<n>.msgpack`` checkpoints.
-      checkpoint_every: write one every this many steps (needs
-        ``checkpoint_dir``), and one at the end.
+      checkpoint_dir: where to write ``step_{n:08d}.msgpack`` checkpoints; a
+        final one is always written when the loop ends (not when it raises).
+      checkpoint_every: also write one every this many steps (needs
+        ``checkpoint_dir``). Without it, only the final checkpoint.
 
     Returns:
       ``(state, history)``: the final state and a list of per-step metric
       dicts (Python numbers, the same records as the JSON lines).
 
     Raises:
-      NonFiniteError: with ``nan_policy="stop"``; the message names the step
-        and lists the non-finite gradient leaves and batch inputs.
+      NonFiniteError: with ``nan_policy="stop"``; the message names the step,
+        the loss scale it used, and lists the non-finite gradient leaves
+        (recomputed at that scale) and batch inputs.
       ValueError: bad ``nan_policy`` (lists the valid values) or limits.
 
     Example:
@@ -443,20 +540,36 @@ def fit(
       >>> state, hist = train.fit(state, step, data, progress=False)
       >>> [h["finite"] for h in hist], hist[-1]["skipped_total"]
       ([True, False, True], 1)
+      >>> try:
+      ...     train.fit(state, step, data[1:], nan_policy="stop",
+      ...               max_consecutive_nonfinite=1, progress=False)
+      ... except train.NonFiniteError as e:
+      ...     print(e.step, "|", str(e).split(";")[0])
+      0 | 1 non-finite step(s) in a row, the last at step 0
     """
     if nan_policy not in NAN_POLICIES:
         raise ValueError(
             f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}"
         )
-    if not isinstance(max_consecutive_nonfinite, int) or max_consecutive_nonfinite < 1:
+    if (
+        isinstance(max_consecutive_nonfinite, bool)
+        or not isinstance(max_consecutive_nonfinite, int)
+        or max_consecutive_nonfinite < 1
+    ):
         raise ValueError(
             "max_consecutive_nonfinite must be an int >= 1, "
             f"got {max_consecutive_nonfinite!r}"
         )
-    if steps is not None and (not isinstance(steps, int) or steps < 0):
+    if steps is not None and (
+        isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
+    ):
         raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
     if checkpoint_every is not None:
-        if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        if (
+            isinstance(checkpoint_every, bool)
+            or not isinstance(checkpoint_every, int)
+            or checkpoint_every < 1
+        ):
             raise ValueError(
                 f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}"
             )
@@ -467,19 +580,24 @@ def fit(
 
     from tqdm.auto import tqdm  # imported here: only fit needs it
 
+    total = steps
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)
     it = iter(batches) if steps is None else itertools.islice(batches, steps)
+    pipeline = nan_policy == "skip" or not _may_donate(train_step)
     history: list[dict[str, Any]] = []
-    bar = tqdm(total=steps, disable=not progress, desc="train")
-    log = open(log_path, "a") if log_path is not None else None
+    bar = tqdm(total=total, disable=not progress, desc="train")
+    log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
     consecutive = 0
 
-    def consume(pending, latest_state):
+    def consume(pending):
         nonlocal consecutive
         index, metrics, batch, state_out = pending
         rec = _host_record(index, metrics)
         history.append(rec)
         if log is not None:
             log.write(json.dumps(rec) + "\n")
+            log.flush()
         bar.set_postfix(
             loss=f"{rec['loss']:.4g}",
             grad_norm=f"{rec['grad_norm']:.3g}",
@@ -491,31 +609,36 @@ def fit(
         consecutive = 0 if rec["finite"] else consecutive + 1
         if nan_policy == "stop" and consecutive >= max_consecutive_nonfinite:
             _raise_non_finite(
-                train_step, index, consecutive, batch, state_out, latest_state, history
+                train_step, rec, consecutive, batch, state_out, metrics, history
             )
 
-    def save(st, index):
-        if checkpoint_dir is not None:
-            save_checkpoint(os.path.join(checkpoint_dir, f"step_{index}.msgpack"), st)
+    def save(st, n):
+        path = os.path.join(checkpoint_dir, f"step_{n:08d}.msgpack")
+        save_checkpoint(path, st)
 
     pending = None
-    index = 0
+    done = 0  # steps dispatched so far
+    saved_at = None
     try:
         for batch in it:
-            index += 1
             new_state, metrics = train_step(state, batch)
             if pending is not None:
-                consume(pending, new_state)
-            pending = (index, metrics, batch, new_state)
+                consume(pending)  # step done-1, read after step done is queued
+            pending = (done, metrics, batch, new_state)
+            done += 1
             state = new_state
-            if checkpoint_every is not None and index % checkpoint_every == 0:
-                save(state, index)
+            due = checkpoint_every is not None and done % checkpoint_every == 0
+            if not pipeline or due:
+                # A checkpoint is written only after its step passed the check.
+                consume(pending)
+                pending = None
+            if due:
+                save(state, done)
+                saved_at = done
         if pending is not None:
-            consume(pending, state)
-        if checkpoint_dir is not None and (
-            checkpoint_every is None or index % checkpoint_every
-        ):
-            save(state, index)
+            consume(pending)
+        if checkpoint_dir is not None and saved_at != done:
+            save(state, done)  # the final checkpoint
     finally:
         bar.close()
         if log is not None:
@@ -523,29 +646,36 @@ def fit(
     return state, history
 
 
-def _raise_non_finite(
-    train_step, index, consecutive, batch, state_out, latest, history
-):
+def _raise_non_finite(train_step, rec, consecutive, batch, state_out, metrics, history):
+    # state_out is the failing step's own output: a non-finite step leaves
+    # params, opt_state and model_state as they were, but its loss scale has
+    # already backed off. Recompute at the scale the step USED, or an
+    # overflow of the scaled loss (not NaN data) would look all finite.
+    used = StaticLossScale(metrics["loss_scale"])
     grads_fn = getattr(train_step, "grads", None)
-    report: list = []
-    if grads_fn is not None:
-        for candidate in (state_out, latest):
-            try:
-                report = non_finite_report(grads_fn(candidate, batch))
-                break
-            except RuntimeError:  # buffers donated to the next step: try the latest
-                continue
+    report = (
+        non_finite_report(grads_fn(state_out.replace(loss_scale=used), batch))
+        if grads_fn is not None
+        else []
+    )
+    scale = f"{rec['loss_scale']:.6g}"
     parts = [
-        f"step {index}: {consecutive} non-finite steps in a row "
-        f"(nan_policy='stop'); the updates were skipped.",
-        "non-finite gradients:\n" + format_report(report),
+        f"{consecutive} non-finite step(s) in a row, the last at step "
+        f"{rec['step']}; loss={rec['loss']:.6g}, grad_norm={rec['grad_norm']:.6g}, "
+        f"loss_scale={scale} (the scale that step used); its update was skipped "
+        "(nan_policy='stop').",
+        f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
     ]
     batch_report = non_finite_report(batch)
     if batch_report:
         parts.append("non-finite batch inputs:\n" + format_report(batch_report))
-    param_report = non_finite_report(latest.params)
+    param_report = non_finite_report(state_out.params)
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
     raise NonFiniteError(
-        "\n".join(parts), step=index, state=latest, report=report, history=history
+        "\n".join(parts),
+        step=rec["step"],
+        state=state_out,
+        report=report,
+        history=history,
     )

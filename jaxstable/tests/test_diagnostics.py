@@ -53,7 +53,46 @@ def test_format_report_table():
 def test_check_params():
     diagnostics.check_params({"w": jnp.ones(2)})
     with pytest.raises(
-        FloatingPointError, match=r"3 of 5 leaves are not finite"
+        FloatingPointError, match=r"3 of 5 leaves are not finite: "
     ) as info:
         diagnostics.check_params(_tree())
     assert "['scale']" in str(info.value)
+
+
+def test_float8_leaves_are_reported():
+    tree = {
+        "e4": jnp.array([1.0, jnp.nan, -3.0], jnp.float8_e4m3fn),
+        "e5": jnp.array([jnp.inf, -2.0], jnp.float8_e5m2),
+        "ok": jnp.ones(2, jnp.float8_e4m3fn),
+    }
+    rep = {r.path: r for r in diagnostics.non_finite_report(tree)}
+    assert set(rep) == {"['e4']", "['e5']"}
+    assert (rep["['e4']"].nan_count, rep["['e4']"].max_abs_finite) == (1, 3.0)
+    assert rep["['e4']"].dtype == "float8_e4m3fn"
+    assert (rep["['e5']"].inf_count, rep["['e5']"].max_abs_finite) == (1, 2.0)
+
+
+# The same literal is in torchref/tests/test_diagnostics.py: one layout.
+TABLE = (
+    "path   nan  inf  max|finite|  shape   dtype\n"
+    "enc/w    1    2            7  (5,)    float32\n"
+    "b        3    0          nan  (2, 3)  bfloat16"
+)
+
+
+def test_format_report_layout_is_shared():
+    report = [
+        diagnostics.LeafReport("enc/w", 1, 2, 7.0, (5,), "float32"),
+        diagnostics.LeafReport("b", 3, 0, float("nan"), (2, 3), "bfloat16"),
+    ]
+    assert diagnostics.format_report(report) == TABLE
+
+
+def test_check_params_message_layout():
+    tree = {"a": jnp.ones(2), "w": jnp.array([jnp.nan, 2.5])}
+    with pytest.raises(FloatingPointError) as info:
+        diagnostics.check_params(tree)
+    report = diagnostics.non_finite_report(tree)
+    assert str(info.value) == (
+        "1 of 2 leaves is not finite: ['w']\n" + diagnostics.format_report(report)
+    )

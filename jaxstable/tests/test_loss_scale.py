@@ -248,3 +248,58 @@ def test_scaled_value_and_grad_no_retrace():
     for i in range(3):
         _, _, ok = g(ls, jnp.full(3, float(i)))
         ls = ls.adjust(ok)
+
+
+# The same (kwargs, message) table is in torchref/tests/test_loss_scale.py.
+OUT_OF_RANGE = [
+    (
+        dict(counter=5, period=5),
+        "counter must be an int with 0 <= counter < period=5, got 5",
+    ),
+    (
+        dict(counter=-1),
+        "counter must be an int with 0 <= counter < period=2000, got -1",
+    ),
+    (
+        dict(counter=1.5),
+        "counter must be an int with 0 <= counter < period=2000, got 1.5",
+    ),
+    (
+        dict(loss_scale=1.0, min_loss_scale=2.0),
+        "min_loss_scale=2.0 must be <= loss_scale=1.0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), OUT_OF_RANGE)
+def test_out_of_range_counter_and_floor_are_rejected(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        jls.DynamicLossScale(**kwargs)
+    assert str(info.value) == message
+
+
+def test_traced_fields_are_not_validated():
+    # Only concrete values are checked: under jit the fields are tracers.
+    @jax.jit
+    def make(scale, counter):
+        ls = jls.DynamicLossScale(loss_scale=scale, counter=counter, period=4)
+        return ls.adjust(jnp.asarray(True)).loss_scale
+
+    assert float(make(2.0, 3)) == 4.0
+
+
+def test_loss_scales_are_hashable_and_compare_by_identity():
+    dyn, static, noop = (
+        jls.DynamicLossScale(),
+        jls.StaticLossScale(),
+        jls.NoOpLossScale(),
+    )
+    assert len({dyn, static, noop}) == 3  # hash() works (fields are arrays)
+    assert dyn == dyn and dyn != jls.DynamicLossScale()  # identity, never elementwise
+    assert noop == jls.NoOpLossScale()  # no fields: all NoOps are equal
+
+    @jax.jit
+    def same(ls):
+        return jnp.asarray(ls == ls)  # no traced comparison of the fields
+
+    assert bool(same(dyn))

@@ -1,5 +1,7 @@
 """Unit tests of jaxstable.precision."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import jmp
@@ -8,25 +10,51 @@ import pytest
 
 from jaxstable import precision
 
+# The same table is in torchref/tests/test_precision.py: one grammar on both sides.
+POLICY_TABLE = [
+    (
+        "params=float32,compute=float16,output=float32",
+        ("float32", "float16", "float32"),
+    ),
+    ("p=f32,c=bf16,o=f32", ("float32", "bfloat16", "float32")),
+    ("c=f16", ("float32", "float16", "float16")),  # jmp: output follows compute
+    ("p=bf16", ("bfloat16", "bfloat16", "bfloat16")),
+    ("compute=fp16,output=fp32", ("float32", "float16", "float32")),
+    ("o=full", ("float32", "float32", "float32")),
+    ("bf16", ("bfloat16", "bfloat16", "bfloat16")),
+    ("bfloat16", ("bfloat16", "bfloat16", "bfloat16")),
+    ("f16", ("float16", "float16", "float16")),
+    ("fp16", ("float16", "float16", "float16")),
+    ("float16", ("float16", "float16", "float16")),
+    ("half", ("float16", "float16", "float16")),  # float16 off TPU, as jmp
+    ("f32", ("float32", "float32", "float32")),
+    ("fp32", ("float32", "float32", "float32")),
+    ("float32", ("float32", "float32", "float32")),
+    ("full", ("float32", "float32", "float32")),
+    ("f64", ("float64", "float64", "float64")),
+    ("mixed_float16", ("float32", "float16", "float32")),
+    ("mixed_bfloat16", ("float32", "bfloat16", "float32")),
+    ("MIXED_BFLOAT16", ("float32", "bfloat16", "float32")),
+    ("Half", ("float16", "float16", "float16")),
+    (" P=F32, C=FP16 ", ("float32", "float16", "float16")),
+]
 
-@pytest.mark.parametrize(
-    ("spec", "expected"),
-    [
-        (
-            "params=float32,compute=float16,output=float32",
-            ("float32", "float16", "float32"),
-        ),
-        ("p=f32,c=bf16,o=f32", ("float32", "bfloat16", "float32")),
-        ("c=f16", ("float32", "float16", "float16")),  # jmp: output follows compute
-        ("p=bf16", ("bfloat16", "bfloat16", "bfloat16")),
-        ("bf16", ("bfloat16", "bfloat16", "bfloat16")),
-        ("f32", ("float32", "float32", "float32")),
-        ("float16", ("float16", "float16", "float16")),
-        ("half", ("float16", "float16", "float16")),  # float16 off TPU, as jmp
-        ("mixed_bfloat16", ("float32", "bfloat16", "float32")),
-        (" P=F32, C=FP16 ", ("float32", "float16", "float16")),
-    ],
-)
+# (spec, message): the same table in torchref/tests/test_precision.py.
+POLICY_ERRORS = [
+    ("float8", "unknown dtype 'float8' in policy 'float8'"),
+    ("p=f32,q=f16", "bad part 'q=f16' in policy 'p=f32,q=f16'"),
+    ("p=f32,c", "bad part 'c' in policy 'p=f32,c'"),
+    ("compute", "unknown dtype 'compute'"),
+    ("c=mixed_float16", "unknown dtype 'mixed_float16'"),
+    ("p=f32,p=f16", "'params' given twice in policy 'p=f32,p=f16'"),
+    ("P=f32,params=f16", "'params' given twice"),
+    ("c=f16,o=f32,compute=bf16", "'compute' given twice"),
+    ("", "empty policy string"),
+    ("  ", "empty policy string"),
+]
+
+
+@pytest.mark.parametrize(("spec", "expected"), POLICY_TABLE)
 def test_get_policy(spec, expected):
     p = precision.get_policy(spec)
     assert isinstance(p, jmp.Policy)
@@ -37,22 +65,13 @@ def test_get_policy(spec, expected):
     assert precision.get_policy(p) is p
 
 
-@pytest.mark.parametrize(
-    ("spec", "message"),
-    [
-        ("float8", "unknown dtype 'float8'"),
-        ("p=f32,q=f16", "bad part 'q=f16'"),
-        ("compute", "unknown dtype 'compute'"),
-        ("p=f32,p=f16", "'params' given twice"),
-        ("", "empty policy string"),
-    ],
-)
+@pytest.mark.parametrize(("spec", "message"), POLICY_ERRORS)
 def test_get_policy_errors_list_allowed(spec, message):
-    with pytest.raises(ValueError, match=message) as info:
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
         precision.get_policy(spec)
-    if spec:
-        assert "params|p, compute|c, output|o" in str(info.value)
-        assert "bfloat16" in str(info.value)
+    text = str(info.value)
+    for allowed in ("params|p, compute|c, output|o", "mixed_bfloat16", "fp16", "full"):
+        assert allowed in text
 
 
 def test_get_policy_type_error():
@@ -81,8 +100,23 @@ def test_dtype_limits_known_values():
     assert precision.dtype_limits(jnp.float16).max == 65504.0
     assert round(precision.dtype_limits(jnp.float16).max_exp_arg, 2) == 11.09
     assert round(precision.dtype_limits(jnp.float32).max_exp_arg, 2) == 88.72
-    with pytest.raises(ValueError, match="dtype must be floating"):
-        precision.dtype_limits(jnp.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "int8"])
+def test_dtype_limits_non_float_is_type_error(dtype):
+    # Same error type and text as torchref.precision.dtype_limits.
+    name = jnp.dtype(dtype).name
+    with pytest.raises(TypeError) as info:
+        precision.dtype_limits(dtype)
+    assert str(info.value) == (
+        "dtype_limits needs a floating dtype (float16, bfloat16, float32, "
+        f"float64, float8 variants), got {name}"
+    )
+
+
+def test_dtype_limits_float8():
+    lim = precision.dtype_limits(jnp.float8_e4m3fn)
+    assert lim.max == 448.0
 
 
 def test_headroom(tol):

@@ -219,6 +219,7 @@ def test_bad_flags():
 def test_fit_logs_and_skips(tmp_path, capsys):
     batches = [_batch(i, nan=(i == 2)) for i in range(6)]
     log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 99}\n')  # an older run's log: overwritten, not appended
     state, hist = train.fit(
         _state(),
         _STEP,
@@ -238,16 +239,17 @@ def test_fit_logs_and_skips(tmp_path, capsys):
         "finite",
         "skipped_total",
     }
+    assert [h["step"] for h in hist] == list(range(6))  # 0-based, as torchref
     assert [h["finite"] for h in hist] == [True, True, False, True, True, True]
     assert hist[-1]["skipped_total"] == 1 and hist[3]["loss_scale"] == 2.0**15
     err = capsys.readouterr().err
     assert "loss_scale" in err and "skipped" in err  # the tqdm bar
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "step_4.msgpack",
-        "step_6.msgpack",
+        "step_00000004.msgpack",
+        "step_00000006.msgpack",  # the final one
     ]
     blank = _state()
-    restored = train.load_checkpoint(tmp_path / "ckpt" / "step_6.msgpack", blank)
+    restored = train.load_checkpoint(tmp_path / "ckpt" / "step_00000006.msgpack", blank)
     jax.tree.map(np.testing.assert_array_equal, restored.params, state.params)
     assert float(restored.loss_scale.loss_scale) == float(state.loss_scale.loss_scale)
     assert int(restored.skipped_total) == 1
@@ -268,15 +270,151 @@ def test_fit_stop_raises_with_report():
         )
     err = info.value
     assert isinstance(err, FloatingPointError)
-    assert err.step == 4
+    assert err.step == 3  # 0-based, as torchref
     msg = str(err)
-    assert "step 4: 3 non-finite steps in a row" in msg
+    assert msg.startswith("3 non-finite step(s) in a row, the last at step 3; ")
+    assert "loss_scale=16384 (the scale that step used)" in msg
+    assert "non-finite gradients at loss_scale=16384:" in msg
     assert "['w1']" in msg  # gradient leaf named in the report
     assert "non-finite batch inputs" in msg and "[0]" in msg
     assert {r.path for r in err.report} >= {"['w1']", "['b1']", "['w2']"}
     assert all(
         bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(err.state.params)
     )
+
+
+@pytest.mark.parametrize(
+    ("donate", "every"), [(False, None), (True, None), (False, 1), (True, 1)]
+)
+def test_fit_stop_state_is_that_of_the_failing_step(tmp_path, donate, every):
+    # [ok, nan, nan, ok] with a limit of 2: step 2 fails; batch 3 must not be
+    # trained on, and nothing of it may show in the error, history or files.
+    # donate=False keeps fit's one-step lookahead (batch 3 is dispatched, its
+    # result dropped); donate=True reads each step before the next. A
+    # checkpoint due at a step also reads it first.
+    step = train.make_train_step(_mlp_loss, donate=donate)
+    batches = [_batch(0), _batch(1, nan=True), _batch(2, nan=True), _batch(3)]
+    expected, _ = _STEP(_state(), batches[0])
+    with pytest.raises(train.NonFiniteError) as info:
+        train.fit(
+            _state(),
+            step,
+            batches,
+            nan_policy="stop",
+            max_consecutive_nonfinite=2,
+            progress=False,
+            log_path=tmp_path / "log.jsonl",
+            checkpoint_dir=tmp_path / "ck",
+            checkpoint_every=every,
+        )
+    err = info.value
+    assert err.step == 2 and int(err.state.step) == 3
+    assert int(err.state.skipped_total) == 2
+    jax.tree.map(np.testing.assert_array_equal, err.state.params, expected.params)
+    assert [h["step"] for h in err.history] == [0, 1, 2]
+    logged = [json.loads(s)["step"] for s in (tmp_path / "log.jsonl").open()]
+    assert logged == [0, 1, 2]
+    expected_files = [] if every is None else [f"step_{n:08d}.msgpack" for n in (1, 2)]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == expected_files
+
+
+def test_fit_stop_report_uses_the_scale_the_failing_step_used():
+    # Not NaN data: w * 7e33 scaled by 2**16 overflows float32 (max 3.4e38),
+    # scaled by the backed-off 2**15 it does not.
+    step = train.make_train_step(lambda p, b: p["w"] * b)
+    state = train.TrainState.create(
+        params={"w": jnp.ones([])},
+        optimizer=transforms.stable_optimizer(optax.sgd(0.1)),
+        loss_scale=jls.DynamicLossScale(),
+    )
+    with pytest.raises(train.NonFiniteError) as info:
+        train.fit(
+            state,
+            step,
+            [jnp.float32(7e33)],
+            nan_policy="stop",
+            max_consecutive_nonfinite=1,
+            progress=False,
+        )
+    err = info.value
+    assert [r.path for r in err.report] == ["['w']"]
+    assert err.report[0].inf_count == 1
+    assert "loss_scale=65536 (the scale that step used)" in str(err)
+    assert "non-finite gradients at loss_scale=65536:" in str(err)
+    assert "non-finite batch inputs" not in str(err)
+    assert float(err.state.loss_scale.loss_scale) == 2.0**15
+
+
+def test_fit_checkpoint_dir_alone_writes_a_final_checkpoint(tmp_path):
+    train.fit(
+        _state(),
+        _STEP,
+        [_batch(i) for i in range(3)],
+        progress=False,
+        checkpoint_dir=tmp_path,
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003.msgpack"]
+    restored = train.load_checkpoint(tmp_path / "step_00000003.msgpack", _state())
+    assert int(restored.step) == 3
+
+
+def test_step_guards_when_skip_is_not_outermost():
+    # The skip transform inside a chain only zeroes ITS part of the update;
+    # add_decayed_weights after it would still move the params by 0.5 * p.
+    tx = optax.chain(
+        transforms.skip_non_finite(optax.sgd(0.1)), optax.add_decayed_weights(0.5)
+    )
+    step = train.make_train_step(lambda p, b: jnp.sum(p * b))
+    state = train.TrainState.create(params=jnp.ones(2), optimizer=tx)
+    new, m = step(state, jnp.array([1.0, jnp.nan]))
+    assert not bool(m["finite"])
+    assert new.params.tolist() == [1.0, 1.0]
+    jax.tree.map(np.testing.assert_array_equal, new.opt_state, state.opt_state)
+    new, m = step(new, jnp.array([1.0, 2.0]))
+    assert bool(m["finite"]) and new.params.tolist() != [1.0, 1.0]
+
+
+def test_inject_hyperparams_around_the_skip_is_trusted():
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: transforms.stable_optimizer(optax.sgd(learning_rate))
+    )(learning_rate=0.1)
+    step = train.make_train_step(lambda p, b: jnp.sum(p * b))
+    state = train.TrainState.create(params=jnp.ones(2), optimizer=tx)
+    new, m = step(state, jnp.array([1.0, jnp.nan]))
+    assert not bool(m["finite"]) and new.params.tolist() == [1.0, 1.0]
+    # The skip transform itself recorded the skip (the step did not revert it).
+    assert int(transforms.find_skip_state(new.opt_state).skipped_total) == 1
+
+
+def test_lower_without_jit():
+    step = train.make_train_step(_mlp_loss, jit=False)
+    lowered = step.lower(_state(), _batch(0))
+    assert not _has_conditional(lowered)
+
+
+def test_non_scalar_loss_is_rejected():
+    step = train.make_train_step(lambda p, b: p * b)
+    state = train.TrainState.create(params=jnp.ones(2), optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError) as info:
+        step(state, jnp.ones(2))
+    # Same text as torchref.train.TrainStep.
+    assert str(info.value) == (
+        "loss_fn must return a scalar (0-d) loss, got shape (2,); "
+        "reduce it, e.g. with .mean()"
+    )
+
+
+def test_load_checkpoint_rejects_another_loss_scale_type(tmp_path):
+    path = tmp_path / "ck.msgpack"
+    train.save_checkpoint(path, _state(ls=jls.DynamicLossScale(period=7)))
+    for other in (jls.NoOpLossScale(), jls.StaticLossScale(8.0)):
+        target = _state().replace(loss_scale=other)
+        with pytest.raises(ValueError) as info:
+            train.load_checkpoint(path, target)
+        msg = str(info.value)
+        assert "DynamicLossScale" in msg and type(other).__name__ in msg
+    restored = train.load_checkpoint(path, _state())
+    assert restored.loss_scale.period == 7
 
 
 def test_fit_invalid_arguments():

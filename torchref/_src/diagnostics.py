@@ -25,7 +25,8 @@ class LeafReport(NamedTuple):
             nested mappings/sequences).
         nan_count: number of NaNs.
         inf_count: number of +-Infs.
-        max_abs_finite: largest |x| over its finite elements (0.0 if none).
+        max_abs_finite: largest |x| over its finite elements; nan when no
+            element is finite (the same in `jaxstable.diagnostics`).
         shape: tuple of ints.
         dtype: the dtype's name without the "torch." prefix ("float32").
     """
@@ -85,7 +86,7 @@ def non_finite_report(tree: Any) -> list[LeafReport]:
             continue
         nan = int(torch.isnan(t).sum())
         fin = t[finite]
-        max_abs = float(fin.abs().max().double()) if fin.numel() else 0.0
+        max_abs = float(fin.abs().max().double()) if fin.numel() else float("nan")
         out.append(
             LeafReport(
                 path=path,
@@ -119,18 +120,25 @@ def non_finite_grad_report(model: torch.nn.Module) -> list[LeafReport]:
 def format_report(report: list[LeafReport]) -> str:
     """A readable fixed-width table of a report.
 
+    The layout is the same as `jaxstable.diagnostics.format_report`: a header
+    ``path nan inf max|finite| shape dtype`` and one row per tensor, columns
+    two spaces apart, numbers right-aligned, ``max|finite|`` with 6
+    significant digits (``nan`` when no element is finite).
+
+    Returns:
+        A multi-line string, or ``"all finite"`` for an empty report.
+
     Example:
         >>> import torch
         >>> report = non_finite_report({"w": torch.tensor([float("nan"), 2.0])})
         >>> print(format_report(report))
-        1 non-finite tensor(s):
         path  nan  inf  max|finite|  shape  dtype
         w       1    0            2  (2,)   float32
         >>> print(format_report([]))
-        all tensors finite
+        all finite
     """
     if not report:
-        return "all tensors finite"
+        return "all finite"
     head = ("path", "nan", "inf", "max|finite|", "shape", "dtype")
     rows = [
         (
@@ -138,7 +146,7 @@ def format_report(report: list[LeafReport]) -> str:
             str(r.nan_count),
             str(r.inf_count),
             f"{r.max_abs_finite:.6g}",
-            str(r.shape),
+            str(tuple(r.shape)),
             r.dtype,
         )
         for r in report
@@ -153,9 +161,7 @@ def format_report(report: list[LeafReport]) -> str:
         ]
         return "  ".join(cells).rstrip()
 
-    return "\n".join(
-        [f"{len(report)} non-finite tensor(s):", line(head), *map(line, rows)]
-    )
+    return "\n".join([line(head), *map(line, rows)])
 
 
 def check_params(tree: Any) -> None:
@@ -165,23 +171,31 @@ def check_params(tree: Any) -> None:
         tree: anything `non_finite_report` accepts (usually the model).
 
     Raises:
-        FloatingPointError: naming every non-finite tensor (the table of
-            `format_report`).
+        FloatingPointError: ``"k of n leaves is/are not finite: <names>"``
+            and the `format_report` table (same text layout as
+            `jaxstable.diagnostics.check_params`; n counts every tensor).
 
     Example:
         >>> import torch
         >>> check_params(torch.nn.Linear(2, 2))  # finite: returns None
-        >>> check_params({"w": torch.tensor([float("nan")])})
+        >>> check_params({"w": torch.tensor([float("nan")]), "b": torch.ones(1)})
         Traceback (most recent call last):
         ...
-        FloatingPointError: non-finite parameters: w
-        1 non-finite tensor(s):
+        FloatingPointError: 1 of 2 leaves is not finite: w
         path  nan  inf  max|finite|  shape  dtype
-        w       1    0            0  (1,)   float32
+        w       1    0          nan  (1,)   float32
     """
     report = non_finite_report(tree)
     if report:
-        names = ", ".join(r.path for r in report)
-        raise FloatingPointError(
-            f"non-finite parameters: {names}\n{format_report(report)}"
-        )
+        raise FloatingPointError(_check_message(report, len(_leaves(tree))))
+
+
+def _check_message(report: list[LeafReport], n_leaves: int) -> str:
+    # "1 of 2 leaves is not finite: w" + the table; same text as jaxstable.
+    noun = "leaf" if n_leaves == 1 else "leaves"
+    verb = "is" if len(report) == 1 else "are"
+    names = ", ".join(r.path for r in report)
+    return (
+        f"{len(report)} of {n_leaves} {noun} {verb} not finite: {names}\n"
+        f"{format_report(report)}"
+    )

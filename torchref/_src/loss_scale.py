@@ -265,15 +265,16 @@ class StaticLossScale:
     still skipped by GradScaler's `step`, but the scale never changes.
 
     Args:
-        loss_scale: the constant scale, a finite number > 0.
+        loss_scale: the constant scale, a finite number > 0 (default 2**15,
+            as `jaxstable.loss_scale.StaticLossScale`).
 
     Example:
         >>> s = StaticLossScale(128.0).make_scaler("cpu")
-        >>> s.get_scale()
-        128.0
+        >>> s.get_scale(), StaticLossScale().loss_scale
+        (128.0, 32768.0)
     """
 
-    loss_scale: float
+    loss_scale: float = 2.0**15
 
     def __post_init__(self) -> None:
         _check_scale("loss_scale", self.loss_scale)
@@ -337,9 +338,11 @@ class DynamicLossScale:
         if not isinstance(self.hysteresis, int) or self.hysteresis < 1:
             raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}")
         if self.min_loss_scale > self.loss_scale:
+            # Same text as jaxstable's: a scale below its floor would be
+            # RAISED by the next backoff.
             raise ValueError(
-                f"min_loss_scale={self.min_loss_scale!r} must be <= "
-                f"loss_scale={self.loss_scale!r}"
+                f"min_loss_scale={float(self.min_loss_scale)!r} must be <= "
+                f"loss_scale={float(self.loss_scale)!r}"
             )
 
     def make_scaler(self, device: str = "cpu") -> DynamicGradScaler:

@@ -12,22 +12,38 @@ import torch
 
 __all__ = ["DtypeLimits", "Policy", "dtype_limits", "get_policy", "headroom"]
 
-# jmp's names (jmp/_src/policy.py: dtype_to_names), plus "half" which jmp maps
-# to bf16 on TPU and fp16 elsewhere; torch has no TPU, so "half" = float16.
+# The policy grammar is the same in jaxstable.precision (same names, same
+# errors, same messages): one dtype name for all three parts, a Keras-style
+# mixed name, or key=dtype pairs; case-insensitive. "half" is jmp's name,
+# float16 on CPU/GPU (jmp maps it to bfloat16 on TPU; torch has no TPU).
 _NAMES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
     "f16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "full": torch.float32,
     "f32": torch.float32,
-    "float32": torch.float32,
     "f64": torch.float64,
+    "float16": torch.float16,
+    "float32": torch.float32,
     "float64": torch.float64,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "full": torch.float32,
+    "half": torch.float16,
 }
-_KEYS = {"p": "param", "params": "param", "c": "compute", "compute": "compute"}
-_KEYS |= {"o": "output", "output": "output"}
+_KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute"}
+_KEYS |= {"output": "output", "o": "output"}
+# Keras-style names for the usual mixed-precision recipe: (params, compute, output).
+_NAMED = {
+    "mixed_float16": (torch.float32, torch.float16, torch.float32),
+    "mixed_bfloat16": (torch.float32, torch.bfloat16, torch.float32),
+}
+_ALLOWED = (
+    "one dtype name for params, compute and output "
+    f"({', '.join(sorted(_NAMES))}), "
+    f"{' or '.join(sorted(_NAMED))}, or comma-separated key=dtype pairs with "
+    "keys params|p, compute|c, output|o (e.g. 'params=float32,compute=float16,"
+    "output=float32' or 'p=f32,c=bf16,o=f32'); case-insensitive"
+)
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _SHORT[torch.float64] = "f64"
 
@@ -86,57 +102,73 @@ class Policy:
         return f"p={p},c={c},o={o}"
 
 
-def _parse_dtype(value: str, spec: str) -> torch.dtype:
-    try:
-        return _NAMES[value.strip()]
-    except KeyError:
+def _parse_dtype(name: str, spec: str) -> torch.dtype:
+    if name not in _NAMES:
         raise ValueError(
-            f"unknown dtype {value!r} in policy {spec!r}; allowed: {', '.join(_NAMES)}"
-        ) from None
+            f"unknown dtype {name!r} in policy {spec!r}; allowed: {_ALLOWED}"
+        )
+    return _NAMES[name]
 
 
-def get_policy(spec: str) -> Policy:
-    """Parses a policy string with jmp's grammar.
+def get_policy(spec: str | Policy) -> Policy:
+    """Parses a policy string with the grammar of `jaxstable.precision.get_policy`.
 
-    Grammar: either one dtype name for all three (``"float16"``, ``"half"``,
-    ``"bf16"``, ``"f32"``, ...) or comma-separated ``key=dtype`` with keys
-    ``params|p``, ``compute|c``, ``output|o``. Missing values: params
-    defaults to float32, compute follows params, output follows compute
-    (``"c=f16"`` -> ``p=f32,c=f16,o=f16``), as `jmp.get_policy`.
+    Grammar (case-insensitive, spaces ignored):
+
+    - one dtype name for all three parts: ``bf16``, ``bfloat16``, ``f16``,
+      ``fp16``, ``float16``, ``half`` (float16), ``f32``, ``fp32``,
+      ``float32``, ``full``, ``f64``, ``float64``;
+    - ``mixed_float16`` / ``mixed_bfloat16``: params and output float32,
+      compute float16 / bfloat16;
+    - comma-separated ``key=dtype`` pairs with keys ``params|p``,
+      ``compute|c``, ``output|o``, each key at most once. Missing values:
+      params defaults to float32, compute follows params, output follows
+      compute (``"c=f16"`` -> ``p=f32,c=f16,o=f16``), as `jmp.get_policy`.
 
     Args:
-        spec: the policy string.
+        spec: the policy string, or a `Policy` (returned unchanged).
 
     Returns:
         A `Policy` of torch dtypes.
 
     Raises:
-        ValueError: unknown key or dtype, listing the allowed ones.
+        ValueError: unknown key or dtype, repeated key, empty string; the
+            message lists what is allowed (same text as the JAX side).
+        TypeError: `spec` is neither a string nor a `Policy`.
 
     Example:
         >>> print(get_policy("params=float32,compute=float16,output=float32"))
         p=f32,c=f16,o=f32
         >>> print(get_policy("c=bf16"))
         p=f32,c=bf16,o=bf16
-        >>> print(get_policy("half"))
-        p=f16,c=f16,o=f16
+        >>> print(get_policy("half"), get_policy("Mixed_BFloat16"))
+        p=f16,c=f16,o=f16 p=f32,c=bf16,o=f32
     """
+    if isinstance(spec, Policy):
+        return spec
     if not isinstance(spec, str):
-        raise TypeError(f"policy must be a string, got {type(spec).__name__}")
-    if "=" not in spec:
-        d = _parse_dtype(spec, spec)
+        raise TypeError(f"policy must be a string or Policy, got {type(spec).__name__}")
+    text = spec.strip().lower()
+    if not text:
+        raise ValueError(f"empty policy string {spec!r}; allowed: {_ALLOWED}")
+    if text in _NAMED:
+        return Policy(*_NAMED[text])
+    if "=" not in text:
+        d = _parse_dtype(text, spec)
         return Policy(d, d, d)
     found: dict[str, torch.dtype] = {}
-    for part in spec.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or key not in _KEYS:
             raise ValueError(
-                f"bad entry {part!r} in policy {spec!r}; expected key=dtype with key "
-                f"one of {', '.join(_KEYS)} and dtype one of {', '.join(_NAMES)}"
+                f"bad part {part.strip()!r} in policy {spec!r}; allowed: {_ALLOWED}"
+            )
+        if _KEYS[key] in found:
+            raise ValueError(
+                f"{_KEYS[key]!r} given twice in policy {spec!r}; allowed: {_ALLOWED}"
             )
         found[_KEYS[key]] = _parse_dtype(value, spec)
-    param = found.get("param", torch.float32)
+    param = found.get("params", torch.float32)
     compute = found.get("compute", param)
     return Policy(param, compute, found.get("output", compute))
 
@@ -171,7 +203,8 @@ def dtype_limits(dtype: torch.dtype) -> DtypeLimits:
         `DtypeLimits`.
 
     Raises:
-        TypeError: a non-floating dtype.
+        TypeError: not a floating torch dtype (the same error and text as
+            `jaxstable.precision.dtype_limits`).
 
     Example:
         >>> import torch
@@ -180,7 +213,15 @@ def dtype_limits(dtype: torch.dtype) -> DtypeLimits:
         (65504.0, 11.09)
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch dtype, got {dtype!r}")
+        name = (
+            str(dtype).removeprefix("torch.")
+            if isinstance(dtype, torch.dtype)
+            else repr(dtype)
+        )
+        raise TypeError(
+            "dtype_limits needs a floating dtype (float16, bfloat16, float32, "
+            f"float64, float8 variants), got {name}"
+        )
     fi = torch.finfo(dtype)
     return DtypeLimits(float(fi.max), float(fi.tiny), float(fi.eps), math.log(fi.max))
 

@@ -19,7 +19,11 @@ from typing import Any
 
 import torch
 
-from torchref._src.diagnostics import format_report, non_finite_grad_report
+from torchref._src.diagnostics import (
+    format_report,
+    non_finite_grad_report,
+    non_finite_report,
+)
 from torchref._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -45,14 +49,20 @@ class NonFiniteError(FloatingPointError):
     """Training stopped on non-finite gradients (``nan_policy="stop"``).
 
     Attributes:
-        step: 0-based index of the last non-finite step.
-        report: `non_finite_grad_report` of the model at that step.
+        step: 0-based index (within the `fit` call) of the step that hit the
+            limit, as in `jaxstable.train.NonFiniteError`.
+        report: `non_finite_grad_report` of the model at that step (its
+            gradients at the loss scale that step used, unscaled).
+        history: the per-step records, ending with that step.
     """
 
-    def __init__(self, message: str, *, step: int, report: list) -> None:
+    def __init__(
+        self, message: str, *, step: int, report: list, history: list | None = None
+    ) -> None:
         super().__init__(message)
         self.step = step
         self.report = report
+        self.history = [] if history is None else history
 
 
 def _make_scaler(scaler: Any, device_type: str) -> torch.amp.GradScaler | None:
@@ -109,7 +119,7 @@ class TrainStep:
         optimizer: a `torch.optim.Optimizer` owning every trainable
             parameter of `model` (GradScaler unscales only its grads).
         loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, aux)``; loss a
-            scalar tensor.
+            0-d tensor (as on the JAX side; a shape-(1,) loss is refused too).
         max_grad_norm: clip threshold (> 0) or None.
         scaler: None, a `torch.amp.GradScaler`, or a torchref loss scale
             (`DynamicLossScale()` etc.; `make_scaler` is called for you).
@@ -273,10 +283,16 @@ class TrainStep:
         with ctx:
             out = self.loss_fn(model, batch)
         loss, aux = out if isinstance(out, tuple) else (out, None)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        if not isinstance(loss, torch.Tensor):
             raise ValueError(
-                "loss_fn must return a scalar tensor (or (scalar, aux)), got "
-                f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}"
+                "loss_fn must return a scalar (0-d) loss tensor (or (loss, aux)), "
+                f"got {type(loss).__name__}"
+            )
+        if loss.ndim != 0:
+            # Same text as jaxstable.train.make_train_step.
+            raise ValueError(
+                "loss_fn must return a scalar (0-d) loss, got shape "
+                f"{tuple(loss.shape)}; reduce it, e.g. with .mean()"
             )
         # The scale USED for this step (read before update changes it).
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
@@ -328,13 +344,38 @@ class TrainStep:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of `state_dict`."""
+        """Inverse of `state_dict`.
+
+        Raises:
+            ValueError: the saved scaler state and this step's scaler do not
+                match: a saved (non-empty) scaler state but no enabled scaler
+                here, or the reverse (the mirror of `jaxstable.train.
+                load_checkpoint` refusing another loss-scale type).
+        """
+        saved = state.get("scaler") or {}
+        if bool(saved) != self._scaler_enabled():
+            have = (
+                type(self.scaler).__name__
+                if self._scaler_enabled()
+                else "no enabled scaler"
+            )
+            raise ValueError(
+                f"the checkpoint holds {_scaler_kind(saved)} but this TrainStep has "
+                f"{have}: build it with the loss scale the checkpoint was saved with"
+            )
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self._scaler_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.skip_state = SkipNonFiniteState(**state["skip_state"])
         self.steps_done = int(state["steps_done"])
+
+
+def _scaler_kind(saved: dict[str, Any]) -> str:
+    if not saved:
+        return "no enabled scaler"
+    # DynamicGradScaler.state_dict adds min_loss_scale to GradScaler's keys.
+    return "a DynamicGradScaler" if "min_loss_scale" in saved else "a GradScaler"
 
 
 def save_checkpoint(path: str | os.PathLike, step: TrainStep) -> None:
@@ -411,20 +452,23 @@ def fit(
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
     Per batch: ``metrics = step(batch)``; the history entry is
-    ``{"step": i, **metrics}`` (i 0-based). `log_path` gets one JSON line per
-    step with keys step, loss, grad_norm, loss_scale, finite, skipped_total
-    (python's json writes non-finite floats as NaN/Infinity, which
-    `json.loads` reads back). NaN policy:
+    ``{"step": i, **metrics}`` (i 0-based, as `jaxstable.train.fit`).
+    `log_path` is overwritten at the start of the call and gets one JSON line
+    per step with keys step, loss, grad_norm, loss_scale, finite,
+    skipped_total (python's json writes non-finite floats as NaN/Infinity,
+    which `json.loads` reads back). NaN policy:
 
     * ``"skip"``: non-finite steps are skipped (by the step) and training
       goes on.
     * ``"stop"``: after `max_consecutive_nonfinite` non-finite steps in a
-      row, raise `NonFiniteError` naming the step and the non-finite
-      gradients (their report).
+      row, raise `NonFiniteError` naming the step, the loss scale it used,
+      the non-finite gradients (their report) and batch inputs. Nothing after
+      that step is run, logged or checkpointed.
 
-    Checkpoints: every `checkpoint_every` steps, ``step.state_dict()`` is
-    saved with `torch.save` to ``checkpoint_dir/step_{n:08d}.pt`` (n = steps
-    done).
+    Checkpoints: ``step.state_dict()`` is saved with `torch.save` to
+    ``checkpoint_dir/step_{n:08d}.pt`` (n = steps done in this call) every
+    `checkpoint_every` steps, and once more at the end (not when it raises);
+    `checkpoint_dir` alone writes only that final checkpoint.
 
     Args:
         step: a `TrainStep`.
@@ -434,7 +478,8 @@ def fit(
         max_consecutive_nonfinite: int >= 1, used by "stop".
         log_path: JSONL file (overwritten) or None.
         progress: show a tqdm bar (loss, grad_norm, loss_scale, skipped).
-        checkpoint_dir, checkpoint_every: both or neither.
+        checkpoint_dir: directory of the checkpoints, or None.
+        checkpoint_every: int >= 1 or None; needs `checkpoint_dir`.
 
     Returns:
         The history: list of per-step dicts.
@@ -484,16 +529,17 @@ def fit(
         isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
     ):
         raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
-    if (checkpoint_dir is None) != (checkpoint_every is None):
-        raise ValueError(
-            "checkpoint_dir and checkpoint_every must be given together (or neither)"
-        )
-    if checkpoint_every is not None and (
-        not isinstance(checkpoint_every, int) or checkpoint_every < 1
-    ):
-        raise ValueError(
-            f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}"
-        )
+    if checkpoint_every is not None:
+        if (
+            isinstance(checkpoint_every, bool)
+            or not isinstance(checkpoint_every, int)
+            or checkpoint_every < 1
+        ):
+            raise ValueError(
+                f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}"
+            )
+        if checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir")
 
     from tqdm.auto import tqdm
 
@@ -509,9 +555,16 @@ def fit(
     history: list[dict[str, Any]] = []
     bar = tqdm(total=total, disable=not progress, desc="fit")
     run = 0
+    done = 0
+    saved_at = None
+
+    def save(n: int) -> None:
+        save_checkpoint(os.path.join(checkpoint_dir, f"step_{n:08d}.pt"), step)
+
     try:
         for i, batch in enumerate(it):
             metrics = step(batch)
+            done = i + 1
             entry = {"step": i, **metrics}
             history.append(entry)
             if log is not None:
@@ -527,20 +580,40 @@ def fit(
             )
             run = 0 if metrics["finite"] else run + 1
             if nan_policy == "stop" and run >= max_consecutive_nonfinite:
-                report = non_finite_grad_report(step.model)
-                raise NonFiniteError(
-                    f"{run} non-finite step(s) in a row, the last at step {i}; "
-                    f"loss={metrics['loss']}, grad_norm={metrics['grad_norm']}, "
-                    f"loss_scale={metrics['loss_scale']}. Non-finite gradients:\n"
-                    f"{format_report(report)}",
-                    step=i,
-                    report=report,
-                )
-            if checkpoint_every is not None and (i + 1) % checkpoint_every == 0:
-                path = os.path.join(checkpoint_dir, f"step_{i + 1:08d}.pt")
-                save_checkpoint(path, step)
+                _raise_non_finite(step, entry, run, batch, history)
+            if checkpoint_every is not None and done % checkpoint_every == 0:
+                save(done)
+                saved_at = done
+        if checkpoint_dir is not None and saved_at != done:
+            save(done)  # the final checkpoint
     finally:
         bar.close()
         if log is not None:
             log.close()
     return history
+
+
+def _raise_non_finite(
+    step: TrainStep, entry: dict[str, Any], run: int, batch: Any, history: list
+) -> None:
+    # The grads left by the step: computed at the scale it used, unscaled by
+    # GradScaler.unscale_ (not clipped on a non-finite step). Same message
+    # layout as jaxstable.train.fit.
+    report = non_finite_grad_report(step.model)
+    scale = f"{entry['loss_scale']:.6g}"
+    parts = [
+        f"{run} non-finite step(s) in a row, the last at step {entry['step']}; "
+        f"loss={entry['loss']:.6g}, grad_norm={entry['grad_norm']:.6g}, "
+        f"loss_scale={scale} (the scale that step used); its update was skipped "
+        "(nan_policy='stop').",
+        f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
+    ]
+    batch_report = non_finite_report(batch)
+    if batch_report:
+        parts.append("non-finite batch inputs:\n" + format_report(batch_report))
+    param_report = non_finite_report(step.model)
+    if param_report:
+        parts.append("non-finite parameters:\n" + format_report(param_report))
+    raise NonFiniteError(
+        "\n".join(parts), step=entry["step"], report=report, history=history
+    )

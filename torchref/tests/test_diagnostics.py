@@ -1,6 +1,8 @@
 """torchref.diagnostics: non-finite reports by name for tensors, models,
 state dicts and grads."""
 
+import math
+
 import pytest
 import torch
 
@@ -36,7 +38,8 @@ def test_report_counts_and_paths():
 
 def test_report_all_nan_leaf_and_bf16():
     r = dg.non_finite_report([torch.full((2, 3), float("nan"), dtype=torch.bfloat16)])
-    assert r[0].path == "0" and r[0].nan_count == 6 and r[0].max_abs_finite == 0.0
+    assert r[0].path == "0" and r[0].nan_count == 6
+    assert math.isnan(r[0].max_abs_finite)  # no finite element: nan, as JAX
     assert r[0].dtype == "bfloat16" and r[0].shape == (2, 3)
 
 
@@ -67,10 +70,35 @@ def test_format_report_table():
     r = dg.non_finite_report({"layer.w": torch.tensor([float("nan"), 2.5])})
     text = dg.format_report(r)
     lines = text.splitlines()
-    assert lines[0] == "1 non-finite tensor(s):"
-    assert lines[1].split() == ["path", "nan", "inf", "max|finite|", "shape", "dtype"]
-    assert lines[2].split() == ["layer.w", "1", "0", "2.5", "(2,)", "float32"]
-    assert dg.format_report([]) == "all tensors finite"
+    assert lines[0].split() == ["path", "nan", "inf", "max|finite|", "shape", "dtype"]
+    assert lines[1].split() == ["layer.w", "1", "0", "2.5", "(2,)", "float32"]
+    assert dg.format_report([]) == "all finite"
+
+
+# The same literal is in jaxstable/tests/test_diagnostics.py: one layout.
+TABLE = (
+    "path   nan  inf  max|finite|  shape   dtype\n"
+    "enc/w    1    2            7  (5,)    float32\n"
+    "b        3    0          nan  (2, 3)  bfloat16"
+)
+
+
+def test_format_report_layout_is_shared():
+    report = [
+        dg.LeafReport("enc/w", 1, 2, 7.0, (5,), "float32"),
+        dg.LeafReport("b", 3, 0, float("nan"), (2, 3), "bfloat16"),
+    ]
+    assert dg.format_report(report) == TABLE
+
+
+def test_check_params_message_layout():
+    tree = {"a": torch.ones(2), "w": torch.tensor([float("nan"), 2.5])}
+    with pytest.raises(FloatingPointError) as info:
+        dg.check_params(tree)
+    report = dg.non_finite_report(tree)
+    assert str(info.value) == (
+        "1 of 2 leaves is not finite: w\n" + dg.format_report(report)
+    )
 
 
 def test_check_params():
@@ -78,5 +106,7 @@ def test_check_params():
     dg.check_params(m)
     with torch.no_grad():
         m[3].bias.fill_(float("nan"))
-    with pytest.raises(FloatingPointError, match=r"non-finite parameters: 3\.bias"):
+    with pytest.raises(
+        FloatingPointError, match=r"1 of 9 leaves is not finite: 3\.bias"
+    ):
         dg.check_params(m)

@@ -137,3 +137,37 @@ def test_all_finite():
     with torch.no_grad():
         m.bias[0] = float("nan")
     assert not ls.all_finite(m)
+
+
+# The same (kwargs, message) table is in jaxstable/tests/test_loss_scale.py.
+OUT_OF_RANGE = [
+    (
+        dict(counter=5, period=5),
+        "counter must be an int with 0 <= counter < period=5, got 5",
+    ),
+    (
+        dict(counter=-1),
+        "counter must be an int with 0 <= counter < period=2000, got -1",
+    ),
+    (
+        dict(counter=1.5),
+        "counter must be an int with 0 <= counter < period=2000, got 1.5",
+    ),
+    (
+        dict(loss_scale=1.0, min_loss_scale=2.0),
+        "min_loss_scale=2.0 must be <= loss_scale=1.0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), OUT_OF_RANGE)
+def test_out_of_range_counter_and_floor_are_rejected(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        ls.DynamicLossScale(**kwargs)
+    assert str(info.value) == message
+
+
+def test_static_default_equals_jax_and_loss_scales_hash():
+    assert ls.StaticLossScale().loss_scale == 2.0**15  # jaxstable's default
+    assert ls.StaticLossScale().make_scaler("cpu").get_scale() == 2.0**15
+    assert len({ls.DynamicLossScale(), ls.StaticLossScale(), ls.NoOpLossScale()}) == 3

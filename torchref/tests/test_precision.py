@@ -2,43 +2,80 @@
 and headroom."""
 
 import math
+import re
 
 import pytest
 import torch
 
 from torchref import precision as pr
 
+# The same table is in jaxstable/tests/test_precision.py: one grammar on both sides.
+POLICY_TABLE = [
+    (
+        "params=float32,compute=float16,output=float32",
+        ("float32", "float16", "float32"),
+    ),
+    ("p=f32,c=bf16,o=f32", ("float32", "bfloat16", "float32")),
+    ("c=f16", ("float32", "float16", "float16")),  # jmp: output follows compute
+    ("p=bf16", ("bfloat16", "bfloat16", "bfloat16")),
+    ("compute=fp16,output=fp32", ("float32", "float16", "float32")),
+    ("o=full", ("float32", "float32", "float32")),
+    ("bf16", ("bfloat16", "bfloat16", "bfloat16")),
+    ("bfloat16", ("bfloat16", "bfloat16", "bfloat16")),
+    ("f16", ("float16", "float16", "float16")),
+    ("fp16", ("float16", "float16", "float16")),
+    ("float16", ("float16", "float16", "float16")),
+    ("half", ("float16", "float16", "float16")),  # torch has no TPU: float16
+    ("f32", ("float32", "float32", "float32")),
+    ("fp32", ("float32", "float32", "float32")),
+    ("float32", ("float32", "float32", "float32")),
+    ("full", ("float32", "float32", "float32")),
+    ("f64", ("float64", "float64", "float64")),
+    ("mixed_float16", ("float32", "float16", "float32")),
+    ("mixed_bfloat16", ("float32", "bfloat16", "float32")),
+    ("MIXED_BFLOAT16", ("float32", "bfloat16", "float32")),
+    ("Half", ("float16", "float16", "float16")),
+    (" P=F32, C=FP16 ", ("float32", "float16", "float16")),
+]
 
-@pytest.mark.parametrize(
-    ("spec", "expected"),
-    [
-        ("params=float32,compute=float16,output=float32", ("f32", "f16", "f32")),
-        ("p=f32,c=bf16,o=f32", ("f32", "bf16", "f32")),
-        ("c=f16", ("f32", "f16", "f16")),  # output follows compute, params f32
-        ("p=f16", ("f16", "f16", "f16")),
-        ("float16", ("f16", "f16", "f16")),
-        ("half", ("f16", "f16", "f16")),
-        ("bf16", ("bf16", "bf16", "bf16")),
-        ("f32", ("f32", "f32", "f32")),
-        ("full", ("f32", "f32", "f32")),
-    ],
-)
+# (spec, message): the same table in jaxstable/tests/test_precision.py.
+POLICY_ERRORS = [
+    ("float8", "unknown dtype 'float8' in policy 'float8'"),
+    ("p=f32,q=f16", "bad part 'q=f16' in policy 'p=f32,q=f16'"),
+    ("p=f32,c", "bad part 'c' in policy 'p=f32,c'"),
+    ("compute", "unknown dtype 'compute'"),
+    ("c=mixed_float16", "unknown dtype 'mixed_float16'"),
+    ("p=f32,p=f16", "'params' given twice in policy 'p=f32,p=f16'"),
+    ("P=f32,params=f16", "'params' given twice"),
+    ("c=f16,o=f32,compute=bf16", "'compute' given twice"),
+    ("", "empty policy string"),
+    ("  ", "empty policy string"),
+]
+
+
+@pytest.mark.parametrize(("spec", "expected"), POLICY_TABLE)
 def test_get_policy(spec, expected):
-    assert str(pr.get_policy(spec)) == "p={},c={},o={}".format(*expected)
+    p = pr.get_policy(spec)
+    got = tuple(
+        str(d).removeprefix("torch.")
+        for d in (p.param_dtype, p.compute_dtype, p.output_dtype)
+    )
+    assert got == expected
+    assert pr.get_policy(p) is p
 
 
-@pytest.mark.parametrize(
-    ("spec", "match"),
-    [
-        ("float8", "unknown dtype 'float8'.*allowed: bf16, bfloat16"),
-        ("p=f32,x=f16", "bad entry 'x=f16'.*key one of p, params"),
-        ("p=f32,c=int8", "unknown dtype 'int8'"),
-        ("p=f32,c", "bad entry 'c'"),
-    ],
-)
-def test_get_policy_errors_list_allowed(spec, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize(("spec", "message"), POLICY_ERRORS)
+def test_get_policy_errors_list_allowed(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
         pr.get_policy(spec)
+    text = str(info.value)
+    for allowed in ("params|p, compute|c, output|o", "mixed_bfloat16", "fp16", "full"):
+        assert allowed in text
+
+
+def test_get_policy_type_error():
+    with pytest.raises(TypeError, match="policy must be a string"):
+        pr.get_policy(3)
 
 
 def test_policy_casts_only_floating_tensors():
@@ -75,9 +112,20 @@ def test_dtype_limits_exp_boundary(dtype):
     )
 
 
-def test_dtype_limits_rejects_int():
-    with pytest.raises(TypeError, match="floating torch dtype"):
-        pr.dtype_limits(torch.int32)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.int8])
+def test_dtype_limits_non_float_is_type_error(dtype):
+    # Same error type and text as jaxstable.precision.dtype_limits.
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(TypeError) as info:
+        pr.dtype_limits(dtype)
+    assert str(info.value) == (
+        "dtype_limits needs a floating dtype (float16, bfloat16, float32, "
+        f"float64, float8 variants), got {name}"
+    )
+
+
+def test_dtype_limits_float8():
+    assert pr.dtype_limits(torch.float8_e4m3fn).max == 448.0
 
 
 def test_headroom():

@@ -229,10 +229,24 @@ def test_invalid_arguments():
         ValueError, match="max_consecutive_nonfinite must be an int >= 1"
     ):
         train.fit(step, [], max_consecutive_nonfinite=0)
-    with pytest.raises(ValueError, match="checkpoint_dir and checkpoint_every"):
+    with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
         train.fit(step, [], checkpoint_every=2)
-    with pytest.raises(ValueError, match="loss_fn must return a scalar tensor"):
-        train.TrainStep(model, opt, lambda m, b: m(b[0]))(_batches(1)[0])
+
+
+@pytest.mark.parametrize("reduce", [lambda x: x, lambda x: x.sum(0, keepdim=True)])
+def test_non_scalar_loss_is_rejected(reduce):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = train.TrainStep(model, opt, lambda m, b: reduce(m(b[0])[:, 0]))
+    x = _batches(1)[0]
+    with pytest.raises(ValueError) as info:
+        step(x)
+    shape = tuple(reduce(torch.zeros(16)).shape)
+    # Same text as jaxstable.train.make_train_step.
+    assert str(info.value) == (
+        f"loss_fn must return a scalar (0-d) loss, got shape {shape}; "
+        "reduce it, e.g. with .mean()"
+    )
 
 
 def test_state_machine_refuses_reentry_and_half_done_steps():
@@ -288,6 +302,92 @@ def test_fit_stop_policy_names_step_and_report(tmp_path):
     lines = [json.loads(s) for s in log.read_text().splitlines()]
     assert [d["step"] for d in lines] == list(range(7))
     assert [d["finite"] for d in lines] == [True] * 4 + [False] * 3
+    assert [h["step"] for h in e.value.history] == list(range(7))
+
+
+def test_fit_stop_nothing_after_the_failing_step(tmp_path):
+    # The mirror of jaxstable's test: [ok, nan, nan, ok], limit 2.
+    model = _mlp()
+    step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 99}\n')  # an older run's log: overwritten
+    with pytest.raises(train.NonFiniteError) as e:
+        train.fit(
+            step,
+            _batches(4, poison={1, 2}),
+            nan_policy="stop",
+            max_consecutive_nonfinite=2,
+            log_path=log,
+            progress=False,
+            checkpoint_dir=tmp_path / "ck",
+            checkpoint_every=1,
+        )
+    assert e.value.step == 2 and step.steps_done == 3
+    assert [h["step"] for h in e.value.history] == [0, 1, 2]
+    assert [json.loads(s)["step"] for s in log.open()] == [0, 1, 2]
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert files == ["step_00000001.pt", "step_00000002.pt"]
+
+
+def test_fit_stop_overflow_report_names_leaf_and_scale():
+    # Not NaN data: w * 7e33 scaled by 2**16 overflows float32 (max 3.4e38).
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: m.weight.sum() * b,
+        scaler=ls.DynamicLossScale(),
+    )
+    with pytest.raises(train.NonFiniteError) as e:
+        train.fit(
+            step,
+            [torch.tensor(7e33)],
+            nan_policy="stop",
+            max_consecutive_nonfinite=1,
+            progress=False,
+        )
+    assert [r.path for r in e.value.report] == ["weight"]
+    msg = str(e.value)
+    assert "loss_scale=65536 (the scale that step used)" in msg
+    assert "non-finite gradients at loss_scale=65536:" in msg
+    assert "non-finite batch inputs" not in msg
+    assert step.scaler.get_scale() == 2.0**15
+
+
+def test_fit_checkpoint_dir_alone_writes_a_final_checkpoint(tmp_path):
+    model = _mlp()
+    step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    train.fit(step, _batches(3), progress=False, checkpoint_dir=tmp_path / "a")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["step_00000003.pt"]
+    train.fit(
+        step,
+        _batches(6),
+        progress=False,
+        checkpoint_dir=tmp_path / "b",
+        checkpoint_every=4,
+    )
+    files = sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert files == ["step_00000004.pt", "step_00000006.pt"]  # + the final one
+
+
+@pytest.mark.parametrize("saved_scaler", [True, False])
+def test_load_checkpoint_rejects_another_scaler_kind(tmp_path, saved_scaler):
+    def make(scaler):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return train.TrainStep(model, opt, _mse, scaler=scaler)
+
+    with_scaler, without = make(ls.DynamicLossScale()), make(None)
+    with_scaler(_batches(1)[0])  # creates the scaler's state
+    src, dst = (with_scaler, without) if saved_scaler else (without, with_scaler)
+    path = tmp_path / "ck.pt"
+    train.save_checkpoint(path, src)
+    with pytest.raises(ValueError) as e:
+        train.load_checkpoint(path, dst)
+    msg = str(e.value)
+    assert "DynamicGradScaler" in msg and "no enabled scaler" in msg
 
 
 def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
