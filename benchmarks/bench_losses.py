@@ -40,6 +40,7 @@ import optax
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.nn.functional as F
+from _device import cpu_name  # benchmarks/ is on sys.path when run as a script
 
 from jaxstable import losses
 
@@ -50,16 +51,6 @@ SHAPES = {
     "segmentation 8x128x128x19": ((8, 128, 128), 19, 0.10, 40),
     "classification 4096x1000": ((4096,), 1000, 0.0, 40),
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def ours_fn():

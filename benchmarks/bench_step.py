@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import torch
+from _device import cpu_name  # benchmarks/ is on sys.path when run as a script
 
 from jaxstable import loss_scale as jls
 from jaxstable import losses as jlosses
@@ -268,16 +269,6 @@ def torch_variants(x_nchw: np.ndarray, y: np.ndarray, device: str):
 
 
 # ------------------------------------------------------------------ main
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def quartiles(values):
     q = statistics.quantiles(values, n=4)
     return q[0], statistics.median(values), q[2]
