@@ -48,8 +48,8 @@ IGNORE = 255
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
     # name: (leading shape, classes, fraction of ignored labels, reps)
-    "segmentation 8x128x128x19": ((8, 128, 128), 19, 0.10, 40),
-    "classification 4096x1000": ((4096,), 1000, 0.0, 40),
+    "segmentation 8x128x128x19": ((8, 128, 128), 19, 0.10, 200),
+    "classification 4096x1000": ((4096,), 1000, 0.0, 200),
 }
 
 
