@@ -156,14 +156,21 @@ def run_plan(precision: str) -> list[tuple[str, str, str]]:
 def fp32_agreement(runs: list[config_lib.RunResult], steps: int = 50) -> float | None:
     """max |loss_jax - loss_torch| / |loss_torch| over the first `steps` float32 steps.
 
-    Compares the two float32 stable runs (same init, batches, optimizer).
+    Compares the two float32 stable runs (same init, batches, optimizer) over
+    exactly ``min(steps, config.steps)`` steps. None when there is no such
+    pair; NaN (null in JSON) when the number is undefined: a run stopped
+    before those steps, or a loss there is non-finite or zero, so a diverged
+    run can never pass for an agreeing one.
 
     Example:
         >>> cfg = config_lib.get_config()
         >>> mk = lambda fw, l: config_lib.RunResult(
         ...     fw, cfg, [{"loss": x} for x in l], None, l[-1], 0, 0.5, 1.0)
-        >>> round(fp32_agreement([mk("jax", [1.0, 0.5]), mk("torch", [1.0, 0.4])]), 6)
+        >>> torch_run = mk("torch", [1.0, 0.4])
+        >>> round(fp32_agreement([mk("jax", [1.0, 0.5]), torch_run], 2), 6)
         0.25
+        >>> fp32_agreement([mk("jax", [1.0, float("nan")]), torch_run], 2)
+        nan
     """
     pick = {
         r.framework: r
@@ -172,13 +179,14 @@ def fp32_agreement(runs: list[config_lib.RunResult], steps: int = 50) -> float |
     }
     if set(pick) != {"jax", "torch"}:
         return None
-    worst = 0.0
-    pairs = zip(
-        pick["jax"].metrics[:steps], pick["torch"].metrics[:steps], strict=False
-    )
-    for a, b in pairs:
-        worst = max(worst, abs(a["loss"] - b["loss"]) / abs(b["loss"]))
-    return worst
+    n = min(steps, pick["jax"].config.steps, pick["torch"].config.steps)
+    a = [m["loss"] for m in pick["jax"].metrics[:n]]
+    b = [m["loss"] for m in pick["torch"].metrics[:n]]
+    if len(a) < n or len(b) < n:
+        return math.nan
+    if not all(math.isfinite(x) for x in a + b) or any(y == 0.0 for y in b):
+        return math.nan
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def metric_lines(result: config_lib.RunResult) -> list[str]:
@@ -389,8 +397,14 @@ def explain(
     if agreement is not None:
         parts.append(
             f"- float32 JAX vs torch from the same weights and batches: "
-            f"max relative loss difference over the first 50 steps = "
-            f"{agreement:.2e}."
+            f"max relative loss difference over the first "
+            f"{min(50, runs[0].config.steps)} steps = "
+            + (
+                f"{agreement:.2e}."
+                if math.isfinite(agreement)
+                else "undefined (a float32 run stopped early, or a loss there "
+                "was non-finite or zero)."
+            )
         )
     parts.append(
         "- Step rates are CPU numbers. torch's CPU convolution in float16/bfloat16 "
@@ -415,7 +429,7 @@ def write_report(
     command: str,
 ) -> str:
     """Writes ``report.md`` (table, plot, explanation, first bad step's report)."""
-    agreement = summary["fp32_agreement"]
+    agreement = fp32_agreement(runs)  # NaN (not null) when undefined: said so
     c = runs[0].config
     text = [
         f"# {summary['task']}: naive vs stable {summary['precision']}, JAX and PyTorch",
@@ -491,7 +505,9 @@ def compare_segmentation(args: argparse.Namespace) -> dict[str, Any]:
         "task": "segmentation",
         "precision": args.precision,
         "runs": [r.summary() for r in runs],
-        "fp32_agreement": agreement,
+        "fp32_agreement": None
+        if agreement is None
+        else config_lib.json_float(agreement),
         "config": {f: getattr(base, f) for f in base.__dataclass_fields__},
     }
     plot_curves(runs, os.path.join(args.out, "curves.png"))

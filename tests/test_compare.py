@@ -1,6 +1,7 @@
 """`examples/compare.py segmentation --quick`: the six runs and their outputs."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import sys
 import pytest
 
 from examples import compare
+from examples.segmentation import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_KEYS = {
@@ -77,3 +79,21 @@ def test_cli_rejects_unknown_precision():
         check=False,
     )
     assert proc.returncode == 2 and "invalid choice: 'fp8'" in proc.stderr
+
+
+def test_fp32_agreement_is_undefined_not_zero_for_broken_runs():
+    """A NaN or zero loss, or a run that stopped early, must never read as
+    agreement (max(0.0, nan) is 0.0 in Python)."""
+    cfg = config_lib.get_config(steps=3)
+
+    def run(framework, losses):
+        return config_lib.RunResult(
+            framework, cfg, [{"loss": x} for x in losses], None, losses[-1], 0, 0.5, 1.0
+        )
+
+    good = run("torch", [1.0, 0.5, 0.25])
+    assert compare.fp32_agreement([run("jax", [1.0, 0.5, 0.25]), good]) == 0.0
+    for bad in ([1.0, float("nan"), 0.25], [1.0, float("inf"), 0.25], [1.0, 0.5]):
+        assert math.isnan(compare.fp32_agreement([run("jax", bad), good])), bad
+    zero = run("torch", [1.0, 0.0, 0.25])
+    assert math.isnan(compare.fp32_agreement([run("jax", [1.0, 0.0, 0.25]), zero]))

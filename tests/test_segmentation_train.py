@@ -64,6 +64,26 @@ def test_stable_float16_stays_finite_and_scales_the_loss(framework, shared):
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_stable_run_survives_a_skipped_step(framework, shared):
+    """A non-finite batch is skipped by the guards: the run goes on to the end
+    and is not reported broken (a NaN *input* here tests the guard only)."""
+    batches = [dict(b) for b in shared["batches"]]
+    image = batches[1]["image"].copy()
+    image[0, 0, 0, 0] = np.nan
+    batches[1]["image"] = image
+    r = _run(
+        framework,
+        {**shared, "batches": batches},
+        precision="float16",
+        mode="stable",
+        stop_after_nonfinite=1,
+    )
+    assert [m["finite"] for m in r.metrics] == [True, False, True, True]
+    assert r.first_nonfinite_step is None and r.skipped_total == 1
+    assert len(r.metrics) == TINY["steps"]
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_naive_float16_breaks_at_the_first_adam_step(framework, shared):
     r = _run(framework, shared, precision="float16", mode="naive",
              stop_after_nonfinite=1)  # fmt: skip

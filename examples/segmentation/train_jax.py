@@ -169,9 +169,10 @@ def _stable(config, torch_model):
         box["batch"] = jb
         box["state"], metrics = step(box["state"], jb)
         record = _host(metrics)
-        broken = not np.isfinite(record["loss"]) or not bool(
-            params_finite(box["state"].params)
-        )
+        # A step the guards skipped (non-finite loss or grads) leaves the model
+        # as it was: only non-finite params or batch statistics are "broken".
+        st = box["state"]
+        broken = not bool(params_finite((st.params, st.model_state)))
         return record, broken
 
     def report_fn():

@@ -150,7 +150,8 @@ def evaluate(
 
 
 def _params_finite(model: torch.nn.Module) -> bool:
-    return all_finite(list(model.parameters()))
+    tensors = list(model.parameters()) + list(model.buffers())
+    return all_finite([t for t in tensors if t.is_floating_point()])
 
 
 def _stable(config, model):
@@ -182,7 +183,9 @@ def _stable(config, model):
             for n, p in model.named_parameters()
             if p.grad is not None
         }
-        broken = not np.isfinite(metrics["loss"]) or not _params_finite(model)
+        # A step the guards skipped leaves the model as it was: only
+        # non-finite params or buffers (batch statistics) are "broken".
+        broken = not _params_finite(model)
         record = {k: metrics[k] for k in config_lib.METRIC_KEYS}
         return record, broken
 
