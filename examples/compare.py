@@ -408,7 +408,8 @@ def explain(
         )
     parts.append(
         "- Step rates are CPU numbers. torch's CPU convolution in float16/bfloat16 "
-        "(autocast or `.half()`) is 8-17x slower than in float32 on this CPU "
+        "(autocast or `.half()`) is 8x (32x32, width 8) to 80x (64x64, width 16) "
+        "slower than in float32 on this CPU "
         "(examples/segmentation/TIMINGS.md): the torch low-precision rates are a "
         "CPU artefact, not a cost of the method; XLA's CPU convolution costs about "
         "the same in all three dtypes. JAX rates leave out the first step "

@@ -10,8 +10,8 @@ same config with ``precision`` (and ``mode``) overridden::
 
 The defaults are sized for a 2-core CPU (``examples/segmentation/TIMINGS.md``):
 32x32 images, batch 8, a width-8 depth-2 U-Net, 400 Adam steps at lr 2e-3; torch's CPU
-convolution in fp16/bf16 is ~8-17x slower than in float32, which bounds the
-image size.
+convolution in fp16/bf16 is ~8x (32x32) to 80x (64x64, width 16) slower than
+in float32, which bounds the image size.
 
 This module also holds what both loops share and that needs no framework: the
 data-set settings derived from a config, the train batches and held-out set,
