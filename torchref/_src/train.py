@@ -437,6 +437,31 @@ def load_checkpoint(path: str | os.PathLike, step: TrainStep) -> TrainStep:
 _LOGGED = ("loss", "grad_norm", "loss_scale", "finite", "skipped_total")
 
 
+def _scalar_leaves(tree: Any, path: str = "") -> Iterable[tuple[str, float]]:
+    """``(path, value)`` of every scalar leaf, paths as jax's ``keystr``."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _scalar_leaves(v, f"{path}[{k!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _scalar_leaves(v, f"{path}[{i}]")
+    elif isinstance(tree, torch.Tensor):
+        if tree.numel() == 1:
+            yield path, float(tree.detach().float())
+    elif isinstance(tree, (int, float)):
+        yield path, float(tree)
+
+
+def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One history/JSONL record: the metrics and the scalar leaves of ``aux``
+    as ``aux[...]`` keys, the same record as `jaxstable.train.fit` writes."""
+    rec = {"step": index, **{k: metrics[k] for k in _LOGGED}}
+    if metrics.get("aux") is not None:
+        for path, value in _scalar_leaves(metrics["aux"]):
+            rec["aux" + path] = value
+    return rec
+
+
 def fit(
     step: TrainStep,
     batches: Iterable[Any],
@@ -451,8 +476,10 @@ def fit(
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
-    Per batch: ``metrics = step(batch)``; the history entry is
-    ``{"step": i, **metrics}`` (i 0-based, as `jaxstable.train.fit`).
+    Per batch: ``metrics = step(batch)``; the history entry (and JSONL line)
+    is ``{"step": i, loss, grad_norm, loss_scale, finite, skipped_total}``
+    plus one ``aux[...]`` key per scalar leaf of ``aux`` (i 0-based): the
+    same record as `jaxstable.train.fit`.
     `log_path` is overwritten at the start of the call and gets one JSON line
     per step with keys step, loss, grad_norm, loss_scale, finite,
     skipped_total (python's json writes non-finite floats as NaN/Infinity,
@@ -565,10 +592,10 @@ def fit(
         for i, batch in enumerate(it):
             metrics = step(batch)
             done = i + 1
-            entry = {"step": i, **metrics}
+            entry = _host_record(i, metrics)
             history.append(entry)
             if log is not None:
-                log.write(json.dumps({k: entry[k] for k in ("step", *_LOGGED)}) + "\n")
+                log.write(json.dumps(entry) + "\n")
                 log.flush()
             bar.update(1)
             bar.set_postfix(
