@@ -1,4 +1,5 @@
-"""Both `fit`s write the same records: history and JSONL, aux scalars included."""
+"""Both `fit`s write the same records: history and JSONL, aux scalars included,
+and the same rollback records (`nan_policy="rollback"`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import numpy as np
 import optax
 import torch
 
+from jaxstable import loss_scale as jls
 from jaxstable import train as jtrain
+from jaxstable import transforms
+from torchref import loss_scale as tls
 from torchref import train as ttrain
 
 
@@ -57,3 +61,92 @@ def test_fit_history_and_log_have_the_same_keys(tmp_path):
     for name in ("jax", "torch"):
         lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
         assert [set(json.loads(line)) for line in lines] == [keys] * 3
+
+
+def _rollback_batches(nan_at, n):
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(n):
+        x = rng.normal(size=(4, 3)).astype(np.float32)
+        if i in nan_at:
+            x[1, 2] = np.nan
+        out.append(x)
+    return out
+
+
+def _fit_both(batches, **kwargs):
+    """Runs both fits on y = x @ w (w = ones, SGD, dynamic loss scale).
+
+    Returns the two histories, or for a fit that raised `NonFiniteError`
+    ``(step, history)`` of the error.
+    """
+    state = jtrain.TrainState.create(
+        params={"w": jnp.ones((3,))},
+        optimizer=transforms.stable_optimizer(optax.sgd(0.01)),
+        loss_scale=jls.DynamicLossScale(),
+    )
+    step = jtrain.make_train_step(lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2))
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    tstep = ttrain.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        lambda m, x: ((m(x)[:, 0] - 1.0) ** 2).mean(),
+        scaler=tls.DynamicLossScale(),
+    )
+    try:
+        jout = jtrain.fit(
+            state, step, [jnp.asarray(b) for b in batches], progress=False, **kwargs
+        )[1]
+    except jtrain.NonFiniteError as e:
+        jout = (e.step, e.history)
+    try:
+        tout = ttrain.fit(
+            tstep, [torch.from_numpy(b) for b in batches], progress=False, **kwargs
+        )
+    except ttrain.NonFiniteError as e:
+        tout = (e.step, e.history)
+    return jout, tout
+
+
+def _assert_same_records(jhist, thist, tol):
+    assert [list(r) for r in jhist] == [list(r) for r in thist]  # keys, in order
+    for name in ("step", "finite", "skipped_total", "loss_scale"):
+        assert [r[name] for r in jhist] == [r[name] for r in thist], name
+    assert [r.get("rolled_back") for r in jhist] == [
+        r.get("rolled_back") for r in thist
+    ]
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(
+            [r[name] for r in jhist], [r[name] for r in thist], **tol("float32")
+        )
+
+
+def test_fit_rollback_records_are_the_same(tol):
+    # NaN at 3 and 4, limit 2, snapshot every 2 steps: both roll back to the
+    # state after 2 steps at step 4 (loss scale and skip count included) and
+    # go on with batch 5.
+    jhist, thist = _fit_both(
+        _rollback_batches({3, 4}, 7),
+        nan_policy="rollback",
+        max_consecutive_nonfinite=2,
+        rollback_every=2,
+    )
+    assert [r["step"] for r in jhist if r.get("rolled_back")] == [4]
+    assert [r["finite"] for r in jhist] == [True] * 3 + [False] * 2 + [True] * 2
+    assert [r["skipped_total"] for r in jhist] == [0, 0, 0, 1, 2, 0, 0]
+    _assert_same_records(jhist, thist, tol)
+
+
+def test_fit_rollbacks_exhausted_at_the_same_step(tol):
+    (jstep, jhist), (tstep, thist) = _fit_both(
+        _rollback_batches({1, 2, 4, 5}, 7),
+        nan_policy="rollback",
+        max_consecutive_nonfinite=2,
+        rollback_every=1,
+        max_rollbacks=1,
+    )
+    assert jstep == tstep == 5
+    assert [r["step"] for r in jhist if r.get("rolled_back")] == [2]
+    _assert_same_records(jhist, thist, tol)

@@ -41,7 +41,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-NAN_POLICIES = ("skip", "stop")
+NAN_POLICIES = ("skip", "stop", "rollback")
 
 
 @flax.struct.dataclass
@@ -335,7 +335,10 @@ def make_train_step(
 
 
 class NonFiniteError(FloatingPointError):
-    """Raised by `fit(nan_policy="stop")` after too many non-finite steps in a row.
+    """Raised by `fit` after too many non-finite steps in a row.
+
+    With ``nan_policy="stop"`` at the first such run; with ``"rollback"``
+    once ``max_rollbacks`` rollbacks have been used.
 
     Attributes:
       step: 0-based index (within the `fit` call) of the step that hit the
@@ -481,6 +484,8 @@ def fit(
     progress: bool = True,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
+    rollback_every: int = 100,
+    max_rollbacks: int = 3,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -498,7 +503,24 @@ def fit(
     step (or a callable that is not a `TrainStep`) "stop" reads each step's
     metrics before dispatching the next (one host sync per step). Either way
     the error carries the failing step's own state and nothing after it is
-    applied, logged or checkpointed.
+    applied, logged or checkpointed. "rollback" follows the same rule; when
+    the lookahead is kept and a rollback happens, the step already queued on
+    the discarded state is dropped and its batch re-run on the snapshot.
+
+    Rollback (``nan_policy="rollback"``): fit keeps an on-device copy of the
+    last state known good (``jax.tree.map(jnp.copy, state)``: no host
+    transfer, and a donating step cannot invalidate it), taken before the
+    first step and after every step n (n steps done in this call) with
+    ``n % rollback_every == 0`` whose result was finite; each snapshot step
+    is read before the next is queued. When ``max_consecutive_nonfinite``
+    non-finite steps happen in a row, a copy of the snapshot replaces the
+    state (params, optimizer state, loss scale, model state and the
+    ``step``/``skipped_total`` counters: all of the `TrainState`), the run
+    counter restarts, that step's record gets ``"rolled_back": True`` (the
+    only record with that key) and training goes on with the NEXT batch
+    (the bad ones are not retried). The trigger after ``max_rollbacks``
+    rollbacks raises `NonFiniteError` as "stop" does. It costs one more
+    copy of the state in device memory.
 
     Args:
       state: the initial `TrainState`.
@@ -506,10 +528,12 @@ def fit(
         from `make_train_step`.
       batches: an iterable of batches.
       steps: stop after this many steps (None: until ``batches`` ends).
-      nan_policy: ``"skip"`` (non-finite steps are skipped, training goes on)
-        or ``"stop"`` (raise `NonFiniteError` after
-        ``max_consecutive_nonfinite`` non-finite steps in a row).
-      max_consecutive_nonfinite: the limit for ``"stop"``, >= 1.
+      nan_policy: ``"skip"`` (non-finite steps are skipped, training goes on),
+        ``"stop"`` (raise `NonFiniteError` after
+        ``max_consecutive_nonfinite`` non-finite steps in a row) or
+        ``"rollback"`` (restore the last good snapshot instead, see above).
+      max_consecutive_nonfinite: the limit for ``"stop"`` and
+        ``"rollback"``, >= 1.
       log_path: JSONL file, overwritten at the start of the call: one line
         per step (keys ``step, loss, grad_norm, loss_scale, finite,
         skipped_total`` and ``aux[...]`` scalars).
@@ -519,13 +543,19 @@ def fit(
         final one is always written when the loop ends (not when it raises).
       checkpoint_every: also write one every this many steps (needs
         ``checkpoint_dir``). Without it, only the final checkpoint.
+      rollback_every: snapshot period in steps for ``"rollback"``, int >= 1
+        (accepted, unused, with the other policies).
+      max_rollbacks: rollbacks allowed in this call for ``"rollback"``,
+        int >= 1 (accepted, unused, with the other policies).
 
     Returns:
       ``(state, history)``: the final state and a list of per-step metric
-      dicts (Python numbers, the same records as the JSON lines).
+      dicts (Python numbers, the same records as the JSON lines; a rollback
+      step's record also has ``"rolled_back": True``).
 
     Raises:
-      NonFiniteError: with ``nan_policy="stop"``; the message names the step,
+      NonFiniteError: with ``nan_policy="stop"``, or ``"rollback"`` once the
+        rollbacks are used up (the message says so); the message names the step,
         the loss scale it used, and lists the non-finite gradient leaves
         (recomputed at that scale) and batch inputs.
       ValueError: bad ``nan_policy`` (lists the valid values) or limits.
@@ -546,6 +576,14 @@ def fit(
       ... except train.NonFiniteError as e:
       ...     print(e.step, "|", str(e).split(";")[0])
       0 | 1 non-finite step(s) in a row, the last at step 0
+      >>> data = [jnp.ones(2), jnp.ones(2), jnp.array([jnp.nan, 1.0]), jnp.ones(2)]
+      >>> before = int(state.step)
+      >>> state, hist = train.fit(state, step, data, nan_policy="rollback",
+      ...                         max_consecutive_nonfinite=1, rollback_every=2,
+      ...                         progress=False)
+      >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
+      >>> [h.get("rolled_back", False) for h in hist], int(state.step) - before
+      ([False, False, True, False], 3)
     """
     if nan_policy not in NAN_POLICIES:
         raise ValueError(
@@ -560,6 +598,12 @@ def fit(
             "max_consecutive_nonfinite must be an int >= 1, "
             f"got {max_consecutive_nonfinite!r}"
         )
+    for name, value in (
+        ("rollback_every", rollback_every),
+        ("max_rollbacks", max_rollbacks),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if steps is not None and (
         isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
     ):
@@ -589,11 +633,21 @@ def fit(
     bar = tqdm(total=total, disable=not progress, desc="train")
     log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
     consecutive = 0
+    rollback = nan_policy == "rollback"
+    rollbacks = 0
+    # A device copy: the step may donate `state`, never the snapshot.
+    snapshot = jax.tree.map(jnp.copy, state) if rollback else None
 
-    def consume(pending):
-        nonlocal consecutive
+    def consume(pending) -> bool:
+        """Logs one step and applies the policy; True when it rolled back."""
+        nonlocal consecutive, rollbacks, snapshot
         index, metrics, batch, state_out = pending
         rec = _host_record(index, metrics)
+        consecutive = 0 if rec["finite"] else consecutive + 1
+        triggered = nan_policy != "skip" and consecutive >= max_consecutive_nonfinite
+        rolls = triggered and rollback and rollbacks < max_rollbacks
+        if rolls:
+            rec["rolled_back"] = True
         history.append(rec)
         if log is not None:
             log.write(json.dumps(rec) + "\n")
@@ -606,11 +660,32 @@ def fit(
             refresh=False,
         )
         bar.update(1)
-        consecutive = 0 if rec["finite"] else consecutive + 1
-        if nan_policy == "stop" and consecutive >= max_consecutive_nonfinite:
+        if rolls:
+            rollbacks += 1
+            consecutive = 0
+            return True
+        if triggered:
             _raise_non_finite(
-                train_step, rec, consecutive, batch, state_out, metrics, history
+                train_step,
+                rec,
+                consecutive,
+                batch,
+                state_out,
+                metrics,
+                history,
+                nan_policy,
+                max_rollbacks,
             )
+        if rollback and rec["finite"] and (index + 1) % rollback_every == 0:
+            # Read before the next step is queued (see snapshot_due), so a
+            # donating step has not consumed state_out yet.
+            snapshot = jax.tree.map(jnp.copy, state_out)
+        return False
+
+    def restored():
+        # A copy again: a donating step must leave the snapshot intact for
+        # the next rollback.
+        return jax.tree.map(jnp.copy, snapshot)
 
     def save(st, n):
         path = os.path.join(checkpoint_dir, f"step_{n:08d}.msgpack")
@@ -622,21 +697,26 @@ def fit(
     try:
         for batch in it:
             new_state, metrics = train_step(state, batch)
-            if pending is not None:
-                consume(pending)  # step done-1, read after step done is queued
+            # Step done-1, read after step done is queued. If it rolled back,
+            # the step just queued ran on a discarded state: re-run its batch
+            # on the snapshot (it is the next batch, not a bad one retried).
+            if pending is not None and consume(pending):
+                new_state, metrics = train_step(restored(), batch)
             pending = (done, metrics, batch, new_state)
             done += 1
             state = new_state
             due = checkpoint_every is not None and done % checkpoint_every == 0
-            if not pipeline or due:
+            snapshot_due = rollback and done % rollback_every == 0
+            if not pipeline or due or snapshot_due:
                 # A checkpoint is written only after its step passed the check.
-                consume(pending)
+                if consume(pending):
+                    state = restored()
                 pending = None
             if due:
                 save(state, done)
                 saved_at = done
-        if pending is not None:
-            consume(pending)
+        if pending is not None and consume(pending):
+            state = restored()
         if checkpoint_dir is not None and saved_at != done:
             save(state, done)  # the final checkpoint
     finally:
@@ -646,7 +726,27 @@ def fit(
     return state, history
 
 
-def _raise_non_finite(train_step, rec, consecutive, batch, state_out, metrics, history):
+def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
+    # Same text as torchref.train.fit.
+    if nan_policy == "rollback":
+        return (
+            "nan_policy='rollback': rollbacks exhausted "
+            f"(max_rollbacks={max_rollbacks})"
+        )
+    return f"nan_policy={nan_policy!r}"
+
+
+def _raise_non_finite(
+    train_step,
+    rec,
+    consecutive,
+    batch,
+    state_out,
+    metrics,
+    history,
+    nan_policy="stop",
+    max_rollbacks=0,
+):
     # state_out is the failing step's own output: a non-finite step leaves
     # params, opt_state and model_state as they were, but its loss scale has
     # already backed off. Recompute at the scale the step USED, or an
@@ -663,7 +763,7 @@ def _raise_non_finite(train_step, rec, consecutive, batch, state_out, metrics, h
         f"{consecutive} non-finite step(s) in a row, the last at step "
         f"{rec['step']}; loss={rec['loss']:.6g}, grad_norm={rec['grad_norm']:.6g}, "
         f"loss_scale={scale} (the scale that step used); its update was skipped "
-        "(nan_policy='stop').",
+        f"({_policy_note(nan_policy, max_rollbacks)}).",
         f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
     ]
     batch_report = non_finite_report(batch)

@@ -419,12 +419,137 @@ def test_load_checkpoint_rejects_another_loss_scale_type(tmp_path):
 
 def test_fit_invalid_arguments():
     with pytest.raises(
-        ValueError, match=r"nan_policy must be one of \('skip', 'stop'\)"
+        ValueError,
+        match=r"nan_policy must be one of \('skip', 'stop', 'rollback'\)",
     ):
         train.fit(_state(), _STEP, [], nan_policy="ignore")
+    for name in ("rollback_every", "max_rollbacks"):
+        for bad in (0, 1.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+                train.fit(_state(), _STEP, [], **{name: bad})
     with pytest.raises(
         ValueError, match="max_consecutive_nonfinite must be an int >= 1"
     ):
         train.fit(_state(), _STEP, [], max_consecutive_nonfinite=0)
     with pytest.raises(ValueError, match="checkpoint_every needs checkpoint_dir"):
         train.fit(_state(), _STEP, [], checkpoint_every=2)
+
+
+def _run(state, step, batches):
+    for b in batches:
+        state, _ = step(state, b)
+    return state
+
+
+def _assert_same_state(a, b):
+    # Leaf by leaf: each _state() holds its own tx (static pytree metadata).
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def _same_records(logged, history):
+    # json.loads gives NaN back for NaN, and NaN != NaN: compare as JSON text.
+    return [json.dumps(r) for r in logged] == [json.dumps(r) for r in history]
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_fit_rollback_restores_the_snapshot_and_goes_on(tmp_path, donate):
+    # Batches 3 and 4 are NaN, limit 2, a snapshot every 2 steps: the state
+    # after 2 steps (step 2 was not a snapshot point, step 3 was not finite)
+    # comes back at step 4, then training goes on with batch 5 (3 and 4 are
+    # not retried). donate=False keeps the one-step lookahead, so batch 5 was
+    # already queued on the discarded state and is re-run on the snapshot.
+    step = train.make_train_step(_mlp_loss, donate=donate)
+    batches = [_batch(i, nan=i in (3, 4)) for i in range(7)]
+    snap = _run(_state(), _STEP, batches[:2])
+    kwargs = dict(
+        nan_policy="rollback",
+        max_consecutive_nonfinite=2,
+        rollback_every=2,
+        progress=False,
+    )
+    at_rollback, hist5 = train.fit(_state(), step, batches, steps=5, **kwargs)
+    _assert_same_state(at_rollback, snap)
+    assert int(at_rollback.step) == 2 and int(at_rollback.skipped_total) == 0
+    assert [h.get("rolled_back", False) for h in hist5] == [False] * 4 + [True]
+
+    log = tmp_path / "log.jsonl"
+    final, hist = train.fit(_state(), step, batches, log_path=log, **kwargs)
+    _assert_same_state(final, _run(snap, _STEP, batches[5:]))
+    assert [h["finite"] for h in hist] == [True] * 3 + [False] * 2 + [True] * 2
+    assert [h["step"] for h in hist if "rolled_back" in h] == [4]
+    assert hist[4]["rolled_back"] is True
+    assert [h["skipped_total"] for h in hist] == [0, 0, 0, 1, 2, 0, 0]
+    assert _same_records([json.loads(s) for s in log.open()], hist)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_fit_rollback_snapshot_survives_two_restores(donate):
+    # Two rollbacks to the same snapshot: restoring hands the step a copy, so
+    # a donating step cannot invalidate the snapshot for the next rollback.
+    step = train.make_train_step(_mlp_loss, donate=donate)
+    bad = (2, 3, 5, 6)
+    batches = [_batch(i, nan=i in bad) for i in range(8)]
+    final, hist = train.fit(
+        _state(),
+        step,
+        batches,
+        nan_policy="rollback",
+        max_consecutive_nonfinite=2,
+        rollback_every=2,
+        max_rollbacks=2,
+        progress=False,
+    )
+    snap = _run(_state(), _STEP, batches[:2])
+    # Batch 4 trained on S2, but its result is dropped by the second rollback.
+    expected = _run(snap, _STEP, batches[7:])
+    _assert_same_state(final, expected)
+    assert [h["step"] for h in hist if h.get("rolled_back")] == [3, 6]
+
+
+def test_fit_rollbacks_exhausted_raise_like_stop(tmp_path):
+    step = train.make_train_step(_mlp_loss, donate=True)
+    batches = [_batch(i, nan=i > 0) for i in range(6)]
+    with pytest.raises(train.NonFiniteError) as info:
+        train.fit(
+            _state(),
+            step,
+            batches,
+            nan_policy="rollback",
+            max_consecutive_nonfinite=2,
+            rollback_every=1,
+            max_rollbacks=1,
+            progress=False,
+            log_path=tmp_path / "log.jsonl",
+        )
+    err = info.value
+    assert err.step == 4  # rollback at step 2, then 3 and 4 hit the limit again
+    msg = str(err)
+    assert msg.startswith("2 non-finite step(s) in a row, the last at step 4; ")
+    assert "rollbacks exhausted (max_rollbacks=1)" in msg
+    assert "['w1']" in msg and "non-finite batch inputs" in msg
+    assert [h["step"] for h in err.history] == [0, 1, 2, 3, 4]
+    assert [h.get("rolled_back", False) for h in err.history] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
+    logged = [json.loads(s) for s in (tmp_path / "log.jsonl").open()]
+    assert _same_records(logged, err.history)
+    # The failing step's own state: the snapshot (after step 0) + 2 skipped steps.
+    snap = _run(_state(), _STEP, batches[:1])
+    jax.tree.map(np.testing.assert_array_equal, err.state.params, snap.params)
+    assert int(err.state.step) == 3 and int(err.state.skipped_total) == 2
+
+
+def test_fit_rollback_options_are_accepted_with_other_policies():
+    batches = [_batch(0), _batch(1, nan=True), _batch(2)]
+    _, hist = train.fit(
+        _state(), _STEP, batches, rollback_every=1, max_rollbacks=1, progress=False
+    )
+    assert all("rolled_back" not in h for h in hist)
+    assert train.NAN_POLICIES == ("skip", "stop", "rollback")

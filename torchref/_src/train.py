@@ -10,6 +10,7 @@ metrics as the JAX step: ``loss``, ``grad_norm``, ``loss_scale``, ``finite``,
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import json
@@ -41,12 +42,16 @@ from torchref._src.transforms import (
 
 __all__ = ["NAN_POLICIES", "NonFiniteError", "TrainStep", "fit"]
 
-NAN_POLICIES = ("skip", "stop")
+NAN_POLICIES = ("skip", "stop", "rollback")
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class NonFiniteError(FloatingPointError):
-    """Training stopped on non-finite gradients (``nan_policy="stop"``).
+    """Training stopped on non-finite gradients.
+
+    Raised by `fit` with ``nan_policy="stop"`` at the first run of
+    ``max_consecutive_nonfinite`` non-finite steps; with ``"rollback"`` once
+    ``max_rollbacks`` rollbacks have been used.
 
     Attributes:
         step: 0-based index (within the `fit` call) of the step that hit the
@@ -473,6 +478,8 @@ def fit(
     progress: bool = True,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
+    rollback_every: int = 100,
+    max_rollbacks: int = 3,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -491,6 +498,19 @@ def fit(
       row, raise `NonFiniteError` naming the step, the loss scale it used,
       the non-finite gradients (their report) and batch inputs. Nothing after
       that step is run, logged or checkpointed.
+    * ``"rollback"``: keep a snapshot of the last state known good,
+      ``copy.deepcopy(step.state_dict())`` (model, optimizer, scaler,
+      counters), taken before the first step and after every step n (n steps
+      done in this call) with ``n % rollback_every == 0`` whose result was
+      finite. After `max_consecutive_nonfinite` non-finite steps in a row,
+      a deep copy of it is loaded with ``step.load_state_dict`` (a copy, as
+      the optimizer may keep the loaded tensors and update them in place),
+      the run counter restarts, that step's record gets
+      ``"rolled_back": True`` (the only record with that key) and training
+      goes on with the NEXT batch (the bad ones are not retried). The
+      trigger after `max_rollbacks` rollbacks raises `NonFiniteError` as
+      "stop" does, the message saying the rollbacks are exhausted. Same
+      semantics as `jaxstable.train.fit`.
 
     Checkpoints: ``step.state_dict()`` is saved with `torch.save` to
     ``checkpoint_dir/step_{n:08d}.pt`` (n = steps done in this call) every
@@ -501,18 +521,24 @@ def fit(
         step: a `TrainStep`.
         batches: any iterable of batches.
         steps: stop after this many steps (None: exhaust `batches`).
-        nan_policy: "skip" or "stop".
-        max_consecutive_nonfinite: int >= 1, used by "stop".
+        nan_policy: "skip", "stop" or "rollback".
+        max_consecutive_nonfinite: int >= 1, used by "stop" and "rollback".
         log_path: JSONL file (overwritten) or None.
         progress: show a tqdm bar (loss, grad_norm, loss_scale, skipped).
         checkpoint_dir: directory of the checkpoints, or None.
         checkpoint_every: int >= 1 or None; needs `checkpoint_dir`.
+        rollback_every: snapshot period in steps for "rollback", int >= 1
+            (accepted, unused, with the other policies).
+        max_rollbacks: rollbacks allowed in this call for "rollback",
+            int >= 1 (accepted, unused, with the other policies).
 
     Returns:
-        The history: list of per-step dicts.
+        The history: list of per-step dicts (a rollback step's also has
+        ``"rolled_back": True``).
 
     Raises:
-        NonFiniteError: with ``nan_policy="stop"``.
+        NonFiniteError: with ``nan_policy="stop"``, or "rollback" once the
+            rollbacks are used up.
         ValueError: invalid options (listing the valid values).
 
     Example:
@@ -531,6 +557,12 @@ def fit(
         ... except NonFiniteError as e:
         ...     print(e.step, "|", str(e).split(";")[0])
         0 | 1 non-finite step(s) in a row, the last at step 0
+        >>> before = step.steps_done
+        >>> hist = fit(step, [good, good, bad, good], nan_policy="rollback",
+        ...            max_consecutive_nonfinite=1, rollback_every=2, progress=False)
+        >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
+        >>> [h.get("rolled_back", False) for h in hist], step.steps_done - before
+        ([False, False, True, False], 3)
     """
     if not isinstance(step, TrainStep):
         raise TypeError(
@@ -552,6 +584,12 @@ def fit(
             "max_consecutive_nonfinite must be an int >= 1, "
             f"got {max_consecutive_nonfinite!r}"
         )
+    for name, value in (
+        ("rollback_every", rollback_every),
+        ("max_rollbacks", max_rollbacks),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if steps is not None and (
         isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
     ):
@@ -584,6 +622,10 @@ def fit(
     run = 0
     done = 0
     saved_at = None
+    rollback = nan_policy == "rollback"
+    rollbacks = 0
+    # Deep copies: state_dict() holds references to the live tensors.
+    snapshot = copy.deepcopy(step.state_dict()) if rollback else None
 
     def save(n: int) -> None:
         save_checkpoint(os.path.join(checkpoint_dir, f"step_{n:08d}.pt"), step)
@@ -593,6 +635,11 @@ def fit(
             metrics = step(batch)
             done = i + 1
             entry = _host_record(i, metrics)
+            run = 0 if metrics["finite"] else run + 1
+            triggered = nan_policy != "skip" and run >= max_consecutive_nonfinite
+            rolls = triggered and rollback and rollbacks < max_rollbacks
+            if rolls:
+                entry["rolled_back"] = True
             history.append(entry)
             if log is not None:
                 log.write(json.dumps(entry) + "\n")
@@ -605,9 +652,18 @@ def fit(
                 skipped=metrics["skipped_total"],
                 refresh=False,
             )
-            run = 0 if metrics["finite"] else run + 1
-            if nan_policy == "stop" and run >= max_consecutive_nonfinite:
-                _raise_non_finite(step, entry, run, batch, history)
+            if rolls:
+                # A copy again: the optimizer may keep the loaded tensors and
+                # update them in place, which must not reach the snapshot.
+                step.load_state_dict(copy.deepcopy(snapshot))
+                rollbacks += 1
+                run = 0
+            elif triggered:
+                _raise_non_finite(
+                    step, entry, run, batch, history, nan_policy, max_rollbacks
+                )
+            elif rollback and metrics["finite"] and done % rollback_every == 0:
+                snapshot = copy.deepcopy(step.state_dict())
             if checkpoint_every is not None and done % checkpoint_every == 0:
                 save(done)
                 saved_at = done
@@ -620,8 +676,24 @@ def fit(
     return history
 
 
+def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
+    # Same text as jaxstable.train.fit.
+    if nan_policy == "rollback":
+        return (
+            "nan_policy='rollback': rollbacks exhausted "
+            f"(max_rollbacks={max_rollbacks})"
+        )
+    return f"nan_policy={nan_policy!r}"
+
+
 def _raise_non_finite(
-    step: TrainStep, entry: dict[str, Any], run: int, batch: Any, history: list
+    step: TrainStep,
+    entry: dict[str, Any],
+    run: int,
+    batch: Any,
+    history: list,
+    nan_policy: str = "stop",
+    max_rollbacks: int = 0,
 ) -> None:
     # The grads left by the step: computed at the scale it used, unscaled by
     # GradScaler.unscale_ (not clipped on a non-finite step). Same message
@@ -632,7 +704,7 @@ def _raise_non_finite(
         f"{run} non-finite step(s) in a row, the last at step {entry['step']}; "
         f"loss={entry['loss']:.6g}, grad_norm={entry['grad_norm']:.6g}, "
         f"loss_scale={scale} (the scale that step used); its update was skipped "
-        "(nan_policy='stop').",
+        f"({_policy_note(nan_policy, max_rollbacks)}).",
         f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
     ]
     batch_report = non_finite_report(batch)

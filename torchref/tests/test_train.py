@@ -222,9 +222,14 @@ def test_invalid_arguments():
         train.TrainStep(model, partial, _mse)
     step = train.TrainStep(model, opt, _mse)
     with pytest.raises(
-        ValueError, match="nan_policy must be one of \\('skip', 'stop'\\)"
+        ValueError,
+        match=r"nan_policy must be one of \('skip', 'stop', 'rollback'\)",
     ):
-        train.fit(step, [], nan_policy="rollback")
+        train.fit(step, [], nan_policy="ignore")
+    for name in ("rollback_every", "max_rollbacks"):
+        for bad in (0, 1.5, True):
+            with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+                train.fit(step, [], **{name: bad})
     with pytest.raises(
         ValueError, match="max_consecutive_nonfinite must be an int >= 1"
     ):
@@ -435,3 +440,122 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
         torch.equal(p, q)
         for p, q in zip(fresh_model.parameters(), model.parameters(), strict=True)
     )
+
+
+def _adam_step(seed=0):
+    model = _mlp(seed)
+    return train.TrainStep(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        _mse,
+        max_grad_norm=1.0,
+        scaler=ls.DynamicLossScale(),
+    )
+
+
+def _same_records(logged, history):
+    # json.loads gives NaN back for NaN, and NaN != NaN: compare as JSON text.
+    return [json.dumps(r) for r in logged] == [json.dumps(r) for r in history]
+
+
+def _run(step, batches):
+    for b in batches:
+        step(b)
+    return step
+
+
+def _assert_same_step(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+    assert _states_equal(sa["optimizer"]["state"], sb["optimizer"]["state"])
+    assert sa["scaler"] == sb["scaler"]
+    assert sa["skip_state"] == sb["skip_state"]
+    assert sa["steps_done"] == sb["steps_done"]
+
+
+_ROLLBACK = dict(nan_policy="rollback", max_consecutive_nonfinite=2, rollback_every=2)
+
+
+def test_fit_rollback_restores_the_snapshot_and_goes_on(tmp_path):
+    # The mirror of jaxstable's test: batches 3 and 4 NaN, limit 2, a
+    # snapshot every 2 steps: the state after 2 steps comes back at step 4,
+    # then training goes on with batch 5 (3 and 4 are not retried).
+    batches = _batches(7, poison={3, 4})
+    snap = _run(_adam_step(), batches[:2])
+    at_rollback = _adam_step()
+    hist5 = train.fit(at_rollback, batches, steps=5, progress=False, **_ROLLBACK)
+    _assert_same_step(at_rollback, snap)
+    assert at_rollback.steps_done == 2
+    assert [h.get("rolled_back", False) for h in hist5] == [False] * 4 + [True]
+
+    log = tmp_path / "log.jsonl"
+    step = _adam_step()
+    hist = train.fit(step, batches, log_path=log, progress=False, **_ROLLBACK)
+    _assert_same_step(step, _run(snap, batches[5:]))
+    assert [h["finite"] for h in hist] == [True] * 3 + [False] * 2 + [True] * 2
+    assert [h["step"] for h in hist if "rolled_back" in h] == [4]
+    assert hist[4]["rolled_back"] is True
+    assert [h["skipped_total"] for h in hist] == [0, 0, 0, 1, 2, 0, 0]
+    assert _same_records([json.loads(s) for s in log.open()], hist)
+
+
+def test_fit_rollback_snapshot_survives_two_restores():
+    # Two rollbacks to the same snapshot: each restore loads a deep copy, so
+    # Adam's in-place updates cannot write into the snapshot.
+    batches = _batches(8, poison={2, 3, 5, 6})
+    step = _adam_step()
+    hist = train.fit(step, batches, progress=False, max_rollbacks=2, **_ROLLBACK)
+    snap = _run(_adam_step(), batches[:2])
+    # Batch 4 trained on the snapshot, but the second rollback drops it.
+    _assert_same_step(step, _run(snap, batches[7:]))
+    assert [h["step"] for h in hist if h.get("rolled_back")] == [3, 6]
+
+
+def test_fit_rollbacks_exhausted_raise_like_stop(tmp_path):
+    batches = _batches(6, poison={1, 2, 3, 4, 5})
+    step = _adam_step()
+    with pytest.raises(train.NonFiniteError) as e:
+        train.fit(
+            step,
+            batches,
+            nan_policy="rollback",
+            max_consecutive_nonfinite=2,
+            rollback_every=1,
+            max_rollbacks=1,
+            progress=False,
+            log_path=tmp_path / "log.jsonl",
+        )
+    err = e.value
+    assert err.step == 4  # rollback at step 2, then 3 and 4 hit the limit again
+    msg = str(err)
+    assert msg.startswith("2 non-finite step(s) in a row, the last at step 4; ")
+    assert "rollbacks exhausted (max_rollbacks=1)" in msg
+    assert "0.weight" in msg and "non-finite batch inputs" in msg
+    assert [h.get("rolled_back", False) for h in err.history] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
+    logged = [json.loads(s) for s in (tmp_path / "log.jsonl").open()]
+    assert _same_records(logged, err.history)
+    snap = _run(_adam_step(), batches[:1])
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(step.model.parameters(), snap.model.parameters(), strict=True)
+    )
+    assert step.steps_done == 3 and step.skip_state.skipped_total == 2
+
+
+def test_fit_rollback_options_are_accepted_with_other_policies():
+    step = _adam_step()
+    hist = train.fit(
+        step,
+        _batches(3, poison={1}),
+        rollback_every=1,
+        max_rollbacks=1,
+        progress=False,
+    )
+    assert all("rolled_back" not in h for h in hist)
+    assert train.NAN_POLICIES == ("skip", "stop", "rollback")
