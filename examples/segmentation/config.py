@@ -413,6 +413,35 @@ def run_steps(
     }
 
 
+def run_result(
+    framework: str, config: Config, out: dict[str, Any], miou: float
+) -> RunResult:
+    """The `RunResult` of a run from what `run_steps` returned (both frameworks).
+
+    Example:
+        >>> cfg = get_config(steps=2)
+        >>> out = {"metrics": [{"loss": 1.0, "skipped_total": 0}] * 2,
+        ...        "first_nonfinite_step": None, "report": "", "times": [0.1, 0.1],
+        ...        "stopped_early": False}
+        >>> r = run_result("jax", cfg, out, miou=0.5)
+        >>> r.final_loss, r.skipped_total, r.miou
+        (1.0, 0, 0.5)
+    """
+    metrics = out["metrics"]
+    return RunResult(
+        framework=framework,
+        config=config,
+        metrics=metrics,
+        first_nonfinite_step=out["first_nonfinite_step"],
+        final_loss=metrics[-1]["loss"] if metrics else float("nan"),
+        skipped_total=metrics[-1]["skipped_total"] if metrics else 0,
+        miou=miou,
+        steps_per_s=step_rate(out["times"]),
+        non_finite_report=out["report"],
+        stopped_early=out["stopped_early"],
+    )
+
+
 def adam_underflow_note(
     grads: list[np.ndarray], nus: list[np.ndarray], dtype_name: str, eps: float
 ) -> str:

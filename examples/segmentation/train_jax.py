@@ -309,16 +309,5 @@ def train_and_evaluate(
         log=log,
         progress=progress,
     )
-    metrics = out["metrics"]
-    return config_lib.RunResult(
-        framework="jax",
-        config=config,
-        metrics=metrics,
-        first_nonfinite_step=out["first_nonfinite_step"],
-        final_loss=metrics[-1]["loss"] if metrics else float("nan"),
-        skipped_total=metrics[-1]["skipped_total"] if metrics else 0,
-        miou=evaluate(*final(), config, heldout),
-        steps_per_s=config_lib.step_rate(out["times"]),
-        non_finite_report=out["report"],
-        stopped_early=out["stopped_early"],
-    )
+    miou = evaluate(*final(), config, heldout)
+    return config_lib.run_result("jax", config, out, miou)

@@ -307,16 +307,4 @@ def train_and_evaluate(
         log=log,
         progress=progress,
     )
-    metrics = out["metrics"]
-    return config_lib.RunResult(
-        framework="torch",
-        config=config,
-        metrics=metrics,
-        first_nonfinite_step=out["first_nonfinite_step"],
-        final_loss=metrics[-1]["loss"] if metrics else float("nan"),
-        skipped_total=metrics[-1]["skipped_total"] if metrics else 0,
-        miou=evaluate(model, config, heldout),
-        steps_per_s=config_lib.step_rate(out["times"]),
-        non_finite_report=out["report"],
-        stopped_early=out["stopped_early"],
-    )
+    return config_lib.run_result("torch", config, out, evaluate(model, config, heldout))
