@@ -55,6 +55,7 @@ def test_fit_history_and_log_have_the_same_keys(tmp_path):
         progress=False,
     )
     keys = {"step", "loss", "grad_norm", "loss_scale", "finite", "skipped_total"}
+    keys |= {"grads_finite"}  # and "skip_reason" on a skipped step (none here)
     keys |= {"aux['max_err']"}  # scalar aux leaves only; the vector is left out
     assert [set(r) for r in jhist] == [keys] * 3
     assert [set(r) for r in thist] == [keys] * 3

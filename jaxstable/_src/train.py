@@ -25,6 +25,7 @@ from jaxstable._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
+    all_finite,
     scaled_value_and_grad,
 )
 from jaxstable._src.precision import get_policy
@@ -125,21 +126,23 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
 _INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
-def _skip_is_outermost(opt_state: Any) -> bool:
-    """Whether ``tx``'s OUTERMOST state is a `SkipNonFiniteState`.
+def _outer_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
+    """``tx``'s OUTERMOST `SkipNonFiniteState`, or None.
 
-    Only then does the skip transform see (and zero) the whole update. A skip
-    nested inside a chain zeroes its own part only: in
+    Only an outermost skip transform sees (and zeroes) the whole update. A
+    skip nested inside a chain zeroes its own part only: in
     ``chain(skip_non_finite(sgd), add_decayed_weights(0.5))`` the decay would
     still move the params on a NaN step. `optax.inject_hyperparams` around the
     skip is accepted too (its step count still advances on a skipped step, as
     a torch LR scheduler stepped every iteration does).
     """
     if isinstance(opt_state, SkipNonFiniteState):
-        return True
-    return isinstance(opt_state, _INJECT_STATES) and isinstance(
+        return opt_state
+    if isinstance(opt_state, _INJECT_STATES) and isinstance(
         opt_state.inner_state, SkipNonFiniteState
-    )
+    ):
+        return opt_state.inner_state
+    return None
 
 
 class TrainStep:
@@ -204,16 +207,25 @@ def make_train_step(
 
         value, grads, finite = scaled_value_and_grad(loss)(ls, params, ...)
         updates, opt_state = tx.update(grads, opt_state, params, grads_finite=finite)
-        params = params + updates          # tx skips (zero update) when not finite
+        params = params + updates     # tx skips (zero update) unless applied
         loss_scale = ls.adjust(finite)
 
-    ``finite`` is reduced once and reused by the skip transform and the loss
-    scale. Unless ``tx``'s OUTERMOST state is a `SkipNonFiniteState` (as with
-    `stable_optimizer`, possibly inside `optax.inject_hyperparams`), the step
-    itself keeps the old params and optimizer state on a non-finite step,
-    with the same flag: a skip nested inside a chain would zero only its own
-    part of the update. The model state (batch stats) is always kept
-    unchanged on a non-finite step.
+    The invariant: no step writes a non-finite value into the parameters,
+    the optimizer state or the model state. A step is *applied* only when
+    its gradients are finite AND the update, the new parameters and the new
+    optimizer state are finite (float16 Adam state can turn finite gradients
+    into ``m / 0``); otherwise it is skipped and counted in ``skipped_total``.
+    ``finite`` (the gradient flag) is reduced once and reused by the skip
+    transform and the loss scale, which reacts to the gradients only, as
+    GradScaler does: a non-finite update is no overflow of the scaled loss.
+    When ``tx``'s OUTERMOST state is a `SkipNonFiniteState` (as with
+    `stable_optimizer`, possibly inside `optax.inject_hyperparams`) the skip
+    transform makes both checks (``check_update=False`` there leaves the
+    second out); otherwise the step itself checks the new params and
+    optimizer state and keeps the old ones: a skip nested inside a chain
+    would zero only its own part of the update. The model state (batch
+    stats) is kept unchanged on a skipped step, and also when it is itself
+    non-finite.
 
     Contracts of ``loss_fn``:
       - ``has_state=False``: ``loss_fn(params, batch) -> loss`` or, with
@@ -243,8 +255,9 @@ def make_train_step(
       A `TrainStep`; calling it returns ``(new_state, metrics)`` where metrics
       holds device scalars: ``loss`` (unscaled, float32), ``grad_norm``
       (pre-clip, unscaled, float32), ``loss_scale`` (float32, the scale used
-      for this step), ``finite`` (bool), ``skipped_total`` (int32), and
-      ``aux`` with ``has_aux``.
+      for this step), ``finite`` (bool: the step was applied, see the
+      invariant above), ``grads_finite`` (bool: the gradients alone),
+      ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -299,19 +312,29 @@ def make_train_step(
         else:
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        if not _skip_is_outermost(state.opt_state):
-            # No skip transform around the whole of tx: guard here (same flag).
-            params = _select(finite, params, state.params)
-            opt_state = _select(finite, opt_state, state.opt_state)
+        skip = _outer_skip_state(opt_state)
+        if skip is not None:
+            # The skip transform checked gradients, update, new params and
+            # new optimizer state (unless built with check_update=False).
+            applied = skip.last_finite
+        else:
+            # No skip transform around the whole of tx: guard here, with the
+            # same two checks (the gradient flag is reused).
+            applied = jnp.logical_and(finite, all_finite((params, opt_state)))
+            params = _select(applied, params, state.params)
+            opt_state = _select(applied, opt_state, state.opt_state)
         if state.model_state is not None:
-            new_model_state = _select(finite, new_model_state, state.model_state)
-        skipped_total = (state.skipped_total + jnp.logical_not(finite)).astype(
+            keep = jnp.logical_and(applied, all_finite(new_model_state))
+            new_model_state = _select(keep, new_model_state, state.model_state)
+        skipped_total = (state.skipped_total + jnp.logical_not(applied)).astype(
             jnp.int32
         )
         new_state = state.replace(
             step=(state.step + 1).astype(jnp.int32),
             params=params,
             opt_state=opt_state,
+            # The scale reacts to the gradients only, as GradScaler's does: a
+            # non-finite update is no overflow of the scaled loss.
             loss_scale=ls.adjust(finite),
             model_state=new_model_state,
             skipped_total=skipped_total,
@@ -320,7 +343,8 @@ def make_train_step(
             "loss": loss,
             "grad_norm": grad_norm,
             "loss_scale": jnp.asarray(ls.loss_scale, jnp.float32),
-            "finite": finite,
+            "finite": applied,
+            "grads_finite": finite,
             "skipped_total": skipped_total,
         }
         if has_aux:
@@ -446,6 +470,15 @@ def _check_loss_scale_type(path: Any, raw: Any, target: Any) -> None:
         )
 
 
+def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+    # Same keys as torchref.train.fit: a skipped step says why.
+    rec["grads_finite"] = bool(grads_finite)
+    if not rec["finite"]:
+        rec["skip_reason"] = (
+            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
+        )
+
+
 def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     m = jax.device_get(metrics)
     rec = {
@@ -456,6 +489,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         "finite": bool(m["finite"]),
         "skipped_total": int(m["skipped_total"]),
     }
+    _add_skip_reason(rec, m.get("grads_finite", rec["finite"]))
     aux = m.get("aux")
     if aux is not None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
@@ -536,7 +570,9 @@ def fit(
         ``"rollback"``, >= 1.
       log_path: JSONL file, overwritten at the start of the call: one line
         per step (keys ``step, loss, grad_norm, loss_scale, finite,
-        skipped_total`` and ``aux[...]`` scalars).
+        skipped_total, grads_finite`` and ``aux[...]`` scalars; a skipped
+        step also has ``skip_reason``: ``"non-finite gradients"`` or
+        ``"non-finite update"``).
       progress: show a tqdm progress bar with loss, grad_norm, loss_scale,
         skipped.
       checkpoint_dir: where to write ``step_{n:08d}.msgpack`` checkpoints; a

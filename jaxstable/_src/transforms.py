@@ -124,12 +124,20 @@ class SkipNonFiniteState(NamedTuple):
 
     Attributes:
       inner_state: the wrapped transformation's state (unchanged by a skip).
-      skipped_total: int32, number of skipped (non-finite) updates so far.
-      consecutive: int32, non-finite updates in a row up to now (0 after a
-        finite one).
-      last_finite: bool, whether the latest update was finite.
+      skipped_total: int32, number of skipped updates so far, whatever made
+        them non-finite (gradients, or the update the optimizer computed).
+      consecutive: int32, skipped updates in a row up to now (0 after an
+        applied one).
+      last_finite: bool, whether the latest update was applied (its
+        gradients, the update and the new optimizer state all finite).
       exceeded: bool, ``consecutive > max_consecutive`` (always False when
         ``max_consecutive`` is None). A flag for the training loop to act on.
+      last_grads_finite: bool, whether the latest gradients were finite (the
+        flag a loss scale reacts to). ``last_grads_finite and not
+        last_finite`` means the gradients were finite but the update or the
+        new state was not (e.g. Adam's float16 second moment underflowing).
+      non_finite_updates: int32, how many of the skipped updates had finite
+        gradients (the update or the new state was non-finite).
     """
 
     inner_state: Any
@@ -137,18 +145,35 @@ class SkipNonFiniteState(NamedTuple):
     consecutive: jax.Array
     last_finite: jax.Array
     exceeded: jax.Array
+    last_grads_finite: jax.Array
+    non_finite_updates: jax.Array
 
 
 def skip_non_finite(
-    inner: optax.GradientTransformation, *, max_consecutive: int | None = None
+    inner: optax.GradientTransformation,
+    *,
+    max_consecutive: int | None = None,
+    check_update: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
-    """Wraps `inner` so that a non-finite update is never applied.
+    """Wraps `inner` so that no non-finite value is ever written by an update.
 
-    With ``ok = grads_finite if given else all_finite(updates)``::
+    With ``grads_ok = grads_finite if given else all_finite(grads)``::
 
-        new_updates, new_inner = inner.update(updates, inner_state, params)
+        new_updates, new_inner = inner.update(grads, inner_state, params)
+        written = apply_updates(params, new_updates) if params given else new_updates
+        ok          = grads_ok and all_finite((written, new_inner))  # check_update
         updates'    = new_updates if ok else zeros_like(new_updates)
         inner_state = new_inner   if ok else inner_state   # e.g. Adam moments, count
+
+    Finite gradients do not make a finite update: Adam with float16 state
+    computes ``m / (sqrt(v) + eps)`` where ``(1 - b2) * g**2`` underflowed to
+    0 and ``eps = 1e-8`` rounds to 0 in float16 (``m / 0``); ``eps=0``,
+    a schedule or weight decay can do the same. With ``check_update`` such a
+    step is skipped exactly like a non-finite gradient and counted, and
+    ``last_grads_finite`` / ``non_finite_updates`` tell the two apart. The
+    check reads the new parameters (``params + update``, so an overflow of the
+    sum in the parameters' dtype is caught too) and the new optimizer state,
+    in the same jitted computation as the update.
 
     Unlike `optax.apply_if_finite`, which applies the update once more than
     ``max_consecutive_errors`` bad steps happened in a row, a bad update is
@@ -158,13 +183,17 @@ def skip_non_finite(
 
     Args:
       inner: the transformation to guard (plain or with extra args).
-      max_consecutive: non-finite updates in a row tolerated before
-        ``exceeded`` is set; None never sets it. >= 0.
+      max_consecutive: skipped updates in a row tolerated before ``exceeded``
+        is set; None never sets it. >= 0.
+      check_update: also skip when the update, the new parameters or the new
+        optimizer state are non-finite (default True). False checks the
+        gradients only (the flag alone decides).
 
     Returns:
       A `optax.GradientTransformationExtraArgs` whose ``update`` accepts
       ``grads_finite=`` (a bool scalar already computed by the train step,
-      reused instead of a second reduction); other extra args go to `inner`.
+      reused instead of a second reduction over the gradients); other extra
+      args go to `inner`.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -174,19 +203,15 @@ def skip_non_finite(
       >>> u, state = tx.update(jnp.array([1.0, jnp.nan]), state)
       >>> u.tolist(), int(state.skipped_total), bool(state.last_finite)
       ([0.0, 0.0], 1, False)
+      >>> # finite gradients, non-finite update: Adam with eps=0 divides 0 by 0
+      >>> tx = transforms.skip_non_finite(optax.adam(1e-3, eps=0.0))
+      >>> state = tx.init(jnp.ones(2))
+      >>> u, state = tx.update(jnp.array([1.0, 0.0]), state, jnp.ones(2))
+      >>> u.tolist(), bool(state.last_grads_finite), int(state.non_finite_updates)
+      ([0.0, 0.0], True, 1)
     """
-    if max_consecutive is not None:
-        if isinstance(max_consecutive, bool) or not isinstance(
-            max_consecutive, int | np.integer | jax.Array
-        ):
-            raise ValueError(
-                f"max_consecutive must be None or an int >= 0, got {max_consecutive!r}"
-            )
-        limit = _concrete_float(max_consecutive)
-        if limit is not None and limit < 0:
-            raise ValueError(
-                f"max_consecutive must be None or an int >= 0, got {max_consecutive}"
-            )
+    _check_optional_count("max_consecutive", max_consecutive)
+    _check_bool("check_update", check_update)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -196,14 +221,24 @@ def skip_non_finite(
             consecutive=jnp.zeros([], jnp.int32),
             last_finite=jnp.ones([], jnp.bool_),
             exceeded=jnp.zeros([], jnp.bool_),
+            last_grads_finite=jnp.ones([], jnp.bool_),
+            non_finite_updates=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
-        ok = all_finite(updates) if grads_finite is None else grads_finite
-        ok = jnp.asarray(ok, jnp.bool_)
+        grads_ok = all_finite(updates) if grads_finite is None else grads_finite
+        grads_ok = jnp.asarray(grads_ok, jnp.bool_)
         new_updates, new_inner = inner.update(
             updates, state.inner_state, params, **extra_args
         )
+        ok = grads_ok
+        if check_update:
+            written = (
+                new_updates
+                if params is None
+                else optax.apply_updates(params, new_updates)
+            )
+            ok = jnp.logical_and(grads_ok, all_finite((written, new_inner)))
         new_updates = jax.tree_util.tree_map(
             lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates
         )
@@ -216,15 +251,36 @@ def skip_non_finite(
             exceeded = jnp.zeros([], jnp.bool_)
         else:
             exceeded = consecutive > max_consecutive
+        update_bad = jnp.logical_and(grads_ok, jnp.logical_not(ok))
         return new_updates, SkipNonFiniteState(
             inner_state=new_inner,
             skipped_total=(state.skipped_total + bad).astype(jnp.int32),
             consecutive=consecutive,
             last_finite=ok,
             exceeded=exceeded,
+            last_grads_finite=grads_ok,
+            non_finite_updates=(state.non_finite_updates + update_bad).astype(
+                jnp.int32
+            ),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_optional_count(name: str, value: Any) -> None:
+    """None or an int >= 0 (a concrete JAX/numpy integer scalar too)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | np.integer | jax.Array):
+        raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+    limit = _concrete_float(value)
+    if limit is not None and limit < 0:
+        raise ValueError(f"{name} must be None or an int >= 0, got {value}")
 
 
 def stable_optimizer(
@@ -234,12 +290,14 @@ def stable_optimizer(
     skip_non_finite: bool = True,
     max_consecutive: int | None = None,
     clip_eps: float = 1e-6,
+    check_update: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """The usual guarded chain in one call: skip(chain(clip, optimizer)).
 
     ``skip_non_finite(chain(clip_by_global_norm(max_grad_norm, eps=clip_eps),
-    optimizer), max_consecutive=max_consecutive)``; the clip is left out when
-    ``max_grad_norm`` is None and the skip when ``skip_non_finite`` is False.
+    optimizer), max_consecutive=max_consecutive, check_update=check_update)``;
+    the clip is left out when ``max_grad_norm`` is None and the skip when
+    ``skip_non_finite`` is False.
     The order is torch's: clip the unscaled gradients, then step.
 
     Args:
@@ -249,6 +307,8 @@ def stable_optimizer(
         is then a `SkipNonFiniteState`).
       max_consecutive: passed to `skip_non_finite`.
       clip_eps: torch's eps in the clip coefficient.
+      check_update: passed to `skip_non_finite`: also skip a step whose update
+        or new optimizer state is non-finite although its gradients are not.
 
     Returns:
       A `optax.GradientTransformationExtraArgs`.
@@ -262,10 +322,8 @@ def stable_optimizer(
       >>> [round(v, 3) for v in u.tolist()], type(state).__name__
       ([-0.6, -0.8], 'SkipNonFiniteState')
     """
-    if not isinstance(skip_non_finite, bool):
-        raise ValueError(
-            f"skip_non_finite must be True or False, got {skip_non_finite!r}"
-        )
+    _check_bool("skip_non_finite", skip_non_finite)
+    _check_bool("check_update", check_update)
     parts = []
     if max_grad_norm is not None:
         parts.append(clip_by_global_norm(max_grad_norm, eps=clip_eps))
@@ -276,7 +334,7 @@ def stable_optimizer(
         else optax.with_extra_args_support(optimizer)
     )
     if skip_non_finite:
-        tx = _skip(tx, max_consecutive=max_consecutive)
+        tx = _skip(tx, max_consecutive=max_consecutive, check_update=check_update)
     return tx
 
 

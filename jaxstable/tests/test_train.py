@@ -61,7 +61,14 @@ def test_step_trains_and_reports_metrics(tol):
     for i in range(30):
         state, m = _STEP(state, _batch(i % 4))
         first = first if first is not None else float(m["loss"])
-    assert set(m) == {"loss", "grad_norm", "loss_scale", "finite", "skipped_total"}
+    assert set(m) == {
+        "loss",
+        "grad_norm",
+        "loss_scale",
+        "finite",
+        "grads_finite",
+        "skipped_total",
+    }
     assert m["loss"].dtype == jnp.float32 and m["grad_norm"].dtype == jnp.float32
     assert m["loss_scale"].dtype == jnp.float32 and m["finite"].dtype == jnp.bool_
     assert m["skipped_total"].dtype == jnp.int32
@@ -97,6 +104,8 @@ def _skip_counts_only(old, new):
         consecutive=s_new.consecutive,
         last_finite=s_new.last_finite,
         exceeded=s_new.exceeded,
+        last_grads_finite=s_new.last_grads_finite,
+        non_finite_updates=s_new.non_finite_updates,
     )
 
 
@@ -115,10 +124,18 @@ def test_compiled_step_has_no_conditional_and_one_finiteness_reduction():
     state, batch = _state(), _batch(0)
     lowered = _STEP.lower(state, batch)
     assert not _has_conditional(lowered)
-    # One is_finite per gradient leaf (the single all_finite) plus one on the
-    # grown scalar scale inside DynamicLossScale.adjust; the skip reuses the flag.
+    # One is_finite per gradient leaf (the single all_finite over the
+    # gradients, reused by the skip and the loss scale), one on the grown
+    # scalar scale inside DynamicLossScale.adjust, and one per float leaf the
+    # step writes (new params, Adam's mu and nu): the update check.
     n_leaves = len(jax.tree.leaves(state.params))
-    assert lowered.as_text().count("is_finite") == n_leaves + 1
+    written = [
+        x
+        for x in jax.tree.leaves((state.params, state.opt_state))
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    assert len(written) == 3 * n_leaves
+    assert lowered.as_text().count("is_finite") == n_leaves + 1 + len(written)
 
 
 def test_step_runs_under_transfer_guard_without_retracing():

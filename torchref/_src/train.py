@@ -35,7 +35,9 @@ from torchref._src.precision import get_policy
 from torchref._src.transforms import (
     SkipNonFinite,
     SkipNonFiniteState,
+    _check_bool,
     _check_max_consecutive,
+    _StepUndo,
     clip_by_global_norm,
     global_norm,
 )
@@ -114,10 +116,17 @@ class TrainStep:
        not multiplied in, so the grad report still names the bad leaves.
     6. ``scaler.step(optimizer)`` (GradScaler skips `optimizer.step()` itself
        on inf/NaN); with no (or a disabled) scaler we skip it ourselves.
+       With `check_update` (default), parameters and optimizer state are
+       copied before a step with finite gradients, checked after it, and
+       copied back if the step wrote a non-finite value (finite gradients
+       do not make a finite Adam step in float16): such a step counts as
+       skipped, with ``grads_finite`` True.
     7. ``scaler.update()`` (`DynamicGradScaler` also clamps to
-       `min_loss_scale`); counters; on a non-finite step the buffers are
-       restored, as the JAX step keeps `model_state` unchanged (the forward
-       already updated batch-norm running stats).
+       `min_loss_scale`): the scale reacts to the gradients only, as
+       GradScaler does (a non-finite update is no loss-scale overflow);
+       counters; on a skipped step the buffers are restored, as the JAX step
+       keeps `model_state` unchanged (the forward already updated batch-norm
+       running stats).
 
     Args:
         model: the `nn.Module` (its device gives autocast's device type).
@@ -132,6 +141,9 @@ class TrainStep:
         max_consecutive: sets ``skip_state.exceeded`` (see `skip_non_finite`).
         clip_eps: eps of the clip formula (torch's 1e-6 by default).
         restore_buffers_on_skip: restore buffers on non-finite steps.
+        check_update: undo a step that wrote a non-finite parameter or
+            optimizer-state value (default True; costs a copy of both and
+            one more host sync per step).
 
     Example:
         >>> import torch
@@ -143,8 +155,10 @@ class TrainStep:
         >>> step = TrainStep(model, opt, mse, max_grad_norm=1.0,
         ...                  scaler=DynamicLossScale(loss_scale=2.0**10))
         >>> m = step((torch.ones(4, 3), torch.zeros(4, 1)))
-        >>> sorted(m), m["loss_scale"], m["finite"]
-        (['finite', 'grad_norm', 'loss', 'loss_scale', 'skipped_total'], 1024.0, True)
+        >>> sorted(m)
+        ['finite', 'grad_norm', 'grads_finite', 'loss', 'loss_scale', 'skipped_total']
+        >>> m["loss_scale"], m["finite"]
+        (1024.0, True)
         >>> m = step((torch.full((4, 3), float("nan")), torch.zeros(4, 1)))
         >>> m["finite"], m["skipped_total"], step.scaler.get_scale()
         (False, 1, 512.0)
@@ -162,6 +176,7 @@ class TrainStep:
         max_consecutive: int | None = None,
         clip_eps: float = 1e-6,
         restore_buffers_on_skip: bool = True,
+        check_update: bool = True,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -204,6 +219,8 @@ class TrainStep:
             else clip_by_global_norm(max_grad_norm, eps=clip_eps)
         )
         self.restore_buffers_on_skip = bool(restore_buffers_on_skip)
+        self.check_update = _check_bool("check_update", check_update)
+        self._undo = _StepUndo()
         self.skip_state = SkipNonFiniteState()
         self.steps_done = 0
         # State machine: "ready" between steps, else the stage a step is in
@@ -253,9 +270,11 @@ class TrainStep:
         Returns:
             ``{"loss": float (unscaled), "grad_norm": float (pre-clip,
             unscaled, float32; inf/nan on a non-finite step), "loss_scale":
-            float (the scale USED for this step), "finite": bool,
-            "skipped_total": int}`` plus ``"aux"`` when `loss_fn` returns
-            ``(loss, aux)``.
+            float (the scale USED for this step), "finite": bool (the step
+            was applied: gradients and what the step wrote all finite),
+            "grads_finite": bool (the gradients alone; the flag the loss
+            scale reacts to), "skipped_total": int}`` plus ``"aux"`` when
+            `loss_fn` returns ``(loss, aux)``.
         """
         if self._stage != "ready":
             raise RuntimeError(
@@ -314,13 +333,20 @@ class TrainStep:
         else:
             grad_norm = global_norm(grads)
         self._stage = "optimizer step"
+        undo = finite and self.check_update
+        if undo:
+            self._undo.take(opt)
         if self._scaler_enabled():
             scaler.step(opt)  # GradScaler skips optimizer.step() on inf/NaN
             scaler.update()
         elif finite:
             opt.step()
-        self.skip_state.record(finite, self.max_consecutive)
-        if not finite and saved is not None:
+        applied = finite
+        if undo and not self._undo.written_finite():
+            self._undo.restore()
+            applied = False
+        self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
+        if not applied and saved is not None:
             with torch.no_grad():
                 for b, s in zip(model.buffers(), saved, strict=True):
                     b.copy_(s)
@@ -330,7 +356,8 @@ class TrainStep:
             "loss": float(loss.detach().float()),
             "grad_norm": float(grad_norm),
             "loss_scale": loss_scale,
-            "finite": bool(finite),
+            "finite": applied,
+            "grads_finite": bool(finite),
             "skipped_total": int(self.skip_state.skipped_total),
         }
         if aux is not None:
@@ -457,10 +484,20 @@ def _scalar_leaves(tree: Any, path: str = "") -> Iterable[tuple[str, float]]:
         yield path, float(tree)
 
 
+def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+    # Same keys as jaxstable.train.fit: a skipped step says why.
+    rec["grads_finite"] = bool(grads_finite)
+    if not rec["finite"]:
+        rec["skip_reason"] = (
+            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
+        )
+
+
 def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     """One history/JSONL record: the metrics and the scalar leaves of ``aux``
     as ``aux[...]`` keys, the same record as `jaxstable.train.fit` writes."""
     rec = {"step": index, **{k: metrics[k] for k in _LOGGED}}
+    _add_skip_reason(rec, metrics.get("grads_finite", rec["finite"]))
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value
@@ -484,9 +521,11 @@ def fit(
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
     Per batch: ``metrics = step(batch)``; the history entry (and JSONL line)
-    is ``{"step": i, loss, grad_norm, loss_scale, finite, skipped_total}``
-    plus one ``aux[...]`` key per scalar leaf of ``aux`` (i 0-based): the
-    same record as `jaxstable.train.fit`.
+    is ``{"step": i, loss, grad_norm, loss_scale, finite, skipped_total,
+    grads_finite}`` plus one ``aux[...]`` key per scalar leaf of ``aux`` (i
+    0-based), and on a skipped step ``skip_reason`` (``"non-finite
+    gradients"`` or ``"non-finite update"``): the same record as
+    `jaxstable.train.fit`.
     `log_path` is overwritten at the start of the call and gets one JSON line
     per step with keys step, loss, grad_norm, loss_scale, finite,
     skipped_total (python's json writes non-finite floats as NaN/Infinity,

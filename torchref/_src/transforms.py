@@ -4,11 +4,17 @@ Clipping goes through `torch.nn.utils.get_total_norm` and
 `torch.nn.utils.clip_grads_with_norm_` (the two halves of `clip_grad_norm_`);
 skipping wraps any `torch.optim.Optimizer` so that a non-finite step leaves
 the parameters AND the optimizer state (Adam moments, step count) untouched,
-as `torch.amp.GradScaler.step` does.
+as `torch.amp.GradScaler.step` does. Finite gradients can still give a
+non-finite step (Adam's float16 second moment underflowing to 0, ``eps=0``),
+and torch cannot tell before `optimizer.step()` has written it: with
+``check_update`` the wrappers copy the parameters and the optimizer state
+before the step, check what the step wrote, and copy them back when it is
+non-finite (`_StepUndo`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -163,36 +169,137 @@ class SkipNonFiniteState:
     """Counters of a non-finite skip guard (same fields as the JAX state).
 
     Attributes:
-        skipped_total: non-finite steps skipped since creation.
-        consecutive: non-finite steps in a row up to the last step (0 after a
-            finite one).
-        last_finite: whether the last step's gradients were finite.
+        skipped_total: steps skipped since creation, whatever made them
+            non-finite (the gradients, or what the step would have written).
+        consecutive: skipped steps in a row up to the last step (0 after an
+            applied one).
+        last_finite: whether the last step was applied (its gradients, and
+            the parameters and optimizer state it wrote, all finite).
         exceeded: ``consecutive > max_consecutive`` (False when
             `max_consecutive` is None); recomputed every step.
+        last_grads_finite: whether the last step's gradients were finite
+            (the flag GradScaler reacts to).
+        non_finite_updates: how many skipped steps had finite gradients but
+            a non-finite update (undone after `optimizer.step()`).
 
     Example:
         >>> s = SkipNonFiniteState()
         >>> s.skipped_total, s.consecutive, s.last_finite, s.exceeded
         (0, 0, True, False)
+        >>> s.record(False, None, grads_finite=True)
+        >>> s.skipped_total, s.last_grads_finite, s.non_finite_updates
+        (1, True, 1)
     """
 
     skipped_total: int = 0
     consecutive: int = 0
     last_finite: bool = True
     exceeded: bool = False
+    last_grads_finite: bool = True
+    non_finite_updates: int = 0
 
-    def record(self, finite: bool, max_consecutive: int | None) -> None:
-        """Counts one step whose gradients were (not) finite."""
+    def record(
+        self, finite: bool, max_consecutive: int | None, *, grads_finite=None
+    ) -> None:
+        """Counts one step: `finite` = applied; `grads_finite` defaults to it."""
         finite = bool(finite)
+        grads_finite = finite if grads_finite is None else bool(grads_finite)
         self.last_finite = finite
+        self.last_grads_finite = grads_finite
         if finite:
             self.consecutive = 0
         else:
             self.consecutive += 1
             self.skipped_total += 1
+            self.non_finite_updates += int(grads_finite)
         self.exceeded = (
             max_consecutive is not None and self.consecutive > max_consecutive
         )
+
+
+class _StepUndo:
+    """Undoes an `optimizer.step()` that wrote a non-finite value.
+
+    ``take(optimizer)`` copies every parameter and every tensor of the
+    optimizer state into buffers kept from step to step (allocated once);
+    ``written_finite()`` checks the parameters and the state after the step
+    (one `all_finite`, one host sync); ``restore()`` copies the saved values
+    back and drops state the step created (Adam's first step creates it).
+    Cost per step: one copy of parameters + state and one finiteness pass
+    over them (`benchmarks/bench_step.py` measures it).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(id(t))
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty_like(t, memory_format=torch.preserve_format)
+            self._buffers[id(t)] = buf
+        return buf
+
+    @torch.no_grad()
+    def take(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        live, saved = [p.detach() for p in self.params], []
+        self.state: dict[torch.Tensor, dict[str, Any] | None] = {}
+        for p in self.params:
+            st = optimizer.state.get(p)
+            if not st:
+                self.state[p] = None
+                continue
+            entry = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    entry[k] = self._copy(v)
+                    live.append(v.detach())
+                    saved.append(entry[k])
+                else:  # a python step count, None momentum buffer, ...
+                    entry[k] = copy.deepcopy(v)
+            self.state[p] = entry
+        self._live_params = live[: len(self.params)]
+        self._saved_params = [self._copy(p) for p in self._live_params]
+        if live:
+            torch._foreach_copy_(self._saved_params + saved, live)
+
+    def written_finite(self) -> bool:
+        state = [
+            v
+            for p in self.params
+            for v in self.optimizer.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ]
+        return all_finite(self._live_params + state)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if self._live_params:
+            torch._foreach_copy_(self._live_params, self._saved_params)
+        for p, saved in self.state.items():
+            if saved is None:
+                self.optimizer.state.pop(p, None)
+                continue
+            live = self.optimizer.state[p]
+            for k in list(live):
+                if k not in saved:
+                    del live[k]
+            for k, v in saved.items():
+                old = live.get(k)
+                if isinstance(v, torch.Tensor):
+                    if isinstance(old, torch.Tensor) and old.shape == v.shape:
+                        old.copy_(v)
+                    else:
+                        live[k] = v.clone()
+                else:
+                    live[k] = copy.deepcopy(v)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _check_max_consecutive(max_consecutive: Any) -> int | None:
@@ -227,7 +334,12 @@ class SkipNonFinite:
         ([1.0, 1.0], 1)
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, max_consecutive: int | None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_consecutive: int | None,
+        check_update: bool = True,
+    ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer must be a torch.optim.Optimizer, "
@@ -235,7 +347,9 @@ class SkipNonFinite:
             )
         self.optimizer = optimizer
         self.max_consecutive = _check_max_consecutive(max_consecutive)
+        self.check_update = _check_bool("check_update", check_update)
         self.skip_state = SkipNonFiniteState()
+        self._undo = _StepUndo()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -260,13 +374,28 @@ class SkipNonFinite:
             if p.grad is not None
         ]
 
+    def _apply(self, grads_ok: bool) -> bool:
+        """``optimizer.step()`` if `grads_ok`, undone if it wrote a non-finite
+        value (with `check_update`); whether the step was applied."""
+        if not grads_ok:
+            return False
+        if not self.check_update:
+            self.optimizer.step()
+            return True
+        self._undo.take(self.optimizer)
+        self.optimizer.step()
+        if self._undo.written_finite():
+            return True
+        self._undo.restore()
+        return False
+
     def step(
         self,
         closure: Callable[[], Any] | None = None,
         *,
         grads_finite: bool | None = None,
     ):
-        """Steps the wrapped optimizer unless a gradient is non-finite.
+        """Steps the wrapped optimizer unless the step would be non-finite.
 
         Args:
             closure: forwarded to the wrapped `step` (evaluated before the
@@ -284,9 +413,8 @@ class SkipNonFinite:
         finite = (
             all_finite(self.grads()) if grads_finite is None else bool(grads_finite)
         )
-        self.skip_state.record(finite, self.max_consecutive)
-        if finite:
-            self.optimizer.step()
+        applied = self._apply(finite)
+        self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -303,20 +431,31 @@ class SkipNonFinite:
 
 
 def skip_non_finite(
-    optimizer: torch.optim.Optimizer, *, max_consecutive: int | None = None
+    optimizer: torch.optim.Optimizer,
+    *,
+    max_consecutive: int | None = None,
+    check_update: bool = True,
 ) -> SkipNonFinite:
     """Wraps an optimizer so that a non-finite step is never applied.
 
     Maths: ``if all_finite(grads): optimizer.step() else: nothing`` — the
     parameters and the optimizer state (Adam's moments and step count) are
     left exactly as they were, as `torch.amp.GradScaler.step` does; the
-    counters in `skip_state` are updated either way.
+    counters in `skip_state` are updated either way. With `check_update`,
+    a step whose gradients were finite but which wrote a non-finite
+    parameter or state value (float16 Adam: ``(1 - b2) * g**2`` underflows
+    to 0 and ``eps = 1e-8`` is 0 in float16, so ``m / 0``) is undone and
+    counted the same way (``skip_state.non_finite_updates``). That costs a
+    copy of the parameters and the optimizer state before each step and one
+    more host sync.
 
     Args:
         optimizer: any `torch.optim.Optimizer`.
         max_consecutive: when more than this many steps in a row are skipped,
             ``skip_state.exceeded`` becomes True (the train loop acts on it;
             the wrapper still never applies a bad step). None: never.
+        check_update: also undo a step that wrote a non-finite parameter or
+            optimizer-state value (default True).
 
     Returns:
         A `SkipNonFinite` wrapper.
@@ -329,8 +468,14 @@ def skip_non_finite(
         >>> opt.step()
         >>> w.tolist(), opt.state == {}, opt.skip_state.skipped_total
         ([1.0, 1.0], True, 1)
+        >>> # finite gradients, non-finite update: Adam with eps=0 divides 0 by 0
+        >>> opt = skip_non_finite(torch.optim.Adam([w], lr=0.1, eps=0.0))
+        >>> w.grad = torch.tensor([1.0, 0.0])
+        >>> opt.step()
+        >>> w.tolist(), opt.state == {}, opt.skip_state.non_finite_updates
+        ([1.0, 1.0], True, 1)
     """
-    return SkipNonFinite(optimizer, max_consecutive)
+    return SkipNonFinite(optimizer, max_consecutive, check_update)
 
 
 class StableOptimizer(SkipNonFinite):
@@ -359,8 +504,9 @@ class StableOptimizer(SkipNonFinite):
         skip: bool,
         max_consecutive: int | None,
         clip_eps: float,
+        check_update: bool = True,
     ):
-        super().__init__(optimizer, max_consecutive)
+        super().__init__(optimizer, max_consecutive, check_update)
         self.skip = bool(skip)
         self.clip = (
             None
@@ -388,7 +534,6 @@ class StableOptimizer(SkipNonFinite):
             finite = (
                 all_finite(self.grads()) if grads_finite is None else bool(grads_finite)
             )
-            self.skip_state.record(finite, self.max_consecutive)
         else:
             finite = True
         if self.clip is not None and finite:
@@ -397,8 +542,11 @@ class StableOptimizer(SkipNonFinite):
             # Non-finite: the norm is reported (inf/nan) but not multiplied
             # into the grads, so a later report still names the bad leaves.
             self.grad_norm = global_norm(self.grads())
-        if finite:
+        if not self.skip:
             self.optimizer.step()
+            return loss
+        applied = self._apply(finite)
+        self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
         return loss
 
 
@@ -409,13 +557,15 @@ def stable_optimizer(
     skip_non_finite: bool = True,
     max_consecutive: int | None = None,
     clip_eps: float = 1e-6,
+    check_update: bool = True,
 ) -> StableOptimizer:
     """Skip-non-finite around (clip by global norm, then the optimizer).
 
     Maths, per `step()`: ``finite = all_finite(grads)`` (one check, on the
     raw grads); ``norm = global_norm(grads)``; if `max_grad_norm`:
     ``grads *= min(max_grad_norm/(norm + clip_eps), 1)``; then
-    ``optimizer.step()`` only if finite. Mirrors
+    ``optimizer.step()`` only if finite, undone (with `check_update`) when
+    it wrote a non-finite parameter or state value. Mirrors
     ``jaxstable.transforms.stable_optimizer`` =
     ``skip_non_finite(chain(clip_by_global_norm(max_grad_norm), optimizer))``.
 
@@ -426,6 +576,8 @@ def stable_optimizer(
             step is always applied and `find_skip_state` returns None.
         max_consecutive: see `skip_non_finite`.
         clip_eps: eps of the clip formula.
+        check_update: see `skip_non_finite` (default True; ignored when
+            `skip_non_finite` is False).
 
     Returns:
         A `StableOptimizer` (``.grad_norm`` = last pre-clip norm).
@@ -445,6 +597,7 @@ def stable_optimizer(
         skip=skip_non_finite,
         max_consecutive=max_consecutive,
         clip_eps=clip_eps,
+        check_update=check_update,
     )
 
 

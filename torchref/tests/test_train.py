@@ -420,7 +420,10 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
     assert hist[-1]["skipped_total"] == 2
     lines = [json.loads(s) for s in log.read_text().splitlines()]
     keys = ["step", "loss", "grad_norm", "loss_scale", "finite", "skipped_total"]
-    assert [list(d) for d in lines] == [keys] * 8
+    keys.append("grads_finite")
+    skipped = [*keys, "skip_reason"]  # a skipped step says why
+    assert [list(d) for d in lines] == [keys, skipped, keys, keys] * 2
+    assert lines[1]["skip_reason"] == "non-finite gradients"
     assert [d["loss_scale"] for d in lines] == [h["loss_scale"] for h in hist]
     assert math.isnan(lines[1]["grad_norm"])
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
