@@ -570,3 +570,32 @@ def test_fit_rollback_options_are_accepted_with_other_policies():
     )
     assert all("rolled_back" not in h for h in hist)
     assert train.NAN_POLICIES == ("skip", "stop", "rollback")
+
+
+def test_load_checkpoint_without_optimizer_types_still_checks_leaves(tmp_path):
+    # A file written before save_checkpoint named the optimizer state's types:
+    # the leaf check alone refuses adam's moments in an sgd target.
+    from flax import serialization
+
+    path = tmp_path / "old.msgpack"
+    tree = serialization.to_state_dict(jax.device_get(_state()))
+    path.write_bytes(serialization.msgpack_serialize(tree))
+    sgd = _state(tx=transforms.stable_optimizer(optax.sgd(0.1), max_grad_norm=1.0))
+    with pytest.raises(ValueError) as info:
+        train.load_checkpoint(path, sgd)
+    msg = str(info.value)
+    assert repr(str(path)) in msg and "(7 leaf/leaves differ)" in msg
+    assert "opt_state/inner_state/1/0/mu/w1: in the checkpoint ((4, 8) float32)" in msg
+    restored = train.load_checkpoint(path, _state())  # the matching target loads
+    chex.assert_trees_all_equal(restored.params, _state().params)
+
+
+def test_load_checkpoint_lists_at_most_twelve_leaves_and_counts_the_rest(tmp_path):
+    path = tmp_path / "ck.msgpack"
+    train.save_checkpoint(path, {f"p{i:02d}": jnp.zeros(2) for i in range(20)})
+    with pytest.raises(ValueError) as info:
+        train.load_checkpoint(path, {f"p{i:02d}": jnp.zeros(3) for i in range(20)})
+    lines = str(info.value).splitlines()
+    assert "(20 leaf/leaves differ)" in lines[0]
+    assert lines[1] == "  p00: checkpoint (2,) float32, target (3,) float32"
+    assert lines[13] == "  ... and 8 more" and len(lines) == 15

@@ -562,3 +562,64 @@ def test_fit_rollback_options_are_accepted_with_other_policies():
     )
     assert all("rolled_back" not in h for h in hist)
     assert train.NAN_POLICIES == ("skip", "stop", "rollback")
+
+
+def _old_checkpoint(path, step):
+    # A file written before save_checkpoint named the optimizer/scaler classes.
+    torch.save(step.state_dict(), path)
+
+
+def test_load_checkpoint_of_an_older_file_tells_optimizers_by_their_options(tmp_path):
+    model = _mlp()
+    adam = train.TrainStep(model, torch.optim.Adam(model.parameters(), lr=0.1), _mse)
+    _old_checkpoint(tmp_path / "old.pt", adam)
+    model = _mlp()
+    sgd = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    with pytest.raises(ValueError) as e:
+        train.load_checkpoint(tmp_path / "old.pt", sgd)
+    msg = str(e.value)
+    assert repr(str(tmp_path / "old.pt")) in msg and "'betas'" in msg
+    assert "but this TrainStep's SGD has" in msg and "'momentum'" in msg
+    train.load_checkpoint(tmp_path / "old.pt", adam)  # the matching step loads
+
+
+def test_load_checkpoint_of_an_older_file_keeps_hysteresis_from_a_grad_scaler(
+    tmp_path,
+):
+    def make(scaler):
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return train.TrainStep(model, opt, _mse, scaler=scaler)
+
+    dyn = ls.DynamicLossScale(2.0**8, hysteresis=2, min_loss_scale=4.0)
+    _old_checkpoint(tmp_path / "old.pt", make(dyn))
+    with pytest.raises(ValueError, match="holds a DynamicGradScaler but this "):
+        train.load_checkpoint(tmp_path / "old.pt", make(torch.amp.GradScaler("cpu")))
+    back = train.load_checkpoint(tmp_path / "old.pt", make(ls.DynamicLossScale()))
+    assert (back.scaler.hysteresis, back.scaler.min_loss_scale) == (2, 4.0)
+
+
+def test_load_checkpoint_refuses_a_file_that_is_not_a_train_step_checkpoint(
+    tmp_path,
+):
+    model = _mlp()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    with pytest.raises(ValueError, match=r"weights\.pt' is not a TrainStep checkp"):
+        train.load_checkpoint(tmp_path / "weights.pt", step)
+
+
+def test_load_checkpoint_refuses_other_param_groups(tmp_path):
+    model = _mlp()
+    one = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    train.save_checkpoint(tmp_path / "ck.pt", one)
+    groups = [
+        {"params": list(model[0].parameters())},
+        {"params": model[2].parameters()},
+    ]
+    two = train.TrainStep(model, torch.optim.SGD(groups, lr=0.1), _mse)
+    with pytest.raises(ValueError) as e:
+        train.load_checkpoint(tmp_path / "ck.pt", two)
+    assert "optimizer/param_groups: checkpoint sizes [4], target sizes [2, 2]" in str(
+        e.value
+    )
