@@ -353,3 +353,26 @@ def test_jax_step_guards_the_update_without_a_skip_transform():
         (new.params, new.opt_state), (state.params, state.opt_state)
     )
     assert int(new.skipped_total) == 1
+
+
+def test_fit_stop_says_the_update_not_the_gradients_was_non_finite():
+    w0 = np.full(4, 0.25, np.float32)
+    batch = _linear_batch()
+    state = jtrain.TrainState.create(
+        params={"w": jnp.asarray(w0, jnp.float16)},
+        optimizer=jtx.stable_optimizer(optax.adam(1e-3)),
+    )
+    step = jtrain.make_train_step(_jax_linear_loss)
+    kw = dict(nan_policy="stop", max_consecutive_nonfinite=1, progress=False)
+    with pytest.raises(jtrain.NonFiniteError) as jerr:
+        jtrain.fit(state, step, [jax.device_put(batch)], **kw)
+    model = _Linear(w0, torch.float16)
+    tstep = ttrain.TrainStep(
+        model, torch.optim.Adam(model.parameters(), lr=1e-3), _torch_linear_loss
+    )
+    with pytest.raises(ttrain.NonFiniteError) as terr:
+        ttrain.fit(tstep, [tuple(torch.from_numpy(a) for a in batch)], **kw)
+    for err in (jerr.value, terr.value):
+        text = str(err).splitlines()
+        assert text[1].startswith("its gradients were finite: the update it computed")
+        assert err.history[-1]["skip_reason"] == "non-finite update"

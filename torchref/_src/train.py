@@ -896,6 +896,14 @@ def fit(
     return history
 
 
+# Same text in jaxstable.train and torchref.train.
+_UPDATE_NOTE = (
+    "its gradients were finite: the update it computed (new parameters or "
+    "optimizer state) was non-finite, e.g. float16 Adam state whose second "
+    "moment underflowed to 0 while eps is 0 in float16"
+)
+
+
 def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
     # Same text as jaxstable.train.fit.
     if nan_policy == "rollback":
@@ -927,6 +935,8 @@ def _raise_non_finite(
         f"({_policy_note(nan_policy, max_rollbacks)}).",
         f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
     ]
+    if entry.get("skip_reason") == "non-finite update":
+        parts.insert(1, _UPDATE_NOTE)
     batch_report = non_finite_report(batch)
     if batch_report:
         parts.append("non-finite batch inputs:\n" + format_report(batch_report))
