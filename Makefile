@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench lint format clean
+.PHONY: venv test demo bench gpu-check gpu-wheels lint format clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,18 @@ demo: venv
 bench: venv
 	$(PY) benchmarks/bench_losses.py
 	$(PY) benchmarks/bench_step.py
+
+# On a GPU machine (no venv: the machine's own python, see the script).
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+# Here, with a network: the wheels gpu-check installs there (python 3.12,
+# x86-64), into the git-ignored .whl/.
+GPU_WHEELS ?= jmp==0.0.4 pyclipper shapely
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 lint: venv
 	$(PY) -m ruff check .
