@@ -4,6 +4,13 @@ Every loss here computes in float32 and returns float32 whatever the dtype of
 its inputs. The cross-entropy reads bf16/fp16 logits directly: the cast to
 float32 is fused into its reductions and its custom VJP writes the gradient in
 the logits' dtype, so no float32 copy of the logits is ever materialised.
+
+No bad input gives a finite wrong number: it raises a ValueError/TypeError
+naming the value and what is allowed when the inputs are concrete (eager
+calls, numpy inputs), and makes the loss NaN when it can only be seen under
+`jit` (traced values cannot raise), so a finiteness guard sees it. What JAX
+does before a loss sees its inputs is documented where it matters: int64
+labels under `jit` (softmax_cross_entropy), subnormal masks (masked_l1_loss).
 """
 
 from __future__ import annotations
@@ -30,6 +37,24 @@ _F32 = jnp.float32
 def _is_concrete(x) -> bool:
     """True when `x` holds values now (not a tracer under jit/vmap/grad)."""
     return not isinstance(x, jax.core.Tracer)
+
+
+def _as_arrays(**inputs):
+    """The inputs, in order, as jax arrays (None passes through); TypeError
+    naming an input that is not array-like (torchref's `_as_tensors` twin)."""
+    out = []
+    for name, x in inputs.items():
+        if x is not None:
+            try:
+                x = jnp.asarray(x)
+            except TypeError:
+                dtype = f" of dtype {x.dtype}" if hasattr(x, "dtype") else ""
+                raise TypeError(
+                    f"{name} must be a numeric array or array-like (list, "
+                    f"numpy array), got {type(x).__name__}{dtype}"
+                ) from None
+        out.append(x)
+    return out
 
 
 def _check_reduction(reduction: str) -> None:
@@ -442,13 +467,12 @@ def softmax_cross_entropy(
       float32 3000.0
     """
     _check_reduction(reduction)
-    if not isinstance(labels, jax.Array):
+    if isinstance(labels, (np.ndarray, np.generic, int, list, tuple)):
         # Keep numpy/Python labels as given for the range check below: with
         # x64 off, jnp.asarray wraps an int64 2**32 + 1 to 1, a valid class.
         labels = np.asarray(labels)
     labels_given = labels
-    logits = jnp.asarray(logits)
-    labels = jnp.asarray(labels)
+    logits, labels = _as_arrays(logits=logits, labels=labels)
     _check_float("logits", logits)
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(
@@ -476,7 +500,7 @@ def softmax_cross_entropy(
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if weights is not None:
-        weights = jnp.asarray(weights)
+        (weights,) = _as_arrays(weights=weights)
         _check_float("weights", weights)
         if weights.shape != (n_classes,):
             raise ValueError(
@@ -546,12 +570,13 @@ def sigmoid_binary_cross_entropy(
       float32 0.231
     """
     _check_reduction(reduction)
-    logits, targets = jnp.asarray(logits), jnp.asarray(targets)
+    logits, targets, weights = _as_arrays(
+        logits=logits, targets=targets, weights=weights
+    )
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     loss = _bce_with_logits(logits.astype(_F32), targets.astype(_F32))
     if weights is not None:
-        weights = jnp.asarray(weights)
         try:
             fits = jnp.broadcast_shapes(weights.shape, logits.shape) == logits.shape
         except ValueError:
@@ -623,7 +648,7 @@ def balanced_binary_cross_entropy(
       >>> print(round(float(loss), 4))
       1.2896
     """
-    logits, targets, mask = map(jnp.asarray, (logits, targets, mask))
+    logits, targets, mask = _as_arrays(logits=logits, targets=targets, mask=mask)
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     _check_same_shape("logits", logits, "mask", mask)
@@ -683,7 +708,7 @@ def dice_loss(
       >>> print(round(float(losses.dice_loss(p, jnp.array([1.0, 0.0, 1.0]))), 3))
       0.286
     """
-    probs, targets = jnp.asarray(probs), jnp.asarray(targets)
+    probs, targets, mask = _as_arrays(probs=probs, targets=targets, mask=mask)
     _check_float("probs", probs)
     _check_same_shape("probs", probs, "targets", targets)
     _check_positive("eps", eps)
@@ -691,7 +716,6 @@ def dice_loss(
     if mask is None:
         m = jnp.ones((), _F32)
     else:
-        mask = jnp.asarray(mask)
         _check_same_shape("probs", probs, "mask", mask)
         m = mask.astype(_F32)
     intersection = jnp.sum(p * g * m)
@@ -730,7 +754,7 @@ def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
       >>> print(float(losses.masked_l1_loss(p, t, jnp.zeros(3))))
       0.0
     """
-    pred, target, mask = map(jnp.asarray, (pred, target, mask))
+    pred, target, mask = _as_arrays(pred=pred, target=target, mask=mask)
     _check_float("pred", pred)
     _check_same_shape("pred", pred, "target", target)
     _check_same_shape("pred", pred, "mask", mask)
@@ -770,7 +794,7 @@ def db_step(prob: Array, thresh: Array, *, k: float = 50.0) -> jax.Array:
       >>> print(out.dtype, [round(float(v), 4) for v in out])
       float32 [0.0, 0.5, 1.0]
     """
-    prob, thresh = jnp.asarray(prob), jnp.asarray(thresh)
+    prob, thresh = _as_arrays(prob=prob, thresh=thresh)
     _check_float("prob", prob)
     _check_positive("k", k)
     try:
@@ -834,7 +858,8 @@ def db_loss(
         shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
     )
     l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
-    prob = jax.nn.sigmoid(jnp.asarray(shrink_logits).astype(_F32))
+    (shrink_logits,) = _as_arrays(shrink_logits=shrink_logits)
+    prob = jax.nn.sigmoid(shrink_logits.astype(_F32))
     binary = db_step(prob, thresh, k=k)
     dice = dice_loss(binary, gt, mask, eps=eps)
     total = bce_weight * bce + l1_weight * l1 + dice_weight * dice
@@ -897,7 +922,7 @@ def info_nce(
       >>> print(bool(jnp.isfinite(losses.info_nce(a * 0, a))))
       True
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a, b = _as_arrays(a=a, b=b)
     _check_float("a", a)
     _check_float("b", b)
     if a.ndim != 2:

@@ -105,8 +105,8 @@ def _as_tensors(**inputs):
                 x = torch.as_tensor(x, device=device)
             except (TypeError, ValueError, RuntimeError) as err:
                 raise TypeError(
-                    f"{name} must be a tensor or an array-like (list, numpy "
-                    f"array), got {type(x).__name__}: {err}"
+                    f"{name} must be a tensor or a numeric array-like (list, "
+                    f"numpy array), got {type(x).__name__} ({err})"
                 ) from None
         out.append(x)
     return out
