@@ -1,5 +1,9 @@
-"""The table of bad inputs: each one gets a clear error or its documented result,
-in both frameworks (same case names, same messages where the rule is shared)."""
+"""The table of bad inputs: each one gets a clear error, the reference value, or
+NaN (never a finite wrong number), in both frameworks (same case names, same
+messages where the rule is shared). The cases are stated once and run against
+both frameworks; JIT_CASES run JAX under jit, where a traced bad value cannot
+raise and must make the loss and its gradient NaN. Limits that cannot be
+changed are documented by tests of their own at the end."""
 
 from __future__ import annotations
 
