@@ -4,6 +4,13 @@ Every loss here computes in float32 and returns float32 whatever the dtype of
 its inputs. The cross-entropy reads bf16/fp16 logits directly: the cast to
 float32 is fused into its reductions and its custom VJP writes the gradient in
 the logits' dtype, so no float32 copy of the logits is ever materialised.
+
+No bad input gives a finite wrong number: it raises a ValueError/TypeError
+naming the value and what is allowed when the inputs are concrete (eager
+calls, numpy inputs), and makes the loss NaN when it can only be seen under
+`jit` (traced values cannot raise), so a finiteness guard sees it. What JAX
+does before a loss sees its inputs is documented where it matters: int64
+labels under `jit` (softmax_cross_entropy), subnormal masks (masked_l1_loss).
 """
 
 from __future__ import annotations
@@ -32,6 +39,24 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def _as_arrays(**inputs):
+    """The inputs, in order, as jax arrays (None passes through); TypeError
+    naming an input that is not array-like (torchref's `_as_tensors` twin)."""
+    out = []
+    for name, x in inputs.items():
+        if x is not None:
+            try:
+                x = jnp.asarray(x)
+            except TypeError:
+                dtype = f" of dtype {x.dtype}" if hasattr(x, "dtype") else ""
+                raise TypeError(
+                    f"{name} must be a numeric array or array-like (list, "
+                    f"numpy array), got {type(x).__name__}{dtype}"
+                ) from None
+        out.append(x)
+    return out
+
+
 def _check_reduction(reduction: str) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(
@@ -52,15 +77,52 @@ def _check_same_shape(name_a: str, a: Array, name_b: str, b: Array) -> None:
         )
 
 
-def _check_positive(name: str, value, *, allow_zero: bool = False) -> None:
-    """Raise ValueError for a concrete `value` <= 0 (< 0 with allow_zero)."""
+def _check_positive(
+    name: str, value, *, allow_zero: bool = False, finite: bool = False
+) -> None:
+    """Raise for a non-scalar `value` (traced or not), and ValueError for a
+    concrete one <= 0 (< 0 with allow_zero), NaN, or inf when `finite`."""
+    if np.ndim(value) != 0:  # static shape: checked for tracers too
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
     if not _is_concrete(value):
         return  # a traced (e.g. learnable) value cannot be checked here
-    v = np.asarray(value, dtype=np.float64)
-    bad = (v < 0) if allow_zero else (v <= 0)
-    if v.size and (bool(np.any(bad)) or bool(np.any(np.isnan(v)))):
-        rule = ">= 0" if allow_zero else "> 0"
+    v = float(np.asarray(value, dtype=np.float64))
+    rule = ">= 0" if allow_zero else "> 0"
+    if finite and np.isinf(v):
+        raise ValueError(f"{name} must be a finite number {rule}, got {value}")
+    if (v < 0 if allow_zero else v <= 0) or np.isnan(v):
         raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _check_non_negative_values(name: str, x) -> None:
+    """ValueError if a concrete `x` holds a negative value (host check; a
+    traced `x` is left to the caller, which turns the result into NaN)."""
+    if not _is_concrete(x):
+        return
+    values = np.asarray(x)
+    negative = values < 0
+    if negative.any():
+        raise ValueError(
+            f"{name} must be >= 0 everywhere (a weight per element); found "
+            f"{int(negative.sum())} negative value(s), the lowest "
+            f"{values[negative].min()}"
+        )
+
+
+def _isnan(x):
+    """isnan for any dtype (an integer or bool array is never NaN)."""
+    return (
+        jnp.isnan(x)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+        else jnp.zeros_like(x, bool)
+    )
+
+
+def _nan_if(condition):
+    """1.0, or NaN where `condition`: a factor that makes a loss and its
+    gradient NaN for an input that has no defined loss (under jit, where
+    nothing can raise), so a finiteness guard sees it."""
+    return jnp.where(condition, jnp.nan, 1.0).astype(_F32)
 
 
 def _bad_label_message(bad_values: np.ndarray, n_classes: int, ignore_index) -> str:
@@ -327,6 +389,16 @@ def _masked_mean(total, denominator):
     return jnp.where(nonzero, total / jnp.where(nonzero, denominator, 1.0), 0.0)
 
 
+def _weighted_mean(total, count, weight_sum):
+    """F.cross_entropy's weighted mean total / weight_sum, a negative
+    weight_sum included (torch's value); 0.0 (zero gradient) when no element
+    counts (count == 0); NaN, gradient included, when elements count but
+    their weights sum to 0 (torch: +-inf or NaN, x / 0)."""
+    counted = count > 0
+    mean = total / jnp.where(counted, weight_sum, 1.0)
+    return jnp.where(counted, mean * _nan_if(counted & (weight_sum == 0)), 0.0)
+
+
 def softmax_cross_entropy(
     logits: Array,
     labels: Array,
@@ -349,7 +421,9 @@ def softmax_cross_entropy(
 
     Deviation from torch (documented, tested): a mean over zero valid
     elements (every label ignored, or an empty batch) is 0.0 with a zero
-    gradient; torch returns NaN (0/0).
+    gradient; torch returns NaN (0/0). Class weights may be negative: a
+    negative ``sum_n w_{y_n}`` gives torch's value; a zero one, with valid
+    elements, gives NaN (torch: +-inf or NaN, a division by 0), never 0.0.
 
     bf16/fp16 logits are read as they are: max and log-sum-exp are taken in
     float32 inside the reductions, the backward pass recomputes the softmax in
@@ -371,7 +445,17 @@ def softmax_cross_entropy(
       outside [0, C) that is not ``ignore_index`` raises ``ValueError`` naming
       the bad values when ``labels`` are concrete; under ``jit`` that
       element's loss (and so the mean) is NaN, so finiteness guards see it.
-      NaN/inf logits give a NaN loss.
+      Labels are checked as given: an int64 numpy label beyond the int32
+      range raises here even with x64 off. Under ``jit`` JAX has already
+      converted such an argument to int32 before this function sees it
+      (2**32 + 1 arrives as 1, silently): check int64 labels before jitting.
+
+      Non-finite logits, as in torch: NaN or +inf in a counted element's row
+      gives NaN; -inf gives +inf on the label (with smoothing: on any class)
+      and is an exact zero probability on another class (finite loss); a row
+      of -inf gives NaN. On an ignored element any of them leaves the loss
+      finite but makes that row's gradient NaN (0 * NaN in the softmax), in
+      both frameworks: a finiteness guard on the gradients catches it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -383,8 +467,12 @@ def softmax_cross_entropy(
       float32 3000.0
     """
     _check_reduction(reduction)
-    logits = jnp.asarray(logits)
-    labels = jnp.asarray(labels)
+    if isinstance(labels, (np.ndarray, np.generic, int, list, tuple)):
+        # Keep numpy/Python labels as given for the range check below: with
+        # x64 off, jnp.asarray wraps an int64 2**32 + 1 to 1, a valid class.
+        labels = np.asarray(labels)
+    labels_given = labels
+    logits, labels = _as_arrays(logits=logits, labels=labels)
     _check_float("logits", logits)
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(
@@ -412,7 +500,7 @@ def softmax_cross_entropy(
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if weights is not None:
-        weights = jnp.asarray(weights)
+        (weights,) = _as_arrays(weights=weights)
         _check_float("weights", weights)
         if weights.shape != (n_classes,):
             raise ValueError(
@@ -420,7 +508,7 @@ def softmax_cross_entropy(
                 f"{weights.shape}"
             )
     if _is_concrete(labels) and labels.size:
-        lab = np.asarray(labels)
+        lab = np.asarray(labels_given)  # as given, not wrapped to int32
         bad = (lab < 0) | (lab >= n_classes)
         if ignore_index is not None:
             bad &= lab != ignore_index
@@ -435,8 +523,10 @@ def softmax_cross_entropy(
     if reduction == "sum":
         return total
     valid, _, safe = _label_masks(labels, n_classes, ignore_index)
-    w_y = 1.0 if weights is None else weights.astype(_F32)[safe]
-    return _masked_mean(total, jnp.sum(jnp.where(valid, w_y, 0.0)))
+    if weights is None:
+        return _masked_mean(total, jnp.sum(valid, dtype=_F32))
+    w_y = jnp.where(valid, weights.astype(_F32)[safe], 0.0)
+    return _weighted_mean(total, jnp.sum(valid), jnp.sum(w_y))
 
 
 # ---------------------------------------------------------------------------
@@ -480,12 +570,13 @@ def sigmoid_binary_cross_entropy(
       float32 0.231
     """
     _check_reduction(reduction)
-    logits, targets = jnp.asarray(logits), jnp.asarray(targets)
+    logits, targets, weights = _as_arrays(
+        logits=logits, targets=targets, weights=weights
+    )
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     loss = _bce_with_logits(logits.astype(_F32), targets.astype(_F32))
     if weights is not None:
-        weights = jnp.asarray(weights)
         try:
             fits = jnp.broadcast_shapes(weights.shape, logits.shape) == logits.shape
         except ValueError:
@@ -528,11 +619,20 @@ def balanced_binary_cross_entropy(
     (float32: 100 * 0.57 = 57.000002 -> 57; float64: 56.99999999999999 -> 56).
     The default ratio 3.0 is exact for any ``P`` below 2**22.
 
+    Non-finite inputs, as torch's ``topk`` sees them: a NaN loss on a
+    negative pixel counts as the hardest negative (the result is NaN when
+    ``k >= 1``; a plain sort would put it last and drop it). A NaN in
+    ``mask``, or in ``targets`` inside the mask, is neither a positive nor a
+    negative: the result is NaN. A NaN logit outside the mask leaves the loss
+    finite but its gradient NaN (0 * NaN), as in torch: a finiteness guard on
+    the gradients catches it.
+
     Args:
       logits: shrink-map logits (any float dtype), any shape.
       targets: binary ground-truth map, same shape.
       mask: binary training mask, same shape.
-      negative_ratio: negatives kept per positive (> 0).
+      negative_ratio: negatives kept per positive, a finite number > 0 (a
+        ratio at least #neg / #pos keeps every negative).
       eps: added to the count (> 0); an image without positives gives 0.0.
 
     Returns:
@@ -548,11 +648,11 @@ def balanced_binary_cross_entropy(
       >>> print(round(float(loss), 4))
       1.2896
     """
-    logits, targets, mask = map(jnp.asarray, (logits, targets, mask))
+    logits, targets, mask = _as_arrays(logits=logits, targets=targets, mask=mask)
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     _check_same_shape("logits", logits, "mask", mask)
-    _check_positive("negative_ratio", negative_ratio)
+    _check_positive("negative_ratio", negative_ratio, finite=True)
     _check_positive("eps", eps)  # > 0: no positives and no negatives is 0 / eps
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
@@ -561,12 +661,23 @@ def balanced_binary_cross_entropy(
     n_pos = jnp.sum(positive, dtype=jnp.int32)
     n_neg = jnp.sum(negative, dtype=jnp.int32)
     ratio_p = n_pos.astype(_F32) * jnp.float32(negative_ratio)  # float32 (see above)
-    k = jnp.minimum(n_neg, jnp.floor(ratio_p).astype(jnp.int32))
+    # A ratio_p beyond int32 (ratio 1e30) is never cast: XLA's float->int of
+    # an out-of-range value is not defined. The int cast floors (ratio_p >= 0).
+    enough = ratio_p >= n_neg.astype(_F32)
+    floor_ratio_p = jnp.where(enough, 0.0, ratio_p).astype(jnp.int32)
+    k = jnp.where(enough, n_neg, jnp.minimum(n_neg, floor_ratio_p))
     neg_loss = jnp.where(negative.ravel(), loss, 0.0)
     hardest = -jnp.sort(-neg_loss)  # descending
     top_k = jnp.sum(jnp.where(jnp.arange(hardest.size) < k, hardest, 0.0))
     pos_sum = jnp.sum(jnp.where(positive.ravel(), loss, 0.0))
-    return (pos_sum + top_k) / ((n_pos + k).astype(_F32) + eps)
+    # The sort puts NaN last, torch.topk first: a NaN negative loss is in
+    # torch's top k whenever k >= 1, so it makes this loss NaN too. A NaN
+    # target or mask is neither positive nor negative: NaN as well.
+    undefined = ((k > 0) & jnp.any(negative.ravel() & jnp.isnan(loss))) | jnp.any(
+        _isnan(mask) | (_isnan(targets) & in_mask)
+    )
+    total = (pos_sum + top_k) * _nan_if(undefined)
+    return total / ((n_pos + k).astype(_F32) + eps)
 
 
 def dice_loss(
@@ -597,7 +708,7 @@ def dice_loss(
       >>> print(round(float(losses.dice_loss(p, jnp.array([1.0, 0.0, 1.0]))), 3))
       0.286
     """
-    probs, targets = jnp.asarray(probs), jnp.asarray(targets)
+    probs, targets, mask = _as_arrays(probs=probs, targets=targets, mask=mask)
     _check_float("probs", probs)
     _check_same_shape("probs", probs, "targets", targets)
     _check_positive("eps", eps)
@@ -605,7 +716,6 @@ def dice_loss(
     if mask is None:
         m = jnp.ones((), _F32)
     else:
-        mask = jnp.asarray(mask)
         _check_same_shape("probs", probs, "mask", mask)
         m = mask.astype(_F32)
     intersection = jnp.sum(p * g * m)
@@ -618,6 +728,14 @@ def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
 
     An empty mask gives 0.0 with a zero (finite) gradient, as DBNet's
     reference returns the zero mask sum instead of dividing by it.
+
+    A negative mask value raises ``ValueError`` when ``mask`` is concrete;
+    under ``jit`` it makes the loss and its gradient NaN (a sum of mixed-sign
+    weights could be 0 or negative: no mean is defined).
+
+    Cannot be changed (documented): XLA on CPU flushes subnormal float32
+    values (below 1.18e-38) to zero, so a mask of 1e-40 everywhere is an
+    empty mask here (0.0) while torch divides by its tiny sum (the mean).
 
     Args:
       pred: predictions (any float dtype), e.g. DBNet's threshold map.
@@ -636,13 +754,19 @@ def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
       >>> print(float(losses.masked_l1_loss(p, t, jnp.zeros(3))))
       0.0
     """
-    pred, target, mask = map(jnp.asarray, (pred, target, mask))
+    pred, target, mask = _as_arrays(pred=pred, target=target, mask=mask)
     _check_float("pred", pred)
     _check_same_shape("pred", pred, "target", target)
     _check_same_shape("pred", pred, "mask", mask)
+    _check_non_negative_values("mask", mask)
     m = mask.astype(_F32)
     total = jnp.sum(jnp.abs(pred.astype(_F32) - target.astype(_F32)) * m)
-    return _masked_mean(total, jnp.sum(m))
+    mean = _masked_mean(total, jnp.sum(m))
+    # A traced negative mask (a concrete one raised above): NaN value and
+    # gradient. A NaN factor on `mean` would not do: for a mask sum <= 0 its
+    # where() sends a zero gradient past the factor.
+    negative = jnp.any(m < 0)
+    return jnp.where(negative, total * _nan_if(negative), mean)
 
 
 def db_step(prob: Array, thresh: Array, *, k: float = 50.0) -> jax.Array:
@@ -670,7 +794,7 @@ def db_step(prob: Array, thresh: Array, *, k: float = 50.0) -> jax.Array:
       >>> print(out.dtype, [round(float(v), 4) for v in out])
       float32 [0.0, 0.5, 1.0]
     """
-    prob, thresh = jnp.asarray(prob), jnp.asarray(thresh)
+    prob, thresh = _as_arrays(prob=prob, thresh=thresh)
     _check_float("prob", prob)
     _check_positive("k", k)
     try:
@@ -734,7 +858,8 @@ def db_loss(
         shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
     )
     l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
-    prob = jax.nn.sigmoid(jnp.asarray(shrink_logits).astype(_F32))
+    (shrink_logits,) = _as_arrays(shrink_logits=shrink_logits)
+    prob = jax.nn.sigmoid(shrink_logits.astype(_F32))
     binary = db_step(prob, thresh, k=k)
     dice = dice_loss(binary, gt, mask, eps=eps)
     total = bce_weight * bce + l1_weight * l1 + dice_weight * dice
@@ -777,9 +902,11 @@ def info_nce(
 
     Args:
       a, b: embeddings, shape (N, D), any float dtype.
-      temperature: > 0; a Python number or a (learnable) array, clamped
-        from below by ``min_temperature``. A concrete value <= 0 raises; a
-        traced one (being differentiated) is clamped, not checked.
+      temperature: > 0, a scalar: a Python number or a (learnable) 0-d
+        array, clamped from below by ``min_temperature``. A concrete value
+        <= 0 raises; a traced one (being differentiated) is clamped, not
+        checked. Any other shape raises, traced or not (a vector would divide
+        each column of the similarities by its own temperature).
       min_temperature: >= 0.
       eps: > 0, norm floor.
 
@@ -795,7 +922,7 @@ def info_nce(
       >>> print(bool(jnp.isfinite(losses.info_nce(a * 0, a))))
       True
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a, b = _as_arrays(a=a, b=b)
     _check_float("a", a)
     _check_float("b", b)
     if a.ndim != 2:

@@ -293,3 +293,27 @@ def test_info_nce_learnable_temperature_has_gradient(tol):
         - losses.info_nce(a, a + 0.3, temperature=0.07 - eps)
     ) / (2 * eps)
     np.testing.assert_allclose(float(g), float(fd), **tol("bfloat16"))
+
+
+def test_input_checks_add_no_host_transfer_under_jit():
+    """The value checks (labels, masks, NaN targets, weight sums) read values
+    on the host only for concrete inputs; a jitted step transfers nothing."""
+    x, y = _ce_inputs((2, 8), 5, "bfloat16")
+    w = jnp.linspace(0.5, 1.5, 5)
+    p = jnp.linspace(-2.0, 2.0, 16).reshape(2, 8)
+    g = (p > 0.5).astype(jnp.float32)
+    m = jnp.ones((2, 8))
+
+    def total(x, p):
+        return (
+            losses.softmax_cross_entropy(x, y, ignore_index=255, weights=w)
+            + losses.balanced_binary_cross_entropy(p, g, m)
+            + losses.masked_l1_loss(p, g, m)
+            + losses.info_nce(p, g, temperature=jnp.float32(0.1))
+        )
+
+    step = jax.jit(jax.value_and_grad(total, argnums=(0, 1)))
+    step(x, p)  # compile (constants are transferred once, here)
+    with jax.transfer_guard("disallow"):
+        value, _ = step(x, p)
+    assert np.isfinite(float(value))

@@ -6,6 +6,11 @@ on what a careful PyTorch user already calls (`F.cross_entropy`,
 upcasts of the inputs. Inside `torch.autocast` these functions are on the
 float32 list anyway; the explicit `.float()` also covers models cast with
 `.half()` and code outside autocast. Gradients flow back in the input dtype.
+
+Every loss takes tensors or array-likes: a list or numpy array is converted
+with `torch.as_tensor` onto the device of the tensor inputs (as jaxstable
+converts with `jnp.asarray`); tensors on different devices raise ValueError
+naming each input's device.
 """
 
 from __future__ import annotations
@@ -43,20 +48,81 @@ def _check_same_shape(name_a: str, a, name_b: str, b) -> None:
         )
 
 
-def _check_positive(name: str, value, *, allow_zero: bool = False) -> None:
-    """Raise ValueError for a value <= 0 (< 0 with allow_zero) or NaN."""
+def _shape_of(value) -> tuple:
+    if hasattr(value, "shape"):  # tensor, numpy array
+        return tuple(value.shape)
+    return (len(value),) if isinstance(value, (list, tuple)) else ()
+
+
+def _check_positive(
+    name: str, value, *, allow_zero: bool = False, finite: bool = False
+) -> None:
+    """Raise ValueError for a non-scalar value, a value <= 0 (< 0 with
+    allow_zero), NaN, or inf when `finite`."""
+    if _shape_of(value) != ():
+        raise ValueError(f"{name} must be a scalar, got shape {_shape_of(value)}")
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             return  # learnable: clamped, not checked (that would sync every step)
-        v = value.detach().double()
-        bad = bool((v < 0).any() if allow_zero else (v <= 0).any())
-        bad = bad or bool(torch.isnan(v).any())
+        v = float(value.detach().double())
     else:
         v = float(value)
-        bad = (v < 0 if allow_zero else v <= 0) or math.isnan(v)
-    if bad:
-        rule = ">= 0" if allow_zero else "> 0"
+    rule = ">= 0" if allow_zero else "> 0"
+    if finite and math.isinf(v):
+        raise ValueError(f"{name} must be a finite number {rule}, got {value}")
+    if (v < 0 if allow_zero else v <= 0) or math.isnan(v):
         raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _check_non_negative_values(name: str, x: torch.Tensor) -> None:
+    """ValueError if `x` holds a negative value (reads it on the host: one
+    device sync)."""
+    negative = x < 0
+    if bool(negative.any()):
+        raise ValueError(
+            f"{name} must be >= 0 everywhere (a weight per element); found "
+            f"{int(negative.sum())} negative value(s), the lowest "
+            f"{x[negative].min().item()}"
+        )
+
+
+def _as_tensors(**inputs):
+    """The inputs, in order, as tensors on one device (one validator for
+    every loss). None passes through; an array-like (list, numpy array,
+    number) is converted with ``torch.as_tensor`` onto the tensors' device,
+    as jaxstable converts with ``jnp.asarray``. Tensors on different devices
+    raise ValueError naming each one's device (torch would compute a cpu @
+    meta product, or fail deep inside)."""
+    devices = {n: x.device for n, x in inputs.items() if isinstance(x, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all inputs must be on one device, got {where}")
+    device = next(iter(devices.values()), None)
+    out = []
+    for name, x in inputs.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            try:
+                x = torch.as_tensor(x, device=device)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise TypeError(
+                    f"{name} must be a tensor or a numeric array-like (list, "
+                    f"numpy array), got {type(x).__name__} ({err})"
+                ) from None
+        out.append(x)
+    return out
+
+
+def _nan_if(condition: torch.Tensor) -> torch.Tensor:
+    """1.0, or NaN where `condition`: a factor that makes a loss and its
+    gradient NaN for an input that has no defined loss (no host sync)."""
+    return torch.where(condition, math.nan, 1.0).float()
+
+
+def _isnan(x: torch.Tensor) -> torch.Tensor:
+    """isnan for any dtype (an integer or bool tensor is never NaN)."""
+    if x.is_floating_point() or x.is_complex():
+        return torch.isnan(x)
+    return torch.zeros_like(x, dtype=torch.bool)
 
 
 def _bad_label_message(bad_values: torch.Tensor, n_classes: int, ignore_index) -> str:
@@ -75,6 +141,17 @@ def _masked_mean(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor
     nonzero = denominator > 0
     safe = torch.where(nonzero, denominator, torch.ones_like(denominator))
     return torch.where(nonzero, total / safe, torch.zeros_like(total))
+
+
+def _weighted_mean(total, count, weight_sum) -> torch.Tensor:
+    """F.cross_entropy's weighted mean total / weight_sum, a negative
+    weight_sum included (torch's value); 0.0 (zero gradient) when no element
+    counts (count == 0); NaN, gradient included, when elements count but
+    their weights sum to 0 (F.cross_entropy: +-inf or NaN, a division by 0)."""
+    counted = count > 0
+    safe = torch.where(counted, weight_sum, torch.ones_like(weight_sum))
+    mean = total / safe * _nan_if(counted & (weight_sum == 0))
+    return torch.where(counted, mean, torch.zeros_like(mean))
 
 
 # ---------------------------------------------------------------------------
@@ -100,6 +177,9 @@ def softmax_cross_entropy(
     ``F.cross_entropy``'s definition). Deviation (documented, tested, same as
     jaxstable): a mean over zero valid elements (all ignored, or an empty
     batch) is 0.0 with a zero gradient, where ``F.cross_entropy`` gives NaN.
+    Class weights may be negative: a negative ``sum w_y`` gives
+    ``F.cross_entropy``'s value; a zero one, with valid elements, gives NaN
+    (``F.cross_entropy``: +-inf or NaN, a division by 0), never 0.0.
 
     Args:
       logits: floating tensor with classes along ``dim`` (NCHW: 1).
@@ -113,7 +193,18 @@ def softmax_cross_entropy(
     Returns:
       float32 scalar (per-element float32 tensor for "none"). Labels outside
       [0, C) that are not ``ignore_index`` raise ``ValueError`` naming them
-      (this check reads the labels on the host: one sync per call).
+      (this check reads the labels on the host: one sync per call), an
+      int64 label beyond the int32 range included.
+
+      Non-finite logits: NaN or +inf in a counted element's row gives NaN;
+      -inf gives +inf on the label (with smoothing: on any class) and is an
+      exact zero probability on another class; on an ignored element they
+      leave the loss finite and make that row's gradient NaN (0 * NaN), as
+      in jaxstable: a finiteness guard on the gradients catches it.
+
+      Inputs may be tensors or array-likes (lists, numpy arrays: converted
+      with ``torch.as_tensor`` onto the tensors' device, as every loss here
+      does); tensors on different devices raise ``ValueError`` naming them.
 
     Example:
       >>> import torch
@@ -125,6 +216,7 @@ def softmax_cross_entropy(
       torch.float32 3000.0
     """
     _check_reduction(reduction)
+    logits, labels, weights = _as_tensors(logits=logits, labels=labels, weights=weights)
     _check_float("logits", logits)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(
@@ -180,11 +272,10 @@ def softmax_cross_entropy(
         return out
     valid = labels != ii
     if weights is None:
-        denominator = valid.sum().float()
-    else:
-        w_y = weights[torch.where(valid, labels, 0)]
-        denominator = torch.where(valid, w_y, torch.zeros_like(w_y)).sum()
-    return _masked_mean(out, denominator)
+        return _masked_mean(out, valid.sum().float())
+    w_y = weights[torch.where(valid, labels, 0)]
+    w_sum = torch.where(valid, w_y, torch.zeros_like(w_y)).sum()
+    return _weighted_mean(out, valid.sum(), w_sum)
 
 
 # ---------------------------------------------------------------------------
@@ -223,6 +314,9 @@ def sigmoid_binary_cross_entropy(
       torch.float32 0.231
     """
     _check_reduction(reduction)
+    logits, targets, weights = _as_tensors(
+        logits=logits, targets=targets, weights=weights
+    )
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     if weights is not None:
@@ -267,14 +361,19 @@ def balanced_binary_cross_entropy(
       logits: shrink-map logits, any shape and float dtype.
       targets: binary ground truth, same shape.
       mask: binary training mask, same shape.
-      negative_ratio: > 0. ``ratio * #pos`` is taken in float32, as in
-        jaxstable, so both pick the same ``k``; DBNet's reference uses float64
-        and can pick one fewer for a ratio not exact in binary (100 * 0.57:
-        57 here, 56 there). The default 3.0 is exact below 2**22 positives.
+      negative_ratio: a finite number > 0. ``ratio * #pos`` is taken in
+        float32, as in jaxstable, so both pick the same ``k``; DBNet's
+        reference uses float64 and can pick one fewer for a ratio not exact
+        in binary (100 * 0.57: 57 here, 56 there). The default 3.0 is exact
+        below 2**22 positives.
       eps: > 0 (no positives and no negatives gives 0 / eps = 0).
 
     Returns:
       float32 scalar (reads the counts on the host, as the reference does).
+      A NaN loss on a negative pixel ranks first in ``topk`` (NaN when
+      ``k >= 1``, as jaxstable); a NaN in ``mask``, or in ``targets`` inside
+      the mask, gives NaN; a NaN logit outside the mask leaves the loss
+      finite and its gradient NaN (the guard catches it).
 
     Example:
       >>> import torch
@@ -286,10 +385,11 @@ def balanced_binary_cross_entropy(
       >>> print(round(float(loss), 4))
       1.2896
     """
+    logits, targets, mask = _as_tensors(logits=logits, targets=targets, mask=mask)
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     _check_same_shape("logits", logits, "mask", mask)
-    _check_positive("negative_ratio", negative_ratio)
+    _check_positive("negative_ratio", negative_ratio, finite=True)
     _check_positive("eps", eps)
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
@@ -304,9 +404,11 @@ def balanced_binary_cross_entropy(
     ratio_p = torch.tensor(n_pos, dtype=f32) * torch.tensor(negative_ratio, dtype=f32)
     k = min(n_neg, math.floor(ratio_p.item()))
     neg_loss = torch.where(negative, loss, torch.zeros_like(loss)).reshape(-1)
-    top_k = torch.topk(neg_loss, k).values.sum()
+    top_k = torch.topk(neg_loss, k).values.sum()  # a NaN ranks first here
     pos_sum = torch.where(positive, loss, torch.zeros_like(loss)).sum()
-    return (pos_sum + top_k) / (n_pos + k + eps)
+    # a NaN target or mask is neither positive nor negative (no host sync)
+    undefined = (_isnan(mask) | (_isnan(targets) & in_mask)).any()
+    return (pos_sum + top_k) * _nan_if(undefined) / (n_pos + k + eps)
 
 
 def dice_loss(
@@ -336,6 +438,7 @@ def dice_loss(
       >>> print(round(float(losses.dice_loss(p, torch.tensor([1.0, 0.0, 1.0]))), 3))
       0.286
     """
+    probs, targets, mask = _as_tensors(probs=probs, targets=targets, mask=mask)
     _check_float("probs", probs)
     _check_same_shape("probs", probs, "targets", targets)
     _check_positive("eps", eps)
@@ -355,8 +458,11 @@ def masked_l1_loss(
 ) -> torch.Tensor:
     r"""Masked mean absolute error in float32: ``sum(|p - t| m) / sum(m)``.
 
-    An empty mask gives 0.0 with a zero gradient (no host sync, unlike the
-    DBNet reference's ``if mask.sum().item() == 0``).
+    An empty mask gives 0.0 with a zero gradient (no division by zero,
+    unlike the DBNet reference's ``if mask.sum().item() == 0``). A negative
+    mask value raises ``ValueError`` (reads the mask on the host: one sync
+    per call). A mask of subnormal floats (1e-40) is a tiny non-empty mask
+    here; XLA on CPU flushes it to zero, so jaxstable returns 0.0 for it.
 
     Args:
       pred: predictions (any float dtype).
@@ -375,9 +481,11 @@ def masked_l1_loss(
       >>> print(float(losses.masked_l1_loss(p, t, torch.zeros(3))))
       0.0
     """
+    pred, target, mask = _as_tensors(pred=pred, target=target, mask=mask)
     _check_float("pred", pred)
     _check_same_shape("pred", pred, "target", target)
     _check_same_shape("pred", pred, "mask", mask)
+    _check_non_negative_values("mask", mask)
     m = mask.float()
     total = ((pred.float() - target.float()).abs() * m).sum()
     return _masked_mean(total, m.sum())
@@ -406,6 +514,7 @@ def db_step(prob: torch.Tensor, thresh: torch.Tensor, *, k: float = 50.0):
       >>> print(out.dtype, [round(float(v), 4) for v in out])
       torch.float32 [0.0, 0.5, 1.0]
     """
+    prob, thresh = _as_tensors(prob=prob, thresh=thresh)
     _check_float("prob", prob)
     _check_positive("k", k)
     try:
@@ -459,6 +568,10 @@ def db_loss(
       >>> print(round(float(total), 4), sorted(terms))
       0.0124 ['bce', 'dice', 'l1']
     """
+    shrink_logits, thresh, gt, mask, thresh_map, thresh_mask = _as_tensors(
+        shrink_logits=shrink_logits, thresh=thresh, gt=gt, mask=mask,
+        thresh_map=thresh_map, thresh_mask=thresh_mask,
+    )  # fmt: skip
     bce = balanced_binary_cross_entropy(
         shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
     )
@@ -491,9 +604,11 @@ def info_nce(
 
     Args:
       a, b: embeddings (N, D), any float dtype.
-      temperature: > 0, a number or a (learnable) tensor, clamped from below.
-        A value <= 0 raises, except for a tensor that requires grad: that one
-        is clamped, not checked (a check would sync with the device).
+      temperature: > 0, a scalar: a number or a (learnable) 0-d tensor,
+        clamped from below. A value <= 0 raises, except for a tensor that
+        requires grad: that one is clamped, not checked (a check would sync
+        with the device). Any other shape raises (a vector would divide each
+        column of the similarities by its own temperature).
       min_temperature: >= 0.
       eps: > 0, norm floor.
 
@@ -509,6 +624,9 @@ def info_nce(
       >>> print(bool(torch.isfinite(losses.info_nce(a * 0, a))))
       True
     """
+    # a tensor temperature joins the device check; a number stays a number
+    tensor_t = temperature if isinstance(temperature, torch.Tensor) else None
+    a, b, _ = _as_tensors(a=a, b=b, temperature=tensor_t)
     _check_float("a", a)
     _check_float("b", b)
     if a.ndim != 2:

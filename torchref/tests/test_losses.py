@@ -128,3 +128,26 @@ def test_balanced_bce_matches_explicit_selection(tol):
     )
     out = losses.balanced_binary_cross_entropy(x, gt, m)
     np.testing.assert_allclose(out.item(), ref.item(), **tol("float32"))
+
+
+def test_array_likes_are_converted_onto_the_tensors_device():
+    """A numpy array or list joins the device of the tensor inputs (here
+    'meta', where nothing is computed), as jnp.asarray would convert it."""
+    x = torch.empty(2, 4, device="meta")
+    out = losses.sigmoid_binary_cross_entropy(x, np.ones((2, 4), np.float32))
+    assert out.device.type == "meta"
+    ones = [[1.0, 1.0], [1.0, 1.0]]
+    l1 = losses.masked_l1_loss(ones, np.zeros((2, 2)), torch.ones(2, 2))
+    assert l1.item() == 1.0 and l1.dtype == torch.float32
+
+
+def test_zero_class_weight_sum_is_nan_with_nan_gradient():
+    """F.cross_entropy divides by 0 here (+-inf or NaN); ours is NaN, and so
+    is the gradient, so the guard skips the step."""
+    x, y = _ce_inputs(n=2, n_classes=3, hw=(2, 2))
+    y = y.clamp(max=2)  # no ignored element: every label counts
+    x = x.requires_grad_()
+    out = losses.softmax_cross_entropy(x, y, weights=torch.zeros(3))
+    out.backward()
+    assert torch.isnan(out) and torch.isnan(x.grad).all()
+    assert torch.isnan(F.cross_entropy(x.detach(), y, weight=torch.zeros(3)))
