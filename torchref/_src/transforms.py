@@ -260,7 +260,8 @@ class _StepUndo:
                     entry[k] = copy.deepcopy(v)
             self.state[p] = entry
         self._live_params = live[: len(self.params)]
-        self._saved_params = [self._copy(p) for p in self._live_params]
+        # Keyed by the parameter itself (a `.detach()` is a new object).
+        self._saved_params = [self._copy(p) for p in self.params]
         if live:
             torch._foreach_copy_(self._saved_params + saved, live)
 

@@ -204,3 +204,17 @@ def test_wrapper_state_dict_round_trip():
     opt2.load_state_dict(opt.state_dict())
     assert opt2.skip_state == opt.skip_state
     assert float(o2.state_dict()["state"][0]["step"]) == 1.0
+
+
+def test_update_check_reuses_its_copy_buffers_from_step_to_step():
+    # The copy of params and Adam state taken before each step is written
+    # into buffers allocated once, not a new set per step.
+    model = torch.nn.Linear(4, 3)
+    opt = tr.stable_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    for _ in range(5):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    # 2 params + exp_avg, exp_avg_sq (and step) of each
+    assert len(opt._undo._buffers) == 2 + 2 * 3
+    assert opt.skip_state.skipped_total == 0
