@@ -1,11 +1,11 @@
-"""The guarded train step on a 2-device mesh: data parallel and FSDP.
+"""The guarded train step on a 4-device mesh: data parallel and FSDP.
 
 JAX fixes its device count when it first starts, and conftest.py has already
 started it with one CPU device; so the multi-device runs happen in ONE
 subprocess (``python -m jaxstable.tests.test_distributed OUT``) started with
-``--xla_force_host_platform_device_count=2``. It trains the same small MLP
+``--xla_force_host_platform_device_count=4``. It trains the same small MLP
 from the same weights on the same 56 global batches three times: unsharded
-on one device, data parallel on 2 devices, FSDP on 2 devices, all under
+on one device, data parallel on 4 devices, FSDP on 4 devices, all under
 ``jax.transfer_guard("disallow")``, and writes the per-step results and the
 compiled programs' collective counts to an .npz that the tests read.
 
@@ -14,7 +14,7 @@ only in the rows of one device (one replica's slice): the global gradient is
 then non-finite, so every replica must skip and back the scale off once.
 Batch 33 holds a single +inf, x[0, 5] (device 0's rows): tanh saturates and
 its derivative is exactly 0, so only row 5 of w1's gradient is 0*inf = NaN;
-under FSDP that row lives on device 1: the devices' local gradient shards
+under FSDP that row lives on device 2: the devices' local gradient shards
 disagree and only the global flag makes all of them skip.
 The same problem (weights, batches, poison) is `torchref.tests.
 test_distributed.problem`, for the cross-framework parity test.
@@ -38,12 +38,10 @@ from conftest import tolerance
 from jaxstable import distributed, train, transforms
 from jaxstable import loss_scale as jls
 
-# 2, as many as the cores of the test machine (the code has no 2-specific
-# path). The `runs` fixture sets the flag that keeps them from starving.
-DEVICES = 2
+DEVICES = 4
 STEPS = 56
-BATCH = 16  # global; 8 rows per device
-IN, HIDDEN, OUT = 8, 16, 3  # OUT=3: b2 has no axis divisible by 2 (replicated)
+BATCH = 16  # global; 4 rows per device
+IN, HIDDEN, OUT = 8, 16, 3  # OUT=3: b2 has no axis divisible by 4 (replicated)
 # step -> the x entries poisoned (NaN, except 33: +inf).
 POISON = {7: (slice(None),), 20: (slice(8, 12),), 33: (0, 5), 45: (slice(4, 8),)}
 TIMEOUT_S = 120
@@ -213,16 +211,16 @@ def _worker(out_path: str) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "runs.npz"
     env = dict(os.environ)
-    # Eigen's intra-op threads off: on 2 busy cores the forced devices'
-    # programs and their matmuls share one small thread pool, and XLA aborted
-    # steps after 40 s in an all-gather/all-reduce rendezvous where only some
-    # device threads arrived (3 of 3 concurrent runs failed with 2 devices,
-    # 3 of 3 passed with this flag).
     env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + f" --xla_force_host_platform_device_count={DEVICES}"
-        + " --xla_cpu_multi_thread_eigen=false"
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     )
+    # Each forced device runs its part of a step on a thread of the PjRt CPU
+    # client's pool, whose size is the core count (2 here) unless PJRT_NPROC
+    # says otherwise; the parts meet in every all-reduce, so with fewer
+    # threads than devices the last part may never start: XLA aborted after
+    # 40 s with 3 of 4 device threads in the rendezvous (1 of 3 runs). With 8
+    # threads: 4 of 4 concurrent runs passed.
+    env["PJRT_NPROC"] = str(2 * DEVICES)
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -262,7 +260,7 @@ def test_fsdp_shards_divisible_leaves_and_replicates_the_rest(runs):
         "w1": "P('data',)",
         "b1": "P('data',)",
         "w2": "P('data',)",
-        "b2": "P()",  # 3 rows on 2 devices
+        "b2": "P()",  # 3 rows on 4 devices
     }
     assert set(json.loads(str(runs["data_parallel/specs"])).values()) == {"P()"}
 
