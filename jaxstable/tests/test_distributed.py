@@ -187,6 +187,25 @@ def _checker_results():
     }
 
 
+def _local_shards_finite(params, batches) -> np.ndarray:
+    """Per device: are its FSDP shards of batch 33's gradients all finite?
+
+    The gradients at the initial weights, placed as FSDP places the params.
+    No collective reduces these flags: each device looks at its own shards.
+    """
+    mesh = distributed.make_mesh(DEVICES)
+    state = distributed.shard_state(initial_state(params), mesh, "fsdp")
+    shardings = jax.tree.map(lambda a: a.sharding, state.params)
+    grads = jax.jit(jax.grad(mlp_loss), out_shardings=shardings)(
+        state.params, distributed.shard_batch(batches[33], mesh)
+    )
+    flags = {d: True for d in mesh.devices.flat}
+    for leaf in jax.tree_util.tree_leaves(grads):
+        for shard in leaf.addressable_shards:
+            flags[shard.device] &= bool(np.isfinite(np.asarray(shard.data)).all())
+    return np.array([flags[d] for d in mesh.devices.flat])
+
+
 def _worker(out_path: str) -> None:
     # One program in flight at a time: the forced host devices' threads meet
     # in each all-reduce, and queued steps only add contention on 2 cores.
@@ -204,6 +223,7 @@ def _worker(out_path: str) -> None:
         counts[strategy] = collectives(mesh, strategy, step, state, batch)
     results["collectives"] = np.array(json.dumps(counts))
     results.update(_checker_results())
+    results["fsdp_local_shards_finite_33"] = _local_shards_finite(params, batches)
     np.savez(out_path, **results)
 
 
@@ -283,6 +303,14 @@ def test_one_poisoned_shard_every_replica_skips(runs, strategy):
     # Every copy of every replicated leaf (all of them in data parallel; the
     # loss scale, counters and b2 in FSDP) is bitwise equal after every step.
     assert runs[f"{strategy}/replicas_identical"].all()
+
+
+def test_fsdp_devices_disagree_locally_and_all_skip(runs):
+    # Batch 33's NaN gradient row (w1[5]) lies in device 2's shard only: the
+    # devices' own shards disagree, so only a global flag makes all skip
+    # (as they do, test_one_poisoned_shard_every_replica_skips).
+    assert runs["fsdp_local_shards_finite_33"].tolist() == [True, True, False, True]
+    assert not runs["fsdp/grads_finite"][33]
 
 
 def test_compiled_step_collectives(runs):
