@@ -6,7 +6,15 @@ import inspect
 
 import pytest
 
-MODULES = ["losses", "loss_scale", "transforms", "precision", "diagnostics", "train"]
+MODULES = [
+    "losses",
+    "loss_scale",
+    "transforms",
+    "precision",
+    "diagnostics",
+    "train",
+    "distributed",
+]
 
 
 def _public_callables(public):

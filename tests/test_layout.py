@@ -6,7 +6,15 @@ import sys
 
 import pytest
 
-MODULES = ["losses", "loss_scale", "transforms", "precision", "diagnostics", "train"]
+MODULES = [
+    "losses",
+    "loss_scale",
+    "transforms",
+    "precision",
+    "diagnostics",
+    "train",
+    "distributed",
+]
 
 # Names that exist on one side only, and why. Keep this list short and honest.
 JAX_ONLY = {
@@ -16,6 +24,10 @@ JAX_ONLY = {
     # A functional step needs its state as a pytree and a factory; torch's
     # TrainStep object holds the model and optimizer itself.
     "train": {"TrainState", "make_train_step"},
+    # Shardings are JAX's way to place arrays (torch wraps the module in
+    # DDP/fully_shard instead), and only XLA exposes a compiled program whose
+    # collectives can be counted.
+    "distributed": {"batch_sharding", "count_collectives", "state_sharding"},
 }
 TORCH_ONLY = {
     # GradScaler subclasses: a static scale and the min-scale floor/hysteresis
