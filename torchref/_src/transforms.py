@@ -243,6 +243,14 @@ class _StepUndo:
     def take(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(_is_dtensor(p) for p in self.params):
+            # Each rank would check its own shard only and could decide
+            # differently from the others; DTensor has no _foreach_copy_.
+            raise NotImplementedError(
+                "check_update does not support sharded (DTensor / FSDP2) "
+                "parameters: build the step with check_update=False (the "
+                "gradient check stays global through GradScaler's found_inf)"
+            )
         live, saved = [p.detach() for p in self.params], []
         self.state: dict[torch.Tensor, dict[str, Any] | None] = {}
         for p in self.params:
@@ -295,6 +303,10 @@ class _StepUndo:
                         live[k] = v.clone()
                 else:
                     live[k] = copy.deepcopy(v)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def _check_bool(name: str, value: Any) -> bool:
