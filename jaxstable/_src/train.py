@@ -151,6 +151,9 @@ class TrainStep:
         `fit` to report which gradient leaves went non-finite.
       jit: whether calls are jitted.
       donate: whether a jitted call donates its input state.
+      loss_fn, policy, has_state, has_aux: what `make_train_step` was given
+        (``policy`` parsed to a `jmp.Policy` or None), read by
+        `jaxstable.diagnostics.locate`.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -331,7 +334,16 @@ def make_train_step(
         _, g, _ = grad_fn(state.loss_scale, state.params, state.model_state, batch)
         return g
 
-    return TrainStep(step, grads, jit=jit, donate=donate)
+    out = TrainStep(step, grads, jit=jit, donate=donate)
+    # What `diagnostics.locate` needs to re-run the loss op by op, off the
+    # hot path (the jitted step does not read these).
+    out.loss_fn, out.policy, out.has_state, out.has_aux = (
+        loss_fn,
+        pol,
+        has_state,
+        has_aux,
+    )
+    return out
 
 
 class NonFiniteError(FloatingPointError):
