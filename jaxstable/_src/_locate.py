@@ -15,6 +15,7 @@ The jitted step is never touched: nothing here runs on the hot path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -70,6 +71,7 @@ class Stats(NamedTuple):
     nan: int
     inf: int
     max_abs: float  # over finite elements; nan when none
+    max: float  # largest finite (real part) value; nan when none
     zeros: int
     negatives: int
     size: int
@@ -91,6 +93,7 @@ def array_stats(x: Any) -> Stats:
         nan=int(nan.sum()),
         inf=int(inf.sum()),
         max_abs=float(np.abs(fin).max()) if fin.size else float("nan"),
+        max=float(real.max()) if fin.size else float("nan"),
         zeros=int((fin == 0).sum()),
         negatives=int((real < 0).sum()),
         size=int(w.size),
@@ -301,15 +304,22 @@ def interpret(fun, *args) -> tuple[Any, Any]:
 
 # ----------------------------------------------------------- module scopes
 class module_scopes:
-    """While active, every Flax NNX module call runs in a ``jax.named_scope``
-    naming its attribute path from the outermost module called ("" for that
-    root, "decoders.0.conv1" for a child): the same names as torch's
-    ``named_modules()``. Restores the classes on exit."""
+    """While active, every Flax module call runs in a ``jax.named_scope``
+    naming its path, read back from the equations' name stacks.
+
+    NNX: the attribute path from the outermost module called ("" for that
+    root, "decoders.0.conv1" for a child), the same names as torch's
+    ``named_modules()``; the ``__call__`` of every `nnx.Module` subclass is
+    wrapped and restored on exit. Linen: the module's ``path`` joined with
+    dots ("Dense_0", "blocks_0.lin"; "" for the root), through linen's own
+    method interceptor.
+    """
 
     def __enter__(self):
         self.patched: list[tuple[type, Any]] = []
         self.paths: dict[int, str] = {}
         self.depth = 0
+        self.stack = contextlib.ExitStack()
         try:
             from flax import nnx
         except ImportError:  # no flax: plain functions only
@@ -320,6 +330,9 @@ class module_scopes:
                 orig = vars(cls)["__call__"]
                 cls.__call__ = self._wrap(orig)
                 self.patched.append((cls, orig))
+        from flax import linen
+
+        self.stack.enter_context(linen.intercept_methods(_linen_scope))
         return self
 
     def _wrap(self, orig):
@@ -350,7 +363,16 @@ class module_scopes:
     def __exit__(self, *exc):
         for cls, orig in reversed(self.patched):
             cls.__call__ = orig
+        self.stack.close()
         return False
+
+
+def _linen_scope(next_fun, args, kwargs, context):
+    if context.method_name == "setup":
+        return next_fun(*args, **kwargs)
+    path = ".".join(str(p) for p in context.module.path)
+    with jax.named_scope(_MARK + path):
+        return next_fun(*args, **kwargs)
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -381,14 +403,20 @@ def cause(o: Origin, where: str) -> str:
         if jnp.issubdtype(jnp.dtype(out.dtype), jnp.floating)
         else None
     )
+    exp_over = op == "exp" and ins and lim is not None and ins[0].max > math.log(lim)
     if o.would_be is not None and lim is not None and o.would_be > lim:
         text = (
             f"{out.dtype} overflow: max |x| = {o.would_be:.3g} > {lim:.6g} in "
             f"the output of {op} {where}"
         )
-        if op == "exp" and ins:
-            text += f" (exp of up to {ins[0].max_abs:.3g} > {math.log(lim):.4g})"
+        if exp_over:
+            text += f" (exp of up to {ins[0].max:.3g} > {math.log(lim):.4g})"
         return text
+    if exp_over:  # float32 itself: no wider dtype to recompute in
+        return (
+            f"{out.dtype} overflow: exp of up to {ins[0].max:.3g} > "
+            f"{math.log(lim):.4g} (log of {lim:.6g}) {where}"
+        )
     first = ins[0] if ins else None
     if op == "log" and first is not None and first.zeros:
         return f"log of 0 {where}"
@@ -405,7 +433,12 @@ def cause(o: Origin, where: str) -> str:
 
 # ------------------------------------------------------------------ phases
 def dotted(key_path: Any) -> str:
-    """A jax key path as a dotted string: ``['a'][0].b`` -> ``a.0.b``."""
+    """A jax key path as a dotted string: ``['a'][0].b`` -> ``a.0.b``; the
+    ``.value`` of an NNX Variable is dropped (``conv1.kernel``, as in torch's
+    ``conv1.weight``)."""
+    key_path = tuple(key_path)
+    if key_path and getattr(key_path[-1], "name", None) in ("value", "raw_value"):
+        key_path = key_path[:-1]
     parts = []
     for k in key_path:
         for attr in ("key", "idx", "name"):

@@ -65,6 +65,7 @@ class Stats(NamedTuple):
     nan: int
     inf: int
     max_abs: float  # over finite elements; nan when none
+    max: float  # largest finite (real part) value; nan when none
     zeros: int
     negatives: int
     size: int
@@ -81,6 +82,7 @@ def tensor_stats(t: torch.Tensor) -> Stats:
         nan=int(nan.sum()),
         inf=int(inf.sum()),
         max_abs=float(fin.abs().max()) if fin.numel() else float("nan"),
+        max=float(fin.max()) if fin.numel() else float("nan"),
         zeros=int((fin == 0).sum()),
         negatives=int((fin < 0).sum()),
         size=int(w.numel()),
@@ -280,14 +282,20 @@ def cause(o: Origin, where: str) -> str:
     """One line: why ``o.op`` gave a non-finite value (same text as jaxstable)."""
     op, ins, out = o.op, o.ins, o.out
     lim = dtype_max(out.dtype)
+    exp_over = op == "exp" and ins and lim is not None and ins[0].max > math.log(lim)
     if o.would_be is not None and lim is not None and o.would_be > lim:
         text = (
             f"{out.dtype} overflow: max |x| = {o.would_be:.3g} > {lim:.6g} in "
             f"the output of {op} {where}"
         )
-        if op == "exp" and ins:
-            text += f" (exp of up to {ins[0].max_abs:.3g} > {math.log(lim):.4g})"
+        if exp_over:
+            text += f" (exp of up to {ins[0].max:.3g} > {math.log(lim):.4g})"
         return text
+    if exp_over:  # float32 itself: no wider dtype to recompute in
+        return (
+            f"{out.dtype} overflow: exp of up to {ins[0].max:.3g} > "
+            f"{math.log(lim):.4g} (log of {lim:.6g}) {where}"
+        )
     first = ins[0] if ins else None
     if op == "log" and first is not None and first.zeros:
         return f"log of 0 {where}"
@@ -406,7 +414,7 @@ def _run(step: Any, batch: Any, scale: float) -> _Run:
     return _Run(loss.detach(), loss_origin, grads, grad_origins, model)
 
 
-def locate(step: Any, batch: Any, cls: type) -> Any:
+def locate(step: Any, batch: Any, cls: type, loss_scale: float | None = None) -> Any:
     from torchref._src.train import TrainStep
 
     if not isinstance(step, TrainStep):
@@ -439,12 +447,12 @@ def locate(step: Any, batch: Any, cls: type) -> Any:
             "state were already non-finite",
             **_value_fields(s),
         )
+    scale = _scale_of(step) if loss_scale is None else float(loss_scale)
     with _rng_kept():
-        return _locate_step(step, batch, cls)
+        return _locate_step(step, batch, cls, scale)
 
 
-def _locate_step(step: Any, batch: Any, cls: type) -> Any:
-    scale = _scale_of(step)
+def _locate_step(step: Any, batch: Any, cls: type, scale: float) -> Any:
     run = _run(step, batch, scale)
     if run.loss_origin is not None or not _finite(run.loss):
         o = run.loss_origin

@@ -303,7 +303,9 @@ def format_location(loc: NonFiniteLocation | None) -> str:
     return "\n".join(lines)
 
 
-def locate(step: Any, batch: Any) -> NonFiniteLocation | None:
+def locate(
+    step: Any, batch: Any, *, loss_scale: float | None = None
+) -> NonFiniteLocation | None:
     """Re-runs one train step op by op and says where its first NaN/Inf arose.
 
     Off the hot path and without side effects: the forward and backward run
@@ -326,6 +328,9 @@ def locate(step: Any, batch: Any) -> NonFiniteLocation | None:
             which a non-finite step leaves unchanged but for the scaler's
             backed-off scale).
         batch: the step's batch.
+        loss_scale: the loss scale to re-run at; None: the scaler's current
+            one (`fit` passes the scale the failing step used, as the
+            scaler has backed off since).
 
     Returns:
         None when every value of the step is finite, else a
@@ -354,4 +359,4 @@ def locate(step: Any, batch: Any) -> NonFiniteLocation | None:
     """
     from torchref._src import _locate  # the engine, imported when used
 
-    return _locate.locate(step, batch, NonFiniteLocation)
+    return _locate.locate(step, batch, NonFiniteLocation, loss_scale)
