@@ -127,6 +127,8 @@ def _is_user(file_name: str) -> bool:
 
 def _python_source() -> str | None:
     frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back  # the dispatch mode's own frames
     while frame is not None:
         code = frame.f_code
         if code.co_filename == __file__:
