@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxstable import diagnostics, train
 from jaxstable import loss_scale as jls
-from jaxstable._src import _locate
+from jaxstable._src import _locate as engine
 
 FP16 = "params=float32,compute=float16,output=float32"
 
@@ -65,10 +65,26 @@ def _grid():
     return np.meshgrid(g, g)
 
 
+def _locate(step, state, batch):
+    """`locate`, checked against the real jitted step: None exactly when the
+    step is finite and its new state too; phase "update" when only the new
+    state is not."""
+    loc = diagnostics.locate(step, state, batch)
+    new, metrics = step(state, batch)
+    new_finite = not diagnostics.non_finite_report((new.params, new.opt_state))
+    if loc is None:
+        assert bool(metrics["finite"]) and new_finite
+    elif loc.phase == "update":
+        assert bool(metrics["finite"]) and not new_finite
+    else:
+        assert not bool(metrics["finite"])
+    return loc
+
+
 def test_input_nan_in_batch():
     step, state = _net_step(policy=None)
     x = jnp.ones((4, 8)).at[1, 2].set(jnp.nan)
-    loc = diagnostics.locate(step, state, _xy(x))
+    loc = _locate(step, state, _xy(x))
     assert (loc.phase, loc.path, loc.op) == ("input", "x", None)
     assert loc.detail == "NaN in batch['x'] (1 of 32 values)"
 
@@ -78,7 +94,7 @@ def test_params_already_non_finite():
     # An overflow of a float16 restore: 1e5 does not fit float16.
     bad = state.params["layers"][1]["bias"][...].astype(jnp.float16) + 1e5
     state.params["layers"][1]["bias"][...] = bad.astype(jnp.float32)
-    loc = diagnostics.locate(step, state, _xy())
+    loc = _locate(step, state, _xy())
     assert (loc.phase, loc.path) == ("params", "layers.1.bias")
 
 
@@ -86,7 +102,7 @@ def test_forward_fp16_overflow_in_one_named_layer():
     # Activations grow 16 -> 2560 -> 204800: only the last layer passes
     # float16's 65504.
     step, state = _net_step()
-    loc = diagnostics.locate(step, state, _xy())
+    loc = _locate(step, state, _xy())
     assert (loc.phase, loc.path, loc.op) == ("forward", "layers.2", "matmul")
     assert loc.detail == (
         "float16 overflow: max |x| = 2.05e+05 > 65504 in the output of matmul "
@@ -106,7 +122,7 @@ def test_loss_log_of_zero_probability():
     w = jnp.array([[200.0, -200.0]])
     state = train.TrainState.create(params={"w": w}, optimizer=optax.sgd(0.1))
     batch = {"x": jnp.ones((3, 1)), "y": jnp.ones((3, 1), jnp.int32)}
-    loc = diagnostics.locate(step, state, batch)
+    loc = _locate(step, state, batch)
     assert (loc.phase, loc.path, loc.op) == ("loss", None, "log")
     assert loc.detail == "log of 0 in the loss"
 
@@ -115,7 +131,7 @@ def test_backward_sqrt_at_zero():
     # The Euclidean distance at distance 0: finite value, d sqrt/dx = 1/0.
     step = train.make_train_step(lambda p, b: jnp.sqrt(jnp.sum((p["w"] - b) ** 2)))
     state = train.TrainState.create(params={"w": jnp.ones(3)}, optimizer=optax.sgd(1))
-    loc = diagnostics.locate(step, state, jnp.ones(3))
+    loc = _locate(step, state, jnp.ones(3))
     assert (loc.phase, loc.path, loc.op) == ("backward", "w", "div")
     assert "division by 0 in the loss" in loc.detail
 
@@ -132,7 +148,7 @@ def test_backward_dbnet_step_in_fp16_names_the_step_function():
     state = train.TrainState.create(
         params={"x": jnp.asarray(xs)}, optimizer=optax.sgd(1)
     )
-    loc = diagnostics.locate(step, state, jnp.asarray(ys))
+    loc = _locate(step, state, jnp.asarray(ys))
     assert (loc.phase, loc.path, loc.op) == ("backward", "x", "exp")
     assert "in db_reference_step" in loc.source
     assert "float16 overflow" in loc.detail and "exp of up to 50 > 11.09" in loc.detail
@@ -154,13 +170,13 @@ def _scale_case(scale):
 def test_loss_scale_overflow_is_benign():
     # dL/dout = 2 * 4 / 8 = 1; times 2**24 it passes float16's 65504.
     step, state, batch = _scale_case(2.0**24)
-    loc = diagnostics.locate(step, state, batch)
+    loc = _locate(step, state, batch)
     assert (loc.phase, loc.path, loc.op) == ("loss_scale", "w", "cast")
     assert loc.detail == (
         "gradient overflow at loss scale 1.67772e+07, finite at scale 1 "
         "(benign: the scale backs off)"
     )
-    assert diagnostics.locate(*_scale_case(2.0**10)) is None
+    assert _locate(*_scale_case(2.0**10)) is None
 
 
 def _adam_case(x):
@@ -173,15 +189,15 @@ def _adam_case(x):
 
 def test_update_adam_in_fp16_divides_by_zero():
     # g = 1e-4: g**2 = 1e-8 underflows to 0 in float16, and so does eps=1e-8.
-    loc = diagnostics.locate(*_adam_case(1e-4))
+    loc = _locate(*_adam_case(1e-4))
     assert (loc.phase, loc.path, loc.op) == ("update", "w", "div")
     assert loc.detail.startswith("Adam's second moment underflowed to 0 in float16")
 
 
 def test_finite_step_gives_none():
-    assert diagnostics.locate(*_adam_case(1.0)) is None
+    assert _locate(*_adam_case(1.0)) is None
     step, state = _net_step(policy=None)
-    assert diagnostics.locate(step, state, _xy()) is None
+    assert _locate(step, state, _xy()) is None
 
 
 def test_linen_module_paths():
@@ -206,7 +222,7 @@ def test_linen_module_paths():
 
     step = train.make_train_step(loss_fn, policy=FP16)
     state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
-    loc = diagnostics.locate(step, state, jnp.ones((2, 8)))
+    loc = _locate(step, state, jnp.ones((2, 8)))
     assert (loc.phase, loc.path, loc.op) == ("forward", "blocks_2.lin", "matmul")
 
 
@@ -237,7 +253,7 @@ def test_hot_path_hlo_unchanged_and_classes_restored():
     assert _hlo(fresh, state, _xy()) == before
     # locate's module scopes never reach a step traced outside it.
     debug = fresh.lower(state, _xy()).as_text(debug_info=True)
-    assert "layers" in debug and _locate._MARK not in debug
+    assert "layers" in debug and engine._MARK not in debug
 
 
 def test_memory_bounded_by_live_values():
@@ -255,7 +271,7 @@ def test_memory_bounded_by_live_values():
     state = train.TrainState.create(params={"w": jnp.ones(n)}, optimizer=optax.sgd(1))
     assert diagnostics.locate(step, state, jnp.ones(n)) is None
     one = 4 * n
-    assert one * 2 <= _locate.stats["peak_live_bytes"] <= 8 * one
+    assert one * 2 <= engine.stats["peak_live_bytes"] <= 8 * one
 
 
 def test_fit_stop_puts_location_in_error_and_record(tmp_path):
@@ -298,7 +314,7 @@ def test_fit_skip_locates_the_first_n_non_finite_steps():
 
 
 def test_format_location_of_a_real_case():
-    loc = diagnostics.locate(*_adam_case(1e-4))
+    loc = _locate(*_adam_case(1e-4))
     text = diagnostics.format_location(loc)
     assert (
         text.splitlines()[0] == "non-finite value first in phase 'update' at w, op div"

@@ -4,6 +4,7 @@ no side effects, bounded memory and the wiring into fit."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -69,10 +70,27 @@ def _grid():
     return np.meshgrid(g, g)
 
 
+def _locate(step, batch):
+    """`locate`, checked against the real step (run on a copy): None exactly
+    when the step is finite and its new parameters too; phase "update" when
+    only the new parameters are not."""
+    loc = diagnostics.locate(step, batch)
+    twin = copy.deepcopy(step)
+    metrics = twin(batch)
+    new_finite = not diagnostics.non_finite_report(twin.model)
+    if loc is None:
+        assert metrics["finite"] and new_finite
+    elif loc.phase == "update":
+        assert metrics["finite"] and not new_finite
+    else:
+        assert not metrics["finite"]
+    return loc
+
+
 def test_input_nan_in_batch():
     x = torch.ones(4, 8)
     x[1, 2] = float("nan")
-    loc = diagnostics.locate(_net_step(None), _xy(x))
+    loc = _locate(_net_step(None), _xy(x))
     assert (loc.phase, loc.path, loc.op) == ("input", "x", None)
     assert loc.detail == "NaN in batch['x'] (1 of 32 values)"
 
@@ -82,13 +100,13 @@ def test_params_already_non_finite():
     with torch.no_grad():  # an overflow of a float16 restore: 1e5 > 65504
         bias = step.model.layers[1].bias
         bias.copy_((bias.half() + 1e5).float())
-    loc = diagnostics.locate(step, _xy())
+    loc = _locate(step, _xy())
     assert (loc.phase, loc.path) == ("params", "layers.1.bias")
 
 
 def test_forward_fp16_overflow_in_one_named_layer():
     # Activations grow 16 -> 2560 -> 204800: only the last layer passes 65504.
-    loc = diagnostics.locate(_net_step(), _xy())
+    loc = _locate(_net_step(), _xy())
     assert (loc.phase, loc.path, loc.op) == ("forward", "layers.2", "matmul")
     assert loc.detail == (
         "float16 overflow: max |x| = 2.05e+05 > 65504 in the output of matmul "
@@ -106,7 +124,7 @@ def test_loss_log_of_zero_probability():
     model = Params(w=torch.tensor([[200.0, -200.0]]))
     step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
     batch = {"x": torch.ones(3, 1), "y": torch.ones(3, 1, dtype=torch.long)}
-    loc = diagnostics.locate(step, batch)
+    loc = _locate(step, batch)
     assert (loc.phase, loc.path, loc.op) == ("loss", None, "log")
     assert loc.detail == "log of 0 in the loss"
 
@@ -118,7 +136,7 @@ def test_backward_sqrt_at_zero():
         torch.optim.SGD(model.parameters(), lr=1.0),
         lambda m, b: torch.sqrt(((m.w - b) ** 2).sum()),
     )
-    loc = diagnostics.locate(step, torch.ones(3))
+    loc = _locate(step, torch.ones(3))
     assert (loc.phase, loc.path, loc.op) == ("backward", "w", "div")
     assert "division by 0 in the loss" in loc.detail
 
@@ -131,7 +149,7 @@ def test_backward_dbnet_step_in_fp16_names_the_step_function():
         torch.optim.SGD(model.parameters(), lr=1.0),
         lambda m, b: db_reference_step(m.x.half(), b.half()).float().mean(),
     )
-    loc = diagnostics.locate(step, torch.tensor(ys))
+    loc = _locate(step, torch.tensor(ys))
     assert (loc.phase, loc.path, loc.op) == ("backward", "x", "exp")
     assert "in db_reference_step" in loc.source
     assert "float16 overflow" in loc.detail and "exp of up to 50 > 11.09" in loc.detail
@@ -150,13 +168,13 @@ def _scale_case(scale):
 
 
 def test_loss_scale_overflow_is_benign():
-    loc = diagnostics.locate(*_scale_case(2.0**24))
+    loc = _locate(*_scale_case(2.0**24))
     assert (loc.phase, loc.path, loc.op) == ("loss_scale", "w", "cast")
     assert loc.detail == (
         "gradient overflow at loss scale 1.67772e+07, finite at scale 1 "
         "(benign: the scale backs off)"
     )
-    assert diagnostics.locate(*_scale_case(2.0**10)) is None
+    assert _locate(*_scale_case(2.0**10)) is None
 
 
 def _adam_case(x):
@@ -170,14 +188,14 @@ def _adam_case(x):
 
 
 def test_update_adam_in_fp16_divides_by_zero():
-    loc = diagnostics.locate(*_adam_case(1e-4))
+    loc = _locate(*_adam_case(1e-4))
     assert (loc.phase, loc.path, loc.op) == ("update", "w", "addcdiv")
     assert loc.detail.startswith("Adam's second moment underflowed to 0 in float16")
 
 
 def test_finite_step_gives_none():
-    assert diagnostics.locate(*_adam_case(1.0)) is None
-    assert diagnostics.locate(_net_step(None), _xy()) is None
+    assert _locate(*_adam_case(1.0)) is None
+    assert _locate(_net_step(None), _xy()) is None
 
 
 def test_step_must_be_a_train_step():
