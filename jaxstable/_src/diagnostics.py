@@ -197,6 +197,7 @@ def _check_message(report: list[LeafReport], n_leaves: int) -> str:
 
 
 # ------------------------------------------------------------------ locate
+# The phases of a step in the order `locate` tries them (NonFiniteLocation.phase).
 PHASES = ("input", "params", "forward", "loss", "backward", "loss_scale", "update")
 
 
@@ -225,6 +226,14 @@ class NonFiniteLocation(NamedTuple):
       shape, dtype, nan_count, inf_count, max_abs: the offending value
         (``max_abs`` over its finite elements, nan when none).
       input_shapes, input_dtypes, input_max_abs: those of the op's inputs.
+
+    Example:
+      >>> from jaxstable import diagnostics
+      >>> loc = diagnostics.NonFiniteLocation(
+      ...     phase="input", path="image", op=None, source=None,
+      ...     detail="NaN in batch['image'] (3 of 12288 values)")
+      >>> loc.phase in diagnostics.PHASES, loc._asdict()["path"]  # a JSON record
+      (True, 'image')
     """
 
     phase: str

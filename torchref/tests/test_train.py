@@ -420,7 +420,9 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
     assert hist[-1]["skipped_total"] == 2
     lines = [json.loads(s) for s in log.read_text().splitlines()]
     keys = ["step", "loss", "grad_norm", "loss_scale", "finite", "skipped_total"]
-    assert [list(d) for d in lines] == [keys] * 8
+    # The first non-finite step (locate_first=1 by default) says where.
+    assert [list(d) for d in lines] == [keys, [*keys, "location"], *[keys] * 6]
+    assert lines[1]["location"]["phase"] == "input"
     assert [d["loss_scale"] for d in lines] == [h["loss_scale"] for h in hist]
     assert math.isnan(lines[1]["grad_norm"])
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
