@@ -7,6 +7,8 @@ path, op and cause text from `jaxstable.diagnostics.locate` and
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -308,3 +310,49 @@ def test_seed000_segmentation_fp16_names_its_layer():
         assert (loc.phase, loc.path, loc.op) == ("forward", "head", "conv")
         assert loc.detail.startswith("float16 overflow: max |x| = ")
         assert loc.detail.endswith("> 65504 in the output of conv in head")
+
+
+def test_fit_stop_records_the_same_location(tmp_path):
+    graphdef, params = nnx.split(JaxNet())
+
+    def jloss(p, b):
+        out = nnx.merge(graphdef, p)(b["x"])
+        return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
+
+    jstep = jt.make_train_step(jloss, policy=FP16)
+    jstate = jt.TrainState.create(
+        params=params, optimizer=optax.sgd(0.1), loss_scale=jls.DynamicLossScale()
+    )
+    model = TorchNet()
+    tstep = tt.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: ((m(b["x"]).float() - b["y"]) ** 2).mean(),
+        autocast_dtype=torch.float16,
+        scaler=tls.DynamicLossScale(),
+    )
+    kw = dict(nan_policy="stop", max_consecutive_nonfinite=1, progress=False)
+    with pytest.raises(jt.NonFiniteError) as jerr:
+        jt.fit(
+            jstate,
+            jstep,
+            [{"x": jnp.ones((4, 8)), "y": jnp.zeros((4, 8))}],
+            log_path=tmp_path / "j.jsonl",
+            **kw,
+        )
+    with pytest.raises(tt.NonFiniteError) as terr:
+        tt.fit(
+            tstep,
+            [{"x": torch.ones(4, 8), "y": torch.zeros(4, 8)}],
+            log_path=tmp_path / "t.jsonl",
+            **kw,
+        )
+    jloc, tloc = jerr.value.location, terr.value.location
+    assert (jloc.phase, jloc.path, jloc.op) == (tloc.phase, tloc.path, tloc.op)
+    assert jloc.detail == tloc.detail
+    assert (jloc.phase, jloc.path) == ("forward", "layers.2")
+    jrec = json.loads((tmp_path / "j.jsonl").read_text().splitlines()[-1])
+    trec = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])
+    assert list(jrec) == list(trec) and list(jrec["location"]) == list(trec["location"])
+    for key in ("phase", "path", "op", "detail", "shape", "dtype"):
+        assert jrec["location"][key] == trec["location"][key]
