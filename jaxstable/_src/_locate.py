@@ -117,6 +117,12 @@ def _is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def _numeric(x: Any) -> bool:
+    # PRNG key arrays (extended dtypes) have no values to report.
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
 def _finite(x: Any) -> bool:
     if not _is_float(x):
         return True
@@ -277,7 +283,7 @@ class _Interpreter:
                         module=module,
                         source=_source(eqn.source_info),
                         out=array_stats(out),
-                        ins=[array_stats(v) for v in invals if hasattr(v, "shape")],
+                        ins=[array_stats(v) for v in invals if _numeric(v)],
                         would_be=_would_be(eqn, invals),
                     )
                 result.append(created)
