@@ -1,14 +1,15 @@
 """The engine of `torchref.diagnostics.locate` (private).
 
-The step is re-run on a deep copy of the model (and of the optimizer for the
-update) under a `TorchDispatchMode` that sees every aten op, forward and
+The step is re-run on its own model (its parameters, buffers and gradients
+put back afterwards; the update runs on a deep copy of model and optimizer)
+under a `TorchDispatchMode` that sees every aten op, forward and
 backward, as it runs (after autocast's casts). Every non-finite tensor
 carries its *origin*: the first op whose output went non-finite while its
 own inputs were finite (or, when an input already was non-finite, that
 input's origin), the mirror of the jaxpr interpreter of `jaxstable`. The
 origins live in a weak dictionary keyed by tensor: only tensors still alive
 keep theirs, so memory stays that of the step itself. Module paths come from
-forward hooks on the copy (``named_modules()`` names); backward ops get the
+forward hooks (``named_modules()`` names); backward ops get the
 forward source line from autograd's anomaly-mode traceback and the module
 from a tag left on each autograd node by the module that created it.
 """
@@ -384,19 +385,39 @@ class _Run(NamedTuple):
     loss_origin: Origin | None
     grads: list[tuple[str, torch.Tensor]]
     grad_origins: dict[str, Origin | None]
-    model: torch.nn.Module
+    buffers: list[tuple[str, torch.Tensor]]  # after the forward
+
+
+@contextlib.contextmanager
+def _model_kept(model: torch.nn.Module):
+    """Runs on the step's own model (a ``loss_fn`` may close over it instead
+    of using its argument) and puts back its parameters, buffers (batch-norm
+    statistics) and gradients afterwards."""
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(saved[k])
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
 
 
 def _run(step: Any, batch: Any, scale: float) -> _Run:
-    """Forward and backward of the step at ``scale`` on a copy of the model."""
-    model = copy.deepcopy(step.model)
+    """Forward and backward of the step at ``scale``, side effects undone."""
+    model = step.model
     tracer = Tracer()
     autocast = (
         torch.autocast(step.device_type, dtype=step.autocast_dtype)
         if step.autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _model_kept(model):
         warnings.simplefilter("ignore")  # anomaly mode announces itself
         with (
             torch.autograd.detect_anomaly(check_nan=False),
@@ -410,10 +431,10 @@ def _run(step: Any, batch: Any, scale: float) -> _Run:
             if _finite(loss) and loss.requires_grad:
                 scaled = loss if scale == 1.0 else loss.float() * scale
                 scaled.backward()
-    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
-    grads = [(n, p.grad) for n, p in named]
-    grad_origins = {n: tracer.origins.get(g) for n, g in grads}
-    return _Run(loss.detach(), loss_origin, grads, grad_origins, model)
+        grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        grad_origins = {n: tracer.origins.get(g) for n, g in grads}
+        buffers = [(n, b.detach().clone()) for n, b in model.named_buffers()]
+    return _Run(loss.detach(), loss_origin, grads, grad_origins, buffers)
 
 
 def locate(step: Any, batch: Any, cls: type, loss_scale: float | None = None) -> Any:
@@ -520,7 +541,7 @@ def _update_phase(step: Any, run: _Run, scale: float, cls: type) -> Any:
         for k, v in st.items()
         if isinstance(v, torch.Tensor)
     ]
-    buffers = [(f"model_state.{n}", b) for n, b in run.model.named_buffers()]
+    buffers = [(f"model_state.{n}", b) for n, b in run.buffers]
     bad = _first_bad(opt_leaves) or _first_bad(buffers)
     if bad is not None:
         path, _, s = bad

@@ -318,8 +318,9 @@ def locate(
     """Re-runs one train step op by op and says where its first NaN/Inf arose.
 
     Off the hot path and without side effects: the forward and backward run
-    on a deep copy of the model (and the update on a deep copy of model and
-    optimizer together) under a `TorchDispatchMode` that sees every aten op
+    on the step's model (its parameters, buffers and gradients are put back
+    afterwards; the update runs on a deep copy of model and optimizer
+    together) under a `TorchDispatchMode` that sees every aten op
     after autocast's casts; forward hooks give the ``named_modules()`` path,
     autograd's anomaly-mode tracebacks the source line of a backward op. The
     model, optimizer, GradScaler and the RNG state are left as they were.

@@ -321,3 +321,25 @@ def test_fit_locates_at_the_scale_the_step_used():
     hist = train.fit(step, [batch], progress=False)
     assert hist[0]["location"]["phase"] == "loss_scale"
     assert "loss scale 1.67772e+07" in hist[0]["location"]["detail"]
+
+
+def test_loss_fn_closing_over_the_model_is_located_and_restored():
+    # The loss ignores its model argument and uses `model` itself; batch norm
+    # updates its running statistics in the forward: both are put back.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    with torch.no_grad():
+        model[0].weight.fill_(1e4)  # 8 * 1e4 > 65504 in float16
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: model(b).float().pow(2).mean(),
+        autocast_dtype=torch.float16,
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = torch.rand(4, 8) + 0.5
+    loc = diagnostics.locate(step, batch)
+    assert (loc.phase, loc.path, loc.op) == ("forward", "0", "matmul")
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not step(batch)["finite"]  # the real step agrees
