@@ -297,7 +297,10 @@ def _nbytes(x: Any) -> int:
 def interpret(fun, *args) -> tuple[Any, Any]:
     """Runs ``fun(*args)`` op by op; returns ``(outputs, origins)`` as two
     pytrees of the output's structure (an origin is None for a finite leaf)."""
-    closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    # disable_jit: a jitted function inside the loss is traced inline, not
+    # taken from the trace cache of the hot path (which has no module scopes).
+    with jax.disable_jit():
+        closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     leaves = jax.tree_util.tree_leaves(args)
     stats["peak_live_bytes"] = 0
     outs, origins = _Interpreter().run(closed, leaves, [None] * len(leaves))

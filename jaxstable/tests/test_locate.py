@@ -319,3 +319,20 @@ def test_format_location_of_a_real_case():
     assert (
         text.splitlines()[0] == "non-finite value first in phase 'update' at w, op div"
     )
+
+
+def test_module_paths_inside_a_jitted_forward_traced_by_the_hot_path_first():
+    graphdef, params = nnx.split(Net())
+
+    @jax.jit
+    def forward(p, x):
+        return nnx.merge(graphdef, p)(x)
+
+    def loss_fn(p, b):
+        return jnp.mean((forward(p, b["x"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    step = train.make_train_step(loss_fn, policy=FP16)
+    state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
+    step(state, _xy())  # `forward` is now in jax's trace cache, without scopes
+    loc = _locate(step, state, _xy())
+    assert (loc.phase, loc.path, loc.op) == ("forward", "layers.2", "matmul")
