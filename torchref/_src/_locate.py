@@ -190,6 +190,8 @@ class Tracer(TorchDispatchMode):
         ]
         mutable = func._schema.is_mutable
         pre_bad = [t for t in ins if not _finite(t)] if mutable else None
+        # An in-place op overwrites its input: keep the values it read.
+        before = [t.detach().clone() for t in ins] if mutable else ins
         out = func(*args, **kwargs)
         self.count += 1
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -202,7 +204,7 @@ class Tracer(TorchDispatchMode):
         if known:
             origin = min(known, key=lambda o: o.index)
         else:
-            origin = self._new(func, args, kwargs, ins, bad_out[0])
+            origin = self._new(func, args, kwargs, before, bad_out[0])
         for t in bad_out:
             self.origins[t] = origin
         return out
