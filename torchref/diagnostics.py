@@ -3,8 +3,12 @@
 Implementation in `torchref._src.diagnostics`.
 """
 
+from torchref._src.diagnostics import PHASES as PHASES
 from torchref._src.diagnostics import LeafReport as LeafReport
+from torchref._src.diagnostics import NonFiniteLocation as NonFiniteLocation
 from torchref._src.diagnostics import check_params as check_params
+from torchref._src.diagnostics import format_location as format_location
 from torchref._src.diagnostics import format_report as format_report
+from torchref._src.diagnostics import locate as locate
 from torchref._src.diagnostics import non_finite_grad_report as non_finite_grad_report
 from torchref._src.diagnostics import non_finite_report as non_finite_report

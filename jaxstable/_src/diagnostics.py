@@ -12,7 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LeafReport", "check_params", "format_report", "non_finite_report"]
+__all__ = [
+    "PHASES",
+    "LeafReport",
+    "NonFiniteLocation",
+    "check_params",
+    "format_location",
+    "format_report",
+    "locate",
+    "non_finite_report",
+]
 
 
 class LeafReport(NamedTuple):
@@ -185,3 +194,158 @@ def _check_message(report: list[LeafReport], n_leaves: int) -> str:
         f"{len(report)} of {n_leaves} {noun} {verb} not finite: {names}\n"
         f"{format_report(report)}"
     )
+
+
+# ------------------------------------------------------------------ locate
+# The phases of a step in the order `locate` tries them (NonFiniteLocation.phase).
+PHASES = ("input", "params", "forward", "loss", "backward", "loss_scale", "update")
+
+
+class NonFiniteLocation(NamedTuple):
+    """Where the first non-finite value of a train step appeared, and why.
+
+    The same class, fields and texts as `torchref.diagnostics.NonFiniteLocation`.
+
+    Attributes:
+      phase: one of ``PHASES``: ``"input"`` (the batch), ``"params"``
+        (parameters or model state non-finite before the step), ``"forward"``
+        (inside a module call, its inputs finite), ``"loss"`` (in the loss
+        code outside any module), ``"backward"`` (a gradient, the loss
+        finite), ``"loss_scale"`` (gradients non-finite at the step's loss
+        scale but finite at scale 1: benign, the scale backs off),
+        ``"update"`` (finite gradients, non-finite new parameters, optimizer
+        state or model state).
+      path: dotted module path (``"decoders.0.conv1"``; ``""`` is the
+        outermost module) for forward; parameter or state path for params,
+        backward, loss_scale and update; batch key for input; None where
+        nothing applies (a plain loss function, a bare-array batch).
+      op: the operation whose output was first non-finite from finite inputs
+        (``"exp"``, ``"log"``, ``"div"``, ``"matmul"``, ``"conv"``, ...), or None.
+      source: ``file:line in function`` of the user's code that issued it.
+      detail: the cause in one line, in terms of the dtype's limits.
+      shape, dtype, nan_count, inf_count, max_abs: the offending value
+        (``max_abs`` over its finite elements, nan when none).
+      input_shapes, input_dtypes, input_max_abs: those of the op's inputs.
+
+    Example:
+      >>> from jaxstable import diagnostics
+      >>> loc = diagnostics.NonFiniteLocation(
+      ...     phase="input", path="image", op=None, source=None,
+      ...     detail="NaN in batch['image'] (3 of 12288 values)")
+      >>> loc.phase in diagnostics.PHASES, loc._asdict()["path"]  # a JSON record
+      (True, 'image')
+    """
+
+    phase: str
+    path: str | None
+    op: str | None
+    source: str | None
+    detail: str
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    nan_count: int = 0
+    inf_count: int = 0
+    max_abs: float = float("nan")
+    input_shapes: tuple[tuple[int, ...], ...] = ()
+    input_dtypes: tuple[str, ...] = ()
+    input_max_abs: tuple[float, ...] = ()
+
+
+def format_location(loc: NonFiniteLocation | None) -> str:
+    """Renders a `locate` result for people (same text as torchref's).
+
+    Args:
+      loc: a `NonFiniteLocation`, or None (a finite step).
+
+    Returns:
+      A few lines: phase, path, op and source; the cause; the offending
+      value and the op's inputs. ``"all finite"`` for None.
+
+    Example:
+      >>> from jaxstable import diagnostics
+      >>> loc = diagnostics.NonFiniteLocation(
+      ...     phase="loss", path=None, op="log", source="train.py:12 in loss_fn",
+      ...     detail="log of 0 in the loss", shape=(4,), dtype="float32",
+      ...     inf_count=1, max_abs=2.3, input_shapes=((4,),),
+      ...     input_dtypes=("float32",), input_max_abs=(0.9,))
+      >>> print(diagnostics.format_location(loc))
+      non-finite value first in phase 'loss', op log at train.py:12 in loss_fn
+        cause: log of 0 in the loss
+        value: float32(4,) 0 NaN 1 Inf, max |finite| 2.3
+        inputs: float32(4,) max |finite| 0.9
+      >>> diagnostics.format_location(None)
+      'all finite'
+    """
+    if loc is None:
+        return "all finite"
+    head = f"non-finite value first in phase {loc.phase!r}"
+    if loc.path is not None:
+        head += f" at {loc.path or '(the outermost module)'}"
+    if loc.op is not None:
+        head += f", op {loc.op}"
+    if loc.source is not None:
+        head += f" at {loc.source}"
+    lines = [head, f"  cause: {loc.detail}"]
+    if loc.shape is not None:
+        lines.append(
+            f"  value: {loc.dtype}{tuple(loc.shape)} {loc.nan_count} NaN "
+            f"{loc.inf_count} Inf, max |finite| {loc.max_abs:.3g}"
+        )
+    if loc.input_shapes:
+        ins = "; ".join(
+            f"{d}{tuple(s)} max |finite| {m:.3g}"
+            for s, d, m in zip(
+                loc.input_shapes, loc.input_dtypes, loc.input_max_abs, strict=True
+            )
+        )
+        lines.append(f"  inputs: {ins}")
+    return "\n".join(lines)
+
+
+def locate(step: Any, state: Any, batch: Any) -> NonFiniteLocation | None:
+    """Re-runs one train step op by op and says where its first NaN/Inf arose.
+
+    Off the hot path: the loss is traced to a jaxpr (Flax NNX module calls
+    named by their attribute paths, as torch's ``named_modules()``) and
+    evaluated equation by equation, eagerly, keeping only live values; the
+    jitted step and its compiled HLO are untouched. Phases are tried in
+    order: the batch, the parameters and model state, the loss (forward
+    pass, then loss code), the gradients at the step's loss scale (and at
+    scale 1 to tell a benign loss-scale overflow), then the optimizer update
+    (``state.tx.update``, eagerly). A NaN made by an op and absorbed later
+    (``1 / (1 + exp(50))`` is 0 in float16 although ``exp(50)`` is inf)
+    counts only where it reaches the loss or a gradient.
+
+    Args:
+      step: a `jaxstable.train.TrainStep` from `make_train_step` (it keeps
+        the loss function, policy, has_state and has_aux).
+      state: the `TrainState` the step was called with (for a step that
+        came back non-finite: its input state, or its output state with the
+        loss scale it used, as `fit` does).
+      batch: the step's batch.
+
+    Returns:
+      None when every value of the step is finite, else a
+      `NonFiniteLocation` (render it with `format_location`).
+
+    Raises:
+      TypeError: ``step`` is not a `TrainStep` made by `make_train_step`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import diagnostics, train
+      >>> def loss_fn(p, b):
+      ...     probs = jnp.where(b > 0, p["w"], 0.0)   # a zero probability
+      ...     return -jnp.sum(jnp.log(probs))
+      >>> step = train.make_train_step(loss_fn)
+      >>> state = train.TrainState.create(params={"w": jnp.full(3, 0.5)},
+      ...                                 optimizer=optax.sgd(0.1))
+      >>> loc = diagnostics.locate(step, state, jnp.array([1.0, 0.0, 1.0]))
+      >>> loc.phase, loc.op, loc.detail
+      ('loss', 'log', 'log of 0 in the loss')
+      >>> diagnostics.locate(step, state, jnp.ones(3)) is None
+      True
+    """
+    from jaxstable._src import _locate  # the engine, imported when used
+
+    return _locate.locate(step, state, batch, NonFiniteLocation)

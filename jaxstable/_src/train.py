@@ -20,7 +20,12 @@ import jax.numpy as jnp
 import optax
 from flax import serialization
 
-from jaxstable._src.diagnostics import format_report, non_finite_report
+from jaxstable._src.diagnostics import (
+    format_location,
+    format_report,
+    locate,
+    non_finite_report,
+)
 from jaxstable._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -154,6 +159,9 @@ class TrainStep:
         `fit` to report which gradient leaves went non-finite.
       jit: whether calls are jitted.
       donate: whether a jitted call donates its input state.
+      loss_fn, policy, has_state, has_aux: what `make_train_step` was given
+        (``policy`` parsed to a `jmp.Policy` or None), read by
+        `jaxstable.diagnostics.locate`.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -355,7 +363,16 @@ def make_train_step(
         _, g, _ = grad_fn(state.loss_scale, state.params, state.model_state, batch)
         return g
 
-    return TrainStep(step, grads, jit=jit, donate=donate)
+    out = TrainStep(step, grads, jit=jit, donate=donate)
+    # What `diagnostics.locate` needs to re-run the loss op by op, off the
+    # hot path (the jitted step does not read these).
+    out.loss_fn, out.policy, out.has_state, out.has_aux = (
+        loss_fn,
+        pol,
+        has_state,
+        has_aux,
+    )
+    return out
 
 
 class NonFiniteError(FloatingPointError):
@@ -372,16 +389,26 @@ class NonFiniteError(FloatingPointError):
       report: `non_finite_report` of that step's gradients, recomputed at the
         loss scale that step used.
       history: the per-step records, ending with that step.
+      location: `jaxstable.diagnostics.locate` of that step (a
+        `NonFiniteLocation`), None when the op-by-op re-run found it finite.
     """
 
     def __init__(
-        self, message: str, *, step: int, state: Any, report: list, history: list
+        self,
+        message: str,
+        *,
+        step: int,
+        state: Any,
+        report: list,
+        history: list,
+        location: Any = None,
     ):
         super().__init__(message)
         self.step = step
         self.state = state
         self.report = report
         self.history = history
+        self.location = location
 
 
 # Top-level key of the file (not a TrainState field) naming the optimizer
@@ -649,6 +676,7 @@ def fit(
     checkpoint_every: int | None = None,
     rollback_every: int = 100,
     max_rollbacks: int = 3,
+    locate_first: int = 1,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -712,6 +740,15 @@ def fit(
         (accepted, unused, with the other policies).
       max_rollbacks: rollbacks allowed in this call for ``"rollback"``,
         int >= 1 (accepted, unused, with the other policies).
+      locate_first: the first this many non-finite steps of the call (int
+        >= 0) get ``"location"``: `jaxstable.diagnostics.locate` of the step
+        (at the loss scale it used) as a dict of `NonFiniteLocation` fields,
+        or None when the op-by-op re-run is finite; the step that makes
+        "stop" raise or "rollback" roll back always gets it (and the error
+        its ``location``). Costs one op-by-op re-run per located step, only
+        on non-finite steps. With "skip" and a step that donates its input
+        (``donate=True``) the input is gone when the step is read: such
+        steps are not located.
 
     Returns:
       ``(state, history)``: the final state and a list of per-step metric
@@ -773,6 +810,12 @@ def fit(
         isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
     ):
         raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
+    if (
+        isinstance(locate_first, bool)
+        or not isinstance(locate_first, int)
+        or locate_first < 0
+    ):
+        raise ValueError(f"locate_first must be an int >= 0, got {locate_first!r}")
     if checkpoint_every is not None:
         if (
             isinstance(checkpoint_every, bool)
@@ -800,12 +843,13 @@ def fit(
     consecutive = 0
     rollback = nan_policy == "rollback"
     rollbacks = 0
+    located = 0
     # A device copy: the step may donate `state`, never the snapshot.
     snapshot = jax.tree.map(jnp.copy, state) if rollback else None
 
     def consume(pending) -> bool:
         """Logs one step and applies the policy; True when it rolled back."""
-        nonlocal consecutive, rollbacks, snapshot
+        nonlocal consecutive, rollbacks, snapshot, located
         index, metrics, batch, state_out = pending
         rec = _host_record(index, metrics)
         consecutive = 0 if rec["finite"] else consecutive + 1
@@ -813,6 +857,12 @@ def fit(
         rolls = triggered and rollback and rollbacks < max_rollbacks
         if rolls:
             rec["rolled_back"] = True
+        location = None
+        if not rec["finite"] and (triggered or located < locate_first):
+            location = _locate_failed(train_step, state_out, metrics, batch, pipeline)
+            if location is not False:
+                located += 1
+                rec["location"] = None if location is None else location._asdict()
         history.append(rec)
         if log is not None:
             log.write(json.dumps(rec) + "\n")
@@ -840,6 +890,7 @@ def fit(
                 history,
                 nan_policy,
                 max_rollbacks,
+                location or None,
             )
         if rollback and rec["finite"] and (index + 1) % rollback_every == 0:
             # Read before the next step is queued (see snapshot_due), so a
@@ -919,6 +970,7 @@ def _raise_non_finite(
     history,
     nan_policy="stop",
     max_rollbacks=0,
+    location=None,
 ):
     # state_out is the failing step's own output: a non-finite step leaves
     # params, opt_state and model_state as they were, but its loss scale has
@@ -947,10 +999,27 @@ def _raise_non_finite(
     param_report = non_finite_report(state_out.params)
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
+    if "location" in rec:
+        parts.append("where (diagnostics.locate):\n" + format_location(location))
     raise NonFiniteError(
         "\n".join(parts),
         step=rec["step"],
         state=state_out,
         report=report,
         history=history,
+        location=location,
     )
+
+
+def _locate_failed(train_step, state_out, metrics, batch, pipeline):
+    """`locate` of a non-finite step from its output state (params, optimizer
+    and model state unchanged by a skipped step) at the loss scale it used.
+    False when it cannot be located: not a `TrainStep`, or its input state
+    donated to the step already queued after it."""
+    if not isinstance(train_step, TrainStep) or not hasattr(train_step, "loss_fn"):
+        return False
+    leaves = jax.tree_util.tree_leaves(state_out)
+    if pipeline and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+        return False
+    used = StaticLossScale(metrics["loss_scale"])
+    return locate(train_step, state_out.replace(loss_scale=used), batch)

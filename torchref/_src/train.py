@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from torchref._src.diagnostics import (
+    format_location,
     format_report,
+    locate,
     non_finite_grad_report,
     non_finite_report,
 )
@@ -61,15 +63,24 @@ class NonFiniteError(FloatingPointError):
         report: `non_finite_grad_report` of the model at that step (its
             gradients at the loss scale that step used, unscaled).
         history: the per-step records, ending with that step.
+        location: `torchref.diagnostics.locate` of that step (a
+            `NonFiniteLocation`), None when the re-run found it finite.
     """
 
     def __init__(
-        self, message: str, *, step: int, report: list, history: list | None = None
+        self,
+        message: str,
+        *,
+        step: int,
+        report: list,
+        history: list | None = None,
+        location: Any = None,
     ) -> None:
         super().__init__(message)
         self.step = step
         self.report = report
         self.history = [] if history is None else history
+        self.location = location
 
 
 def _make_scaler(scaler: Any, device_type: str) -> torch.amp.GradScaler | None:
@@ -698,6 +709,7 @@ def fit(
     checkpoint_every: int | None = None,
     rollback_every: int = 100,
     max_rollbacks: int = 3,
+    locate_first: int = 1,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -751,6 +763,14 @@ def fit(
             (accepted, unused, with the other policies).
         max_rollbacks: rollbacks allowed in this call for "rollback",
             int >= 1 (accepted, unused, with the other policies).
+        locate_first: the first this many non-finite steps of the call
+            (int >= 0) get ``"location"``: `torchref.diagnostics.locate` of
+            the step (at the loss scale it used) as a dict of
+            `NonFiniteLocation` fields, or None when the re-run is finite;
+            the step that makes "stop" raise or "rollback" roll back always
+            gets it (and the error its ``location``). Costs one re-run per
+            located step, only on non-finite steps. Same keys as
+            `jaxstable.train.fit`.
 
     Returns:
         The history: list of per-step dicts (a rollback step's also has
@@ -814,6 +834,12 @@ def fit(
         isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
     ):
         raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
+    if (
+        isinstance(locate_first, bool)
+        or not isinstance(locate_first, int)
+        or locate_first < 0
+    ):
+        raise ValueError(f"locate_first must be an int >= 0, got {locate_first!r}")
     if checkpoint_every is not None:
         if (
             isinstance(checkpoint_every, bool)
@@ -844,6 +870,7 @@ def fit(
     saved_at = None
     rollback = nan_policy == "rollback"
     rollbacks = 0
+    located = 0
     # Deep copies: state_dict() holds references to the live tensors.
     snapshot = copy.deepcopy(step.state_dict()) if rollback else None
 
@@ -860,6 +887,13 @@ def fit(
             rolls = triggered and rollback and rollbacks < max_rollbacks
             if rolls:
                 entry["rolled_back"] = True
+            location = None
+            if not metrics["finite"] and (triggered or located < locate_first):
+                # A skipped step left model and optimizer as they were; only
+                # the scaler backed off: re-run at the scale the step used.
+                location = locate(step, batch, loss_scale=metrics["loss_scale"])
+                located += 1
+                entry["location"] = None if location is None else location._asdict()
             history.append(entry)
             if log is not None:
                 log.write(json.dumps(entry) + "\n")
@@ -880,7 +914,14 @@ def fit(
                 run = 0
             elif triggered:
                 _raise_non_finite(
-                    step, entry, run, batch, history, nan_policy, max_rollbacks
+                    step,
+                    entry,
+                    run,
+                    batch,
+                    history,
+                    nan_policy,
+                    max_rollbacks,
+                    location,
                 )
             elif rollback and metrics["finite"] and done % rollback_every == 0:
                 snapshot = copy.deepcopy(step.state_dict())
@@ -922,6 +963,7 @@ def _raise_non_finite(
     history: list,
     nan_policy: str = "stop",
     max_rollbacks: int = 0,
+    location: Any = None,
 ) -> None:
     # The grads left by the step: computed at the scale it used, unscaled by
     # GradScaler.unscale_ (not clipped on a non-finite step). Same message
@@ -943,6 +985,12 @@ def _raise_non_finite(
     param_report = non_finite_report(step.model)
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
+    if "location" in entry:
+        parts.append("where (diagnostics.locate):\n" + format_location(location))
     raise NonFiniteError(
-        "\n".join(parts), step=entry["step"], report=report, history=history
+        "\n".join(parts),
+        step=entry["step"],
+        report=report,
+        history=history,
+        location=location,
     )

@@ -422,8 +422,16 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
     keys = ["step", "loss", "grad_norm", "loss_scale", "finite", "skipped_total"]
     keys.append("grads_finite")
     skipped = [*keys, "skip_reason"]  # a skipped step says why
-    assert [list(d) for d in lines] == [keys, skipped, keys, keys] * 2
+    # The first non-finite step (locate_first=1 by default) says where.
+    located = [*skipped, "location"]
+    assert [list(d) for d in lines] == [keys, located, keys, keys] + [
+        keys,
+        skipped,
+        keys,
+        keys,
+    ]
     assert lines[1]["skip_reason"] == "non-finite gradients"
+    assert lines[1]["location"]["phase"] == "input"
     assert [d["loss_scale"] for d in lines] == [h["loss_scale"] for h in hist]
     assert math.isnan(lines[1]["grad_norm"])
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())

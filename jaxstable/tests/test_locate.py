@@ -1,0 +1,338 @@
+"""jaxstable.diagnostics.locate: one case per phase, each failing for a real
+numerical reason (no NaN constant planted in a layer), plus the finite step,
+the untouched hot path, bounded memory and the wiring into fit."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxstable import diagnostics, train
+from jaxstable import loss_scale as jls
+from jaxstable._src import _locate as engine
+
+FP16 = "params=float32,compute=float16,output=float32"
+
+
+class Net(nnx.Module):
+    """Three Linear layers (``layers.0..2``), ReLU between them."""
+
+    def __init__(self, scales=(2.0, 20.0, 10.0)):
+        rngs = nnx.Rngs(0)
+        self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in scales])
+        for layer, v in zip(self.layers, scales, strict=True):
+            layer.kernel[...] = jnp.full((8, 8), v)
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = jax.nn.relu(x)
+        return x
+
+
+def _net_step(policy=FP16):
+    graphdef, params = nnx.split(Net())
+
+    def loss_fn(p, b):
+        out = nnx.merge(graphdef, p)(b["x"])
+        return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
+
+    step = train.make_train_step(loss_fn, policy=policy)
+    state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
+    return step, state
+
+
+def _xy(x=None):
+    return {"x": jnp.ones((4, 8)) if x is None else x, "y": jnp.zeros((4, 8))}
+
+
+def db_reference_step(x, y, k=50.0):
+    """The DBNet references' step function (seeds/002)."""
+    return 1.0 / (1.0 + jnp.exp(-k * (x - y)))
+
+
+def _grid():
+    g = np.linspace(0.0, 1.0, 11, dtype=np.float32)
+    return np.meshgrid(g, g)
+
+
+def _locate(step, state, batch):
+    """`locate`, checked against the real jitted step: None exactly when the
+    step is finite and its new state too; phase "update" when only the new
+    state is not."""
+    loc = diagnostics.locate(step, state, batch)
+    new, metrics = step(state, batch)
+    new_finite = not diagnostics.non_finite_report((new.params, new.opt_state))
+    if loc is None:
+        assert bool(metrics["finite"]) and new_finite
+    elif loc.phase == "update":
+        assert bool(metrics["finite"]) and not new_finite
+    else:
+        assert not bool(metrics["finite"])
+    return loc
+
+
+def test_input_nan_in_batch():
+    step, state = _net_step(policy=None)
+    x = jnp.ones((4, 8)).at[1, 2].set(jnp.nan)
+    loc = _locate(step, state, _xy(x))
+    assert (loc.phase, loc.path, loc.op) == ("input", "x", None)
+    assert loc.detail == "NaN in batch['x'] (1 of 32 values)"
+
+
+def test_params_already_non_finite():
+    step, state = _net_step(policy=None)
+    # An overflow of a float16 restore: 1e5 does not fit float16.
+    bad = state.params["layers"][1]["bias"][...].astype(jnp.float16) + 1e5
+    state.params["layers"][1]["bias"][...] = bad.astype(jnp.float32)
+    loc = _locate(step, state, _xy())
+    assert (loc.phase, loc.path) == ("params", "layers.1.bias")
+
+
+def test_forward_fp16_overflow_in_one_named_layer():
+    # Activations grow 16 -> 2560 -> 204800: only the last layer passes
+    # float16's 65504.
+    step, state = _net_step()
+    loc = _locate(step, state, _xy())
+    assert (loc.phase, loc.path, loc.op) == ("forward", "layers.2", "matmul")
+    assert loc.detail == (
+        "float16 overflow: max |x| = 2.05e+05 > 65504 in the output of matmul "
+        "in layers.2"
+    )
+    assert loc.input_max_abs[0] == 2560.0  # the layer's input was finite
+    assert loc.source.endswith("in __call__") and "test_locate.py" in loc.source
+
+
+def test_loss_log_of_zero_probability():
+    # Confident logits: softmax underflows to exactly 0 for the true class.
+    def loss_fn(p, b):
+        probs = jax.nn.softmax(b["x"] @ p["w"], axis=-1)
+        return -jnp.mean(jnp.log(jnp.take_along_axis(probs, b["y"], -1)))
+
+    step = train.make_train_step(loss_fn)
+    w = jnp.array([[200.0, -200.0]])
+    state = train.TrainState.create(params={"w": w}, optimizer=optax.sgd(0.1))
+    batch = {"x": jnp.ones((3, 1)), "y": jnp.ones((3, 1), jnp.int32)}
+    loc = _locate(step, state, batch)
+    assert (loc.phase, loc.path, loc.op) == ("loss", None, "log")
+    assert loc.detail == "log of 0 in the loss"
+
+
+def test_backward_sqrt_at_zero():
+    # The Euclidean distance at distance 0: finite value, d sqrt/dx = 1/0.
+    step = train.make_train_step(lambda p, b: jnp.sqrt(jnp.sum((p["w"] - b) ** 2)))
+    state = train.TrainState.create(params={"w": jnp.ones(3)}, optimizer=optax.sgd(1))
+    loc = _locate(step, state, jnp.ones(3))
+    assert (loc.phase, loc.path, loc.op) == ("backward", "w", "div")
+    assert "division by 0 in the loss" in loc.detail
+
+
+def test_backward_dbnet_step_in_fp16_names_the_step_function():
+    # seeds/002: exp(50) is inf in float16; 1 / (1 + inf) = 0 keeps the loss
+    # finite, the gradient 0 * inf is NaN.
+    def loss_fn(p, b):
+        x, y = p["x"].astype(jnp.float16), b.astype(jnp.float16)
+        return jnp.mean(db_reference_step(x, y)).astype(jnp.float32)
+
+    xs, ys = _grid()
+    step = train.make_train_step(loss_fn)
+    state = train.TrainState.create(
+        params={"x": jnp.asarray(xs)}, optimizer=optax.sgd(1)
+    )
+    loc = _locate(step, state, jnp.asarray(ys))
+    assert (loc.phase, loc.path, loc.op) == ("backward", "x", "exp")
+    assert "in db_reference_step" in loc.source
+    assert "float16 overflow" in loc.detail and "exp of up to 50 > 11.09" in loc.detail
+
+
+def _scale_case(scale):
+    def loss_fn(p, b):
+        return jnp.mean(((b[0] @ p["w"]).astype(jnp.float32) - b[1]) ** 2)
+
+    step = train.make_train_step(loss_fn, policy=FP16)
+    state = train.TrainState.create(
+        params={"w": jnp.ones((4, 2))},
+        optimizer=optax.sgd(0.1),
+        loss_scale=jls.StaticLossScale(scale),
+    )
+    return step, state, (jnp.ones((4, 4)), jnp.zeros((4, 2)))
+
+
+def test_loss_scale_overflow_is_benign():
+    # dL/dout = 2 * 4 / 8 = 1; times 2**24 it passes float16's 65504.
+    step, state, batch = _scale_case(2.0**24)
+    loc = _locate(step, state, batch)
+    assert (loc.phase, loc.path, loc.op) == ("loss_scale", "w", "cast")
+    assert loc.detail == (
+        "gradient overflow at loss scale 1.67772e+07, finite at scale 1 "
+        "(benign: the scale backs off)"
+    )
+    assert _locate(*_scale_case(2.0**10)) is None
+
+
+def _adam_case(x):
+    step = train.make_train_step(lambda p, b: jnp.sum(p["w"] * b).astype(jnp.float32))
+    state = train.TrainState.create(
+        params={"w": jnp.ones(3, jnp.float16)}, optimizer=optax.adam(1e-3)
+    )
+    return step, state, jnp.full(3, x, jnp.float16)
+
+
+def test_update_adam_in_fp16_divides_by_zero():
+    # g = 1e-4: g**2 = 1e-8 underflows to 0 in float16, and so does eps=1e-8.
+    loc = _locate(*_adam_case(1e-4))
+    assert (loc.phase, loc.path, loc.op) == ("update", "w", "div")
+    assert loc.detail.startswith("Adam's second moment underflowed to 0 in float16")
+
+
+def test_finite_step_gives_none():
+    assert _locate(*_adam_case(1.0)) is None
+    step, state = _net_step(policy=None)
+    assert _locate(step, state, _xy()) is None
+
+
+def test_linen_module_paths():
+    class Block(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.Dense(8, name="lin")(x)
+
+    class Model(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            for i, s in enumerate((2.0, 20.0, 10.0)):
+                x = Block(name=f"blocks_{i}")(x * s)
+            return x
+
+    model = Model()
+    params = model.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+    params = jax.tree.map(lambda p: jnp.ones_like(p) if p.ndim == 2 else p, params)
+
+    def loss_fn(p, b):
+        return jnp.mean(model.apply({"params": p}, b).astype(jnp.float32) ** 2)
+
+    step = train.make_train_step(loss_fn, policy=FP16)
+    state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
+    loc = _locate(step, state, jnp.ones((2, 8)))
+    assert (loc.phase, loc.path, loc.op) == ("forward", "blocks_2.lin", "matmul")
+
+
+def test_step_without_loss_fn_is_refused():
+    with pytest.raises(TypeError, match="made by make_train_step"):
+        diagnostics.locate(lambda s, b: (s, {}), None, None)
+
+
+def _hlo(step, state, batch):
+    """StableHLO and the compiled HLO of the jitted step, without the source
+    locations (they name the test's own call lines, not the computation);
+    op names, which carry the name scopes, are kept."""
+    lowered = step.lower(state, batch)
+    compiled = lowered.compile().as_text().split("\n\nFileNames")[0]
+    where = r" (source_file|source_line|source_end_line|source_column|"
+    where += r"source_end_column|stack_frame_id)=[^ }]+"
+    return lowered.as_text(), re.sub(where, "", compiled)
+
+
+def test_hot_path_hlo_unchanged_and_classes_restored():
+    step, state = _net_step()
+    before = _hlo(step, state, _xy())
+    call = nnx.Linear.__call__
+    assert diagnostics.locate(step, state, _xy()) is not None
+    assert nnx.Linear.__call__ is call
+    assert _hlo(step, state, _xy()) == before
+    fresh, _ = _net_step()  # traced after locate ran
+    assert _hlo(fresh, state, _xy()) == before
+    # locate's module scopes never reach a step traced outside it.
+    debug = fresh.lower(state, _xy()).as_text(debug_info=True)
+    assert "layers" in debug and engine._MARK not in debug
+
+
+def test_memory_bounded_by_live_values():
+    # 100 chained adds on a 4 MB array: keeping every value would hold 400 MB;
+    # the interpreter drops each after its last use (add's gradient keeps no
+    # residuals, so a handful of arrays are alive at any time).
+    def loss_fn(p, b):
+        x = p["w"] * b
+        for _ in range(100):
+            x = x + 1.0
+        return jnp.sum(x)
+
+    n = 1 << 20
+    step = train.make_train_step(loss_fn)
+    state = train.TrainState.create(params={"w": jnp.ones(n)}, optimizer=optax.sgd(1))
+    assert diagnostics.locate(step, state, jnp.ones(n)) is None
+    one = 4 * n
+    assert one * 2 <= engine.stats["peak_live_bytes"] <= 8 * one
+
+
+def test_fit_stop_puts_location_in_error_and_record(tmp_path):
+    step, state = _net_step()
+    log = tmp_path / "log.jsonl"
+    with pytest.raises(train.NonFiniteError) as err:
+        train.fit(
+            state,
+            step,
+            [_xy()],
+            nan_policy="stop",
+            max_consecutive_nonfinite=1,
+            progress=False,
+            log_path=log,
+        )
+    loc = err.value.location
+    assert (loc.phase, loc.path) == ("forward", "layers.2")
+    assert "where (diagnostics.locate):" in str(err.value)
+    rec = json.loads(log.read_text().splitlines()[-1])
+    assert rec["location"]["phase"] == "forward"
+    assert rec["location"]["path"] == "layers.2"
+
+
+def test_fit_skip_locates_the_first_n_non_finite_steps():
+    step, state = _net_step()
+    batches = [_xy(), _xy(jnp.zeros((4, 8))), _xy(), _xy()]
+    _, hist = train.fit(state, step, batches, progress=False, locate_first=2)
+    assert [h["finite"] for h in hist] == [False, True, False, False]
+    assert [h.get("location", {}).get("path") for h in hist] == [
+        "layers.2",
+        None,
+        "layers.2",
+        None,
+    ]
+    assert "location" not in hist[3]
+    _, hist = train.fit(state, step, batches[:1], progress=False, locate_first=0)
+    assert "location" not in hist[0]
+    with pytest.raises(ValueError, match="locate_first must be an int >= 0"):
+        train.fit(state, step, batches, progress=False, locate_first=-1)
+
+
+def test_format_location_of_a_real_case():
+    loc = _locate(*_adam_case(1e-4))
+    text = diagnostics.format_location(loc)
+    assert (
+        text.splitlines()[0] == "non-finite value first in phase 'update' at w, op div"
+    )
+
+
+def test_module_paths_inside_a_jitted_forward_traced_by_the_hot_path_first():
+    graphdef, params = nnx.split(Net())
+
+    @jax.jit
+    def forward(p, x):
+        return nnx.merge(graphdef, p)(x)
+
+    def loss_fn(p, b):
+        return jnp.mean((forward(p, b["x"]).astype(jnp.float32) - b["y"]) ** 2)
+
+    step = train.make_train_step(loss_fn, policy=FP16)
+    state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
+    step(state, _xy())  # `forward` is now in jax's trace cache, without scopes
+    loc = _locate(step, state, _xy())
+    assert (loc.phase, loc.path, loc.op) == ("forward", "layers.2", "matmul")

@@ -1,0 +1,345 @@
+"""torchref.diagnostics.locate: one case per phase, each failing for a real
+numerical reason (no NaN constant planted in a layer), plus the finite step,
+no side effects, bounded memory and the wiring into fit."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from torchref import diagnostics, train
+from torchref import loss_scale as tls
+
+
+class Net(torch.nn.Module):
+    """Three Linear layers (``layers.0..2``), ReLU between them."""
+
+    def __init__(self, scales=(2.0, 20.0, 10.0)):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in scales)
+        with torch.no_grad():
+            for layer, v in zip(self.layers, scales, strict=True):
+                layer.weight.fill_(v)
+                layer.bias.zero_()
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class Params(torch.nn.Module):
+    """A module holding the given tensors as parameters."""
+
+    def __init__(self, **tensors):
+        super().__init__()
+        for k, v in tensors.items():
+            setattr(self, k, torch.nn.Parameter(torch.as_tensor(v)))
+
+
+def _mse(m, b):
+    return ((m(b["x"]).float() - b["y"]) ** 2).mean()
+
+
+def _net_step(autocast=torch.float16, **kw):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return train.TrainStep(model, opt, _mse, autocast_dtype=autocast, **kw)
+
+
+def _xy(x=None):
+    return {"x": torch.ones(4, 8) if x is None else x, "y": torch.zeros(4, 8)}
+
+
+def db_reference_step(x, y, k=50.0):
+    """The DBNet references' step function (seeds/002)."""
+    return torch.reciprocal(1.0 + torch.exp(-k * (x - y)))
+
+
+def _grid():
+    g = np.linspace(0.0, 1.0, 11, dtype=np.float32)
+    return np.meshgrid(g, g)
+
+
+def _locate(step, batch):
+    """`locate`, checked against the real step (run on a copy): None exactly
+    when the step is finite and its new parameters too; phase "update" when
+    only the new parameters are not."""
+    loc = diagnostics.locate(step, batch)
+    twin = copy.deepcopy(step)
+    metrics = twin(batch)
+    new_finite = not diagnostics.non_finite_report(twin.model)
+    if loc is None:
+        assert metrics["finite"] and new_finite
+    elif loc.phase == "update":
+        assert metrics["finite"] and not new_finite
+    else:
+        assert not metrics["finite"]
+    return loc
+
+
+def test_input_nan_in_batch():
+    x = torch.ones(4, 8)
+    x[1, 2] = float("nan")
+    loc = _locate(_net_step(None), _xy(x))
+    assert (loc.phase, loc.path, loc.op) == ("input", "x", None)
+    assert loc.detail == "NaN in batch['x'] (1 of 32 values)"
+
+
+def test_params_already_non_finite():
+    step = _net_step(None)
+    with torch.no_grad():  # an overflow of a float16 restore: 1e5 > 65504
+        bias = step.model.layers[1].bias
+        bias.copy_((bias.half() + 1e5).float())
+    loc = _locate(step, _xy())
+    assert (loc.phase, loc.path) == ("params", "layers.1.bias")
+
+
+def test_forward_fp16_overflow_in_one_named_layer():
+    # Activations grow 16 -> 2560 -> 204800: only the last layer passes 65504.
+    loc = _locate(_net_step(), _xy())
+    assert (loc.phase, loc.path, loc.op) == ("forward", "layers.2", "matmul")
+    assert loc.detail == (
+        "float16 overflow: max |x| = 2.05e+05 > 65504 in the output of matmul "
+        "in layers.2"
+    )
+    assert 2560.0 in loc.input_max_abs  # the layer's input was finite
+    assert loc.source.endswith("in forward") and "test_locate.py" in loc.source
+
+
+def test_loss_log_of_zero_probability():
+    def loss_fn(m, b):
+        probs = torch.softmax(b["x"] @ m.w, dim=-1)
+        return -torch.log(probs.gather(-1, b["y"])).mean()
+
+    model = Params(w=torch.tensor([[200.0, -200.0]]))
+    step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
+    batch = {"x": torch.ones(3, 1), "y": torch.ones(3, 1, dtype=torch.long)}
+    loc = _locate(step, batch)
+    assert (loc.phase, loc.path, loc.op) == ("loss", None, "log")
+    assert loc.detail == "log of 0 in the loss"
+
+
+def test_backward_sqrt_at_zero():
+    model = Params(w=torch.ones(3))
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        lambda m, b: torch.sqrt(((m.w - b) ** 2).sum()),
+    )
+    loc = _locate(step, torch.ones(3))
+    assert (loc.phase, loc.path, loc.op) == ("backward", "w", "div")
+    assert "division by 0 in the loss" in loc.detail
+
+
+def test_backward_dbnet_step_in_fp16_names_the_step_function():
+    xs, ys = _grid()
+    model = Params(x=xs)
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        lambda m, b: db_reference_step(m.x.half(), b.half()).float().mean(),
+    )
+    loc = _locate(step, torch.tensor(ys))
+    assert (loc.phase, loc.path, loc.op) == ("backward", "x", "exp")
+    assert "in db_reference_step" in loc.source
+    assert "float16 overflow" in loc.detail and "exp of up to 50 > 11.09" in loc.detail
+
+
+def _scale_case(scale):
+    model = Params(w=torch.ones(4, 2))
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: (((b[0] @ m.w).float() - b[1]) ** 2).mean(),
+        autocast_dtype=torch.float16,
+        scaler=tls.StaticLossScale(scale),
+    )
+    return step, (torch.ones(4, 4), torch.zeros(4, 2))
+
+
+def test_loss_scale_overflow_is_benign():
+    loc = _locate(*_scale_case(2.0**24))
+    assert (loc.phase, loc.path, loc.op) == ("loss_scale", "w", "cast")
+    assert loc.detail == (
+        "gradient overflow at loss scale 1.67772e+07, finite at scale 1 "
+        "(benign: the scale backs off)"
+    )
+    assert _locate(*_scale_case(2.0**10)) is None
+
+
+def _adam_case(x):
+    model = Params(w=torch.ones(3, dtype=torch.float16))
+    step = train.TrainStep(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        lambda m, b: (m.w * b).sum().float(),
+    )
+    return step, torch.full((3,), x, dtype=torch.float16)
+
+
+def test_update_adam_in_fp16_divides_by_zero():
+    loc = _locate(*_adam_case(1e-4))
+    assert (loc.phase, loc.path, loc.op) == ("update", "w", "addcdiv")
+    assert loc.detail.startswith("Adam's second moment underflowed to 0 in float16")
+
+
+def test_finite_step_gives_none():
+    assert _locate(*_adam_case(1.0)) is None
+    assert _locate(_net_step(None), _xy()) is None
+
+
+def test_step_must_be_a_train_step():
+    with pytest.raises(TypeError, match=r"torchref\.train\.TrainStep"):
+        diagnostics.locate(lambda b: b, None)
+
+
+def test_locate_changes_nothing():
+    step = _net_step(torch.bfloat16, scaler=tls.DynamicLossScale())
+    batch = _xy(torch.full((4, 8), 1e4))  # bf16 has the range: a finite step
+    step(batch)  # optimizer and scaler state exist
+    before = (
+        {k: v.clone() for k, v in step.model.state_dict().items()},
+        str(step.optimizer.state_dict()),
+        step.scaler.state_dict(),
+        torch.get_rng_state(),
+        [p.grad for p in step.model.parameters()],
+    )
+    step.model.train()
+    diagnostics.locate(step, _xy())
+    after_sd = step.model.state_dict()
+    assert all(torch.equal(v, after_sd[k]) for k, v in before[0].items())
+    assert str(step.optimizer.state_dict()) == before[1]
+    assert step.scaler.state_dict() == before[2]
+    assert torch.equal(torch.get_rng_state(), before[3])
+    assert all(
+        (a is None and p.grad is None) or torch.equal(a, p.grad)
+        for a, p in zip(before[4], step.model.parameters(), strict=True)
+    )
+    assert step._stage == "ready"
+
+
+_MEMORY_SCRIPT = """
+import resource, sys, torch
+from torchref import diagnostics, train
+class P(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(1e30))
+def loss_fn(m, b):
+    x = m.w * b  # 1e40: float32 overflow
+    for _ in range(int(sys.argv[1])):
+        x = x + 1.0
+    return x.sum()
+model = P()
+step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn)
+b = torch.full((1 << 20,), 1e10)
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+step(b); step(b)
+plain = peak()
+loc = diagnostics.locate(step, b)
+print(loc.phase, loc.op, peak() - plain)
+"""
+
+
+def _extra_peak_kb(n_ops):
+    # A fixed mmap threshold: glibc returns every freed 4 MB block at once
+    # instead of raising the threshold and keeping freed blocks in the heap,
+    # which would make peak RSS depend on allocation history.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(n_ops)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.split()
+    assert out[:2] == ["loss", "mul"]
+    return int(out[2])
+
+
+def test_memory_bounded():
+    # Every value of the chain is inf (4 MB each). The origins of non-finite
+    # tensors are held weakly, so locate's extra peak RSS over the plain
+    # step does not grow with the chain: 90 more ops would add 360 MB if
+    # locate kept them, and may add at most 4 tensors' worth here.
+    one_kb = (1 << 20) * 4 // 1024
+    short, long = _extra_peak_kb(10), _extra_peak_kb(100)
+    assert long - short <= 4 * one_kb, (short, long)
+
+
+def test_fit_stop_puts_location_in_error_and_record(tmp_path):
+    log = tmp_path / "log.jsonl"
+    with pytest.raises(train.NonFiniteError) as err:
+        train.fit(
+            _net_step(),
+            [_xy()],
+            nan_policy="stop",
+            max_consecutive_nonfinite=1,
+            progress=False,
+            log_path=log,
+        )
+    loc = err.value.location
+    assert (loc.phase, loc.path) == ("forward", "layers.2")
+    assert "where (diagnostics.locate):" in str(err.value)
+    rec = json.loads(log.read_text().splitlines()[-1])
+    assert rec["location"]["phase"] == "forward"
+    assert rec["location"]["path"] == "layers.2"
+
+
+def test_fit_skip_locates_the_first_n_non_finite_steps():
+    step = _net_step()
+    batches = [_xy(), _xy(torch.zeros(4, 8)), _xy(), _xy()]
+    hist = train.fit(step, batches, progress=False, locate_first=2)
+    assert [h["finite"] for h in hist] == [False, True, False, False]
+    assert [h.get("location", {}).get("path") for h in hist] == [
+        "layers.2",
+        None,
+        "layers.2",
+        None,
+    ]
+    assert "location" not in hist[3]
+    hist = train.fit(step, batches[:1], progress=False, locate_first=0)
+    assert "location" not in hist[0]
+    with pytest.raises(ValueError, match="locate_first must be an int >= 0"):
+        train.fit(step, batches, progress=False, locate_first=-1)
+
+
+def test_fit_locates_at_the_scale_the_step_used():
+    # The step backs the scale off to 2**23; locate must re-run at 2**24.
+    step, batch = _scale_case(2.0**24)
+    step.scaler = tls.DynamicLossScale(loss_scale=2.0**24).make_scaler("cpu")
+    hist = train.fit(step, [batch], progress=False)
+    assert hist[0]["location"]["phase"] == "loss_scale"
+    assert "loss scale 1.67772e+07" in hist[0]["location"]["detail"]
+
+
+def test_loss_fn_closing_over_the_model_is_located_and_restored():
+    # The loss ignores its model argument and uses `model` itself; batch norm
+    # updates its running statistics in the forward: both are put back.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    with torch.no_grad():
+        model[0].weight.fill_(1e4)  # 8 * 1e4 > 65504 in float16
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: model(b).float().pow(2).mean(),
+        autocast_dtype=torch.float16,
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = torch.rand(4, 8) + 0.5
+    loc = diagnostics.locate(step, batch)
+    assert (loc.phase, loc.path, loc.op) == ("forward", "0", "matmul")
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
+    assert not step(batch)["finite"]  # the real step agrees
