@@ -255,7 +255,9 @@ def test_fit_logs_and_skips(tmp_path, capsys):
         "loss_scale",
         "finite",
         "skipped_total",
+        "grads_finite",
     }
+    assert hist[2]["skip_reason"] == "non-finite gradients"
     assert [h["step"] for h in hist] == list(range(6))  # 0-based, as torchref
     assert [h["finite"] for h in hist] == [True, True, False, True, True, True]
     assert hist[-1]["skipped_total"] == 1 and hist[3]["loss_scale"] == 2.0**15

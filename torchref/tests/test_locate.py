@@ -72,16 +72,19 @@ def _grid():
 
 def _locate(step, batch):
     """`locate`, checked against the real step (run on a copy): None exactly
-    when the step is finite and its new parameters too; phase "update" when
-    only the new parameters are not."""
+    when the step was applied; phase "update" exactly when the step's
+    gradients were finite but it was skipped for a non-finite update. Either
+    way the step wrote nothing non-finite (the guard's invariant), unless the
+    parameters were non-finite before it."""
     loc = diagnostics.locate(step, batch)
     twin = copy.deepcopy(step)
     metrics = twin(batch)
-    new_finite = not diagnostics.non_finite_report(twin.model)
+    if loc is None or loc.phase != "params":
+        assert not diagnostics.non_finite_report(twin.model)
     if loc is None:
-        assert metrics["finite"] and new_finite
+        assert metrics["finite"]
     elif loc.phase == "update":
-        assert metrics["finite"] and not new_finite
+        assert not metrics["finite"] and metrics["grads_finite"]
     else:
         assert not metrics["finite"]
     return loc

@@ -424,12 +424,8 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
     skipped = [*keys, "skip_reason"]  # a skipped step says why
     # The first non-finite step (locate_first=1 by default) says where.
     located = [*skipped, "location"]
-    assert [list(d) for d in lines] == [keys, located, keys, keys] + [
-        keys,
-        skipped,
-        keys,
-        keys,
-    ]
+    expected = [keys, located, keys, keys, keys, skipped, keys, keys]
+    assert [list(d) for d in lines] == expected
     assert lines[1]["skip_reason"] == "non-finite gradients"
     assert lines[1]["location"]["phase"] == "input"
     assert [d["loss_scale"] for d in lines] == [h["loss_scale"] for h in hist]
