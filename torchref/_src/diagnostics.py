@@ -261,6 +261,11 @@ class NonFiniteLocation(NamedTuple):
     input_max_abs: tuple[float, ...] = ()
 
 
+def _max_finite(m: float) -> str:
+    # nan: the value holds no finite element at all.
+    return "none (no finite value)" if m != m else f"{m:.3g}"
+
+
 def format_location(loc: NonFiniteLocation | None) -> str:
     """Renders a `locate` result for people (same text as jaxstable's).
 
@@ -299,11 +304,11 @@ def format_location(loc: NonFiniteLocation | None) -> str:
     if loc.shape is not None:
         lines.append(
             f"  value: {loc.dtype}{tuple(loc.shape)} {loc.nan_count} NaN "
-            f"{loc.inf_count} Inf, max |finite| {loc.max_abs:.3g}"
+            f"{loc.inf_count} Inf, max |finite| {_max_finite(loc.max_abs)}"
         )
     if loc.input_shapes:
         ins = "; ".join(
-            f"{d}{tuple(s)} max |finite| {m:.3g}"
+            f"{d}{tuple(s)} max |finite| {_max_finite(m)}"
             for s, d, m in zip(
                 loc.input_shapes, loc.input_dtypes, loc.input_max_abs, strict=True
             )
