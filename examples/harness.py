@@ -415,3 +415,1081 @@ class RunResult:
             **{k: json_float(v) for k, v in self.scores.items()},
             "steps_per_s": json_float(self.steps_per_s),
         }
+
+
+# --------------------------------------------------------------------------
+# Diagnostics text (both frameworks)
+
+
+def adam_underflow_note(
+    grads: list[np.ndarray], nus: list[np.ndarray], dtype_name: str, eps: float
+) -> str:
+    """One line on Adam's second moment at a broken step (observed numbers).
+
+    Counts the entries whose gradient is non-zero but whose second moment
+    ``nu`` is exactly 0 (``(1 - b2) * g**2`` underflowed), the largest such
+    |g|, and what ``eps`` becomes in the parameters' dtype.
+
+    Args:
+      grads, nus: the step's gradients and Adam's new second moments, as
+        float32/float64 numpy arrays (same order).
+      dtype_name: the dtype of the optimizer state.
+      eps: Adam's eps.
+
+    Returns:
+      The sentence, or "" when no list is given.
+
+    Example:
+        >>> g = [np.array([1e-3, 0.5, 0.0])]
+        >>> nu = [np.array([0.0, 2.5e-4, 0.0])]
+        >>> note = adam_underflow_note(g, nu, "float16", 1e-8)
+        >>> print(note[:73])
+        Adam state (float16): nu == 0 for 1 of 2 entries with a non-zero gradient
+        >>> "eps=1e-08 is 0 in float16" in note, note.endswith("m / 0 = inf.")
+        (True, True)
+    """
+    if not grads:
+        return ""
+    hit = total = 0
+    largest = 0.0
+    for g, nu in zip(grads, nus, strict=True):
+        g = np.asarray(g, np.float64)
+        nu = np.asarray(nu, np.float64)
+        nonzero = (g != 0) & np.isfinite(g)
+        under = nonzero & (nu == 0)
+        hit += int(under.sum())
+        total += int(nonzero.sum())
+        if under.any():
+            largest = max(largest, float(np.abs(g[under]).max()))
+    import ml_dtypes  # numpy dtypes of bfloat16; installed with jax and torch users
+
+    eps_in = float(
+        np.asarray(
+            eps,
+            ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.dtype(dtype_name),
+        )
+    )
+    text = (
+        f"Adam state ({dtype_name}): nu == 0 for {hit} of {total} entries with a "
+        f"non-zero gradient"
+    )
+    if hit:
+        text += (
+            f" (the largest such |g| is {largest:.3g}: (1-b2)*g**2 underflowed to 0)"
+        )
+    text += f"; eps={eps:g} is {eps_in:g} in {dtype_name}"
+    if eps_in == 0 and hit:
+        text += ", so m / (sqrt(nu) + eps) = m / 0 = inf"
+    return text + "."
+
+
+def _report_text(tree: Mapping[str, Any], diagnostics: Any, size: Callable) -> str:
+    """Per part of `tree`: how many entries are non-finite, and the table.
+
+    ``diagnostics`` is the framework's module (``jaxstable.diagnostics`` or
+    ``torchref.diagnostics``), ``size(part)`` counts a part's entries.
+    """
+    parts = []
+    for name, sub in tree.items():
+        report = diagnostics.non_finite_report(sub)
+        total = size(sub)
+        bad = sum(r.nan_count + r.inf_count for r in report)
+        parts.append(f"{name}: {bad} of {total} entries non-finite")
+        if report:
+            parts.append(diagnostics.format_report(report))
+    return "non-finite after the step:\n" + "\n".join(parts)
+
+
+def _result(framework, config, history, first_bad, report, scores) -> RunResult:
+    return RunResult(
+        framework=framework,
+        config=config,
+        metrics=history,
+        first_nonfinite_step=first_bad,
+        final_loss=history[-1]["loss"] if history else float("nan"),
+        skipped_total=history[-1]["skipped_total"] if history else 0,
+        scores=scores,
+        steps_per_s=step_rate([r["time_s"] for r in history]),
+        non_finite_report=report,
+        stopped_early=len(history) < config.steps,
+    )
+
+
+class _Watch:
+    """`on_step` of the stable runs: notes the first step after which the
+    model is non-finite, asks for its report at once, stops N steps later."""
+
+    def __init__(self, config, broken: Callable, report: Callable, log=None):
+        self.config, self.broken, self.report = config, broken, report
+        self.first_bad, self.text, self.log = None, "", log
+
+    def __call__(self, record, state) -> bool:
+        if self.log is not None:
+            self.log(record)
+        if self.first_bad is None and self.broken(state):
+            self.first_bad = record["step"]
+            self.text = self.report(record, state)
+        return (
+            self.first_bad is not None
+            and record["step"] - self.first_bad >= self.config.stop_after_nonfinite
+        )
+
+
+# --------------------------------------------------------------------------
+# JAX runs
+
+
+def jax_optimizer(config: BaseConfig):
+    """The plain optax optimizer of the config (twin of `torch_optimizer`).
+
+    Adam(W) with the config's b1, b2, eps (optax adds eps outside the square
+    root, as torch does); SGD with momentum 0.9 (``t = g + 0.9 t``, torch's
+    buffer).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> tx = jax_optimizer(BaseConfig(optimizer="sgd"))
+        >>> u, _ = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
+        >>> [round(float(x), 6) for x in u]
+        [-0.002, -0.002]
+    """
+    import optax
+
+    c = config
+    if c.optimizer == "adam":
+        return optax.adam(c.learning_rate, b1=c.b1, b2=c.b2, eps=c.eps)
+    if c.optimizer == "adamw":
+        return optax.adamw(
+            c.learning_rate, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay
+        )
+    return optax.sgd(c.learning_rate, momentum=0.9)
+
+
+def jax_dtype(precision: str):
+    """The jnp dtype of a precision name.
+
+    Example:
+        >>> jax_dtype("bfloat16").__name__
+        'bfloat16'
+    """
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(
+        precision, jnp.float16
+    )
+
+
+def _jax_cast_floats(tree, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _jax_report(tree) -> str:
+    import jax
+
+    from jaxstable import diagnostics
+
+    return _report_text(
+        tree,
+        diagnostics,
+        lambda sub: sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(sub)),
+    )
+
+
+def _jax_naive(config, parts):
+    """The naive step: a pure ``(state, batch) -> (state, metrics)`` over a dict."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxstable import transforms
+    from jaxstable.loss_scale import all_finite
+
+    dtype = jax_dtype(config.precision)
+    tx = jax_optimizer(config)
+
+    def grads_and_updates(state, batch):
+        batch = _jax_cast_floats(batch, dtype)
+
+        def loss(p):
+            return parts.loss_fn(p, state["model_state"], batch)
+
+        (value, new_ms), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return value, new_ms, grads, updates, opt_state
+
+    def step(state, batch):
+        value, new_ms, grads, updates, opt_state = grads_and_updates(state, batch)
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {
+            "loss": value.astype(jnp.float32),
+            "grad_norm": transforms.global_norm(grads),
+            "loss_scale": jnp.ones([], jnp.float32),
+            "finite": all_finite((value, grads, params)),
+            "skipped_total": jnp.zeros([], jnp.int32),
+        }
+        new = {"params": params, "opt_state": opt_state, "model_state": new_ms}
+        return new, metrics
+
+    state = {
+        "params": parts.params,
+        "opt_state": tx.init(parts.params),
+        "model_state": parts.model_state,
+    }
+    return jax.jit(step), state, jax.jit(grads_and_updates)
+
+
+def _jax_naive_report(config, recompute, before, batch, after) -> str:
+    import jax
+    import optax
+
+    _, _, grads, updates, _ = recompute(before, batch)
+    text = _jax_report({"grads": grads, "updates": updates, "params": after["params"]})
+    adam = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            after["opt_state"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+        )
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+    if adam:
+        as_np = functools.partial(np.asarray, dtype=np.float32)
+        g = [as_np(x) for x in jax.tree_util.tree_leaves(grads)]
+        nu = [as_np(x) for x in jax.tree_util.tree_leaves(adam[0].nu)]
+        text += "\n" + adam_underflow_note(g, nu, config.precision, config.eps)
+    return text
+
+
+def _jax_stable(config, parts):
+    from jaxstable import train, transforms
+    from jaxstable.loss_scale import DynamicLossScale, NoOpLossScale
+
+    tx = transforms.stable_optimizer(
+        jax_optimizer(config), max_grad_norm=config.max_grad_norm
+    )
+    # float16 only: its smallest subnormal is 6e-8, where small gradients of a
+    # mean over thousands of pixels vanish; bfloat16 reaches 1e-38 like float32
+    scale = DynamicLossScale() if config.precision == "float16" else NoOpLossScale()
+    state = train.TrainState.create(
+        params=parts.params,
+        optimizer=tx,
+        loss_scale=scale,
+        model_state=parts.model_state,
+    )
+    step = train.make_train_step(parts.loss_fn, has_state=True, policy=config.policy)
+    return step, state
+
+
+def run_jax(
+    task, config, weights, batches, heldout, *, progress=True, log=None
+) -> RunResult:
+    """One JAX run of `task` as `config` says, on `jaxstable.train.fit`.
+
+    ``log(record)``, if given, is called with each step's `fit` record.
+
+    Returns:
+      A :class:`RunResult` (``framework="jax"``).
+    """
+    import jax
+
+    from jaxstable import train
+    from jaxstable.loss_scale import all_finite
+
+    parts = task.jax_parts(config, weights)
+    batches = [jax.tree.map(np.asarray, b) for b in batches[: config.steps]]
+    fit_args = dict(progress=progress, time_steps=True)
+    if config.mode == "naive":
+        step, state, recompute = _jax_naive(config, parts)
+        box = {"before": state, "first": None, "text": ""}
+
+        def on_step(record, after):
+            if log is not None:
+                log(record)
+            if box["first"] is None and not record["finite"]:
+                box["first"] = record["step"]
+                box["text"] = _jax_naive_report(
+                    config, recompute, box["before"], batches[record["step"]], after
+                )
+            box["before"] = after  # the state the next step starts from
+
+        state, history = train.fit(
+            state,
+            step,
+            batches,
+            on_step=on_step,
+            stop_after_nonfinite=config.stop_after_nonfinite,
+            **fit_args,
+        )
+        first_bad, text = box["first"], box["text"]
+        params, model_state = state["params"], state["model_state"]
+    else:
+        step, state = _jax_stable(config, parts)
+        finite = jax.jit(all_finite)
+
+        def report(record, st):
+            grads = step.grads(st, batches[record["step"]])
+            return _jax_report({"grads (next step)": grads, "params": st.params})
+
+        watch = _Watch(
+            config,
+            lambda st: not bool(finite((st.params, st.model_state))),
+            report,
+            log,
+        )
+        state, history = train.fit(state, step, batches, on_step=watch, **fit_args)
+        first_bad, text = watch.first_bad, watch.text
+        params, model_state = state.params, state.model_state
+    dtype = jax_dtype(config.precision)
+    scores = parts.evaluate(_jax_cast_floats(params, dtype), model_state, heldout)
+    return _result("jax", config, history, first_bad, text, scores)
+
+
+# --------------------------------------------------------------------------
+# torch runs
+
+
+def torch_optimizer(config: BaseConfig, params: Any):
+    """The plain torch optimizer of the config (twin of `jax_optimizer`).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 1)
+        >>> opt = torch_optimizer(BaseConfig(optimizer="sgd"), m.parameters())
+        >>> type(opt).__name__, opt.defaults["momentum"]
+        ('SGD', 0.9)
+    """
+    import torch
+
+    c = config
+    betas = (c.b1, c.b2)
+    if c.optimizer == "adam":
+        return torch.optim.Adam(params, lr=c.learning_rate, betas=betas, eps=c.eps)
+    if c.optimizer == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=c.learning_rate,
+            betas=betas,
+            eps=c.eps,
+            weight_decay=c.weight_decay,
+        )
+    return torch.optim.SGD(params, lr=c.learning_rate, momentum=0.9)
+
+
+def torch_dtype(precision: str):
+    """The torch dtype of a precision name.
+
+    Example:
+        >>> str(torch_dtype("float16"))
+        'torch.float16'
+    """
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        precision, torch.float16
+    )
+
+
+def _torch_cast_floats(tree, dtype):
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, dict):
+        return {k: _torch_cast_floats(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_torch_cast_floats(v, dtype) for v in tree)
+    return tree
+
+
+def _torch_report_text(tree) -> str:
+    from torchref import diagnostics
+
+    return _report_text(
+        tree,
+        diagnostics,
+        lambda sub: sum(t.numel() for t in sub.values()),
+    )
+
+
+def _torch_naive(config, parts):
+    """The naive step ``step(batch) -> metrics``: zero_grad, backward, step."""
+    import torch
+
+    from torchref.loss_scale import all_finite
+    from torchref.transforms import global_norm
+
+    dtype = torch_dtype(config.precision)
+    model = parts.model
+    optimizer = torch_optimizer(config, model.parameters())
+    named = dict(model.named_parameters())
+    last: dict[str, Any] = {}
+
+    def step(batch):
+        batch = _torch_cast_floats(parts.to_torch(batch), dtype)
+        old = {n: p.detach().clone() for n, p in named.items()}
+        optimizer.zero_grad(set_to_none=True)
+        loss = parts.loss_fn(model, batch)
+        loss.backward()
+        grads = {
+            n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in named.items()
+        }
+        optimizer.step()
+        new = {n: p.detach() for n, p in named.items()}
+        last.update(grads=grads, old=old, new=new)
+        loss_value = float(loss.detach().float())
+        finite = all_finite(list(grads.values()) + list(new.values()))
+        return {
+            "loss": loss_value,
+            "grad_norm": float(global_norm(list(grads.values()))),
+            "loss_scale": 1.0,
+            "finite": bool(finite) and math.isfinite(loss_value),
+            "skipped_total": 0,
+        }
+
+    def report() -> str:
+        grads, old, new = last["grads"], last["old"], last["new"]
+        updates = {n: new[n].float() - old[n].float() for n in new}
+        text = _torch_report_text({"grads": grads, "updates": updates, "params": new})
+        if config.optimizer in ("adam", "adamw"):
+            nus = [
+                optimizer.state[p]["exp_avg_sq"].float().numpy() for p in named.values()
+            ]
+            g = [grads[n].float().numpy() for n in named]
+            text += "\n" + adam_underflow_note(g, nus, config.precision, config.eps)
+        return text
+
+    return step, report
+
+
+def _torch_stable(config, parts):
+    from torchref import train
+    from torchref.loss_scale import DynamicLossScale
+
+    low = config.precision != "float32"
+    model = parts.model
+    step = train.TrainStep(
+        model,
+        torch_optimizer(config, model.parameters()),
+        lambda m, batch: parts.loss_fn(m, batch),
+        max_grad_norm=config.max_grad_norm,
+        # float16 only: bfloat16 has float32's exponent range, nothing
+        # underflows that scaling would save (torch.amp does not scale it)
+        scaler=DynamicLossScale() if config.precision == "float16" else None,
+        autocast_dtype=torch_dtype(config.precision) if low else None,
+    )
+    return step
+
+
+def _torch_finite_model(model) -> bool:
+    from torchref.loss_scale import all_finite
+
+    tensors = list(model.parameters()) + list(model.buffers())
+    return all_finite([t for t in tensors if t.is_floating_point()])
+
+
+def _torch_evaluate(config, parts, heldout) -> dict[str, float]:
+    import contextlib
+
+    import torch
+
+    model = parts.model
+    model.eval()
+    ctx = contextlib.nullcontext()
+    if config.mode == "stable" and config.precision != "float32":
+        ctx = torch.autocast("cpu", dtype=torch_dtype(config.precision))
+    try:
+        with torch.no_grad(), ctx:
+            return parts.evaluate(model, heldout)
+    finally:
+        model.train()
+
+
+def run_torch(
+    task, config, weights, batches, heldout, *, progress=True, log=None
+) -> RunResult:
+    """One torch run of `task` as `config` says, on `torchref.train.fit`.
+
+    ``log(record)``, if given, is called with each step's `fit` record.
+
+    Returns:
+      A :class:`RunResult` (``framework="torch"``).
+    """
+    import torch
+
+    from torchref import train
+
+    torch.set_num_threads(config.torch_threads)
+    parts = task.torch_parts(config, weights)
+    batches = batches[: config.steps]
+    fit_args = dict(progress=progress, time_steps=True)
+    if config.mode == "naive":
+        step, report = _torch_naive(config, parts)
+        box = {"first": None, "text": ""}
+
+        def on_step(record, _step):
+            if log is not None:
+                log(record)
+            if box["first"] is None and not record["finite"]:
+                box["first"], box["text"] = record["step"], report()
+
+        history = train.fit(
+            step,
+            batches,
+            on_step=on_step,
+            stop_after_nonfinite=config.stop_after_nonfinite,
+            **fit_args,
+        )
+        first_bad, text = box["first"], box["text"]
+    else:
+        step = _torch_stable(config, parts)
+        model = parts.model
+
+        def stable_report(record, _step):
+            grads = {
+                n: p.grad.detach().clone()
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
+            params = dict(model.named_parameters())
+            return _torch_report_text({"grads": grads, "params": params})
+
+        watch = _Watch(
+            config, lambda s: not _torch_finite_model(s.model), stable_report, log
+        )
+        to_torch = parts.to_torch
+        history = train.fit(
+            step, [to_torch(b) for b in batches], on_step=watch, **fit_args
+        )
+        first_bad, text = watch.first_bad, watch.text
+    scores = _torch_evaluate(config, parts, heldout)
+    return _result("torch", config, history, first_bad, text, scores)
+
+
+# --------------------------------------------------------------------------
+# The comparison: plan, outputs
+
+
+def run_plan(precision: str) -> list[tuple[str, str, str]]:
+    """The (framework, precision, mode) of each run, in the order they run.
+
+    Example:
+        >>> for run in run_plan("float16")[:3]:
+        ...     print(run)
+        ('jax', 'float32', 'stable')
+        ('jax', 'float16', 'naive')
+        ('jax', 'float16', 'stable')
+        >>> len(run_plan("float32"))
+        4
+    """
+    plan = []
+    for fw in ("jax", "torch"):
+        if precision != "float32":
+            plan.append((fw, "float32", "stable"))
+        plan += [(fw, precision, "naive"), (fw, precision, "stable")]
+    return plan
+
+
+def fp32_agreement(runs: list[RunResult], steps: int = AGREEMENT_STEPS) -> float | None:
+    """max |loss_jax - loss_torch| / |loss_torch| over the first `steps` float32 steps.
+
+    Compares the two float32 stable runs (same init, batches, optimizer) over
+    exactly ``min(steps, config.steps)`` steps. None when there is no such
+    pair; NaN (null in JSON) when the number is undefined: a run stopped
+    before those steps, or a loss there is non-finite or zero, so a diverged
+    run can never pass for an agreeing one.
+
+    Example:
+        >>> cfg = BaseConfig()
+        >>> mk = lambda fw, l: RunResult(
+        ...     fw, cfg, [{"loss": x} for x in l], None, l[-1], 0, {}, 1.0)
+        >>> torch_run = mk("torch", [1.0, 0.4])
+        >>> round(fp32_agreement([mk("jax", [1.0, 0.5]), torch_run], 2), 6)
+        0.25
+        >>> fp32_agreement([mk("jax", [1.0, float("nan")]), torch_run], 2)
+        nan
+    """
+    pick = {
+        r.framework: r
+        for r in runs
+        if r.config.precision == "float32" and r.config.mode == "stable"
+    }
+    if set(pick) != {"jax", "torch"}:
+        return None
+    n = min(steps, pick["jax"].config.steps, pick["torch"].config.steps)
+    a = [m["loss"] for m in pick["jax"].metrics[:n]]
+    b = [m["loss"] for m in pick["torch"].metrics[:n]]
+    if len(a) < n or len(b) < n:
+        return math.nan
+    if not all(math.isfinite(x) for x in a + b) or any(y == 0.0 for y in b):
+        return math.nan
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def metric_lines(result: RunResult) -> list[str]:
+    """The ``metrics.jsonl`` lines of one run (non-finite floats as null).
+
+    Each line: framework, precision, mode, then the `fit` record (step, loss,
+    grad_norm, loss_scale, finite, skipped_total, time_s).
+
+    Example:
+        >>> r = RunResult("jax", BaseConfig(), [dict(
+        ...     step=0, loss=float("nan"), grad_norm=1.0, loss_scale=1.0,
+        ...     finite=False, skipped_total=0, time_s=0.5)], 0, float("nan"), 0,
+        ...     {}, 0.1)
+        >>> line = json.loads(metric_lines(r)[0])
+        >>> line["framework"], line["loss"], line["finite"], len(line)
+        ('jax', None, False, 10)
+    """
+    c = result.config
+    lines = []
+    for m in result.metrics:
+        rec = {"framework": result.framework, "precision": c.precision}
+        rec["mode"] = c.mode
+        for key, value in m.items():
+            if isinstance(value, bool) or key in ("step", "skipped_total"):
+                rec[key] = value
+            else:
+                rec[key] = json_float(value)
+        lines.append(json.dumps(rec, allow_nan=False))
+    return lines
+
+
+def plot_curves(runs: list[RunResult], path: str) -> None:
+    """Writes ``curves.png``: loss, loss scale and grad norm vs step, per run.
+
+    Non-finite steps are marked with an x on the top edge of each panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import transforms as mtransforms
+
+    colors = {
+        ("jax", "float32"): "#9ecae1",
+        ("jax", "low"): "#08519c",
+        ("torch", "float32"): "#fdae6b",
+        ("torch", "low"): "#a63603",
+    }
+    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    panels = (("loss", "loss (train batch)"), ("loss_scale", "loss scale"))
+    panels += (("grad_norm", "grad norm (pre-clip)"),)
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        edge = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+        for r in runs:
+            low = "float32" if r.config.precision == "float32" else "low"
+            color = colors[(r.framework, low)]
+            style = "--" if r.config.mode == "naive" else "-"
+            steps = [m["step"] for m in r.metrics]
+            ys = [m[key] if math.isfinite(m[key]) else math.nan for m in r.metrics]
+            ax.plot(steps, ys, style, color=color, lw=1.4, label=r.name)
+            bad = [m["step"] for m in r.metrics if not m["finite"]]
+            if bad:
+                ax.plot(
+                    bad,
+                    [0.97] * len(bad),
+                    "x",
+                    color=color,
+                    ms=7,
+                    transform=edge,
+                    clip_on=False,
+                )
+        ax.set_yscale("log")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3, which="both")
+    broken = [
+        f"{r.name}: non-finite at step {r.first_nonfinite_step}, "
+        f"stopped after step {len(r.metrics) - 1}"
+        for r in runs
+        if r.first_nonfinite_step is not None
+    ]
+    if broken:  # a few steps at the left edge are easy to miss: say it
+        axes[0].text(
+            0.98,
+            0.55,
+            "\n".join(broken),
+            transform=axes[0].transAxes,
+            ha="right",
+            fontsize=8,
+            bbox=dict(facecolor="white", alpha=0.8, edgecolor="0.7"),
+        )
+    axes[0].legend(fontsize=8, ncol=2)
+    axes[0].set_title("x on the top edge: non-finite step (grads or new params)")
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def fmt(x: Any, spec: str) -> str:
+    """`x` formatted, "nan" for a non-finite float, "n/a" for None.
+
+    Example:
+        >>> fmt(0.12345, ".3f"), fmt(float("nan"), ".3f"), fmt(None, ".3f")
+        ('0.123', 'nan', 'n/a')
+    """
+    if x is None:
+        return "n/a"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan"
+    return format(x, spec)
+
+
+def _table(runs: list[RunResult], metrics: tuple[str, ...]) -> str:
+    head = (
+        "| framework | precision | mode | steps | first non-finite step | "
+        "final loss | skipped | "
+        + " | ".join(f"held-out {m}" for m in metrics)
+        + " | steps/s |\n"
+        + "|---" * (8 + len(metrics))
+        + "|\n"
+    )
+    rows = []
+    for r in runs:
+        s = r.summary()
+        first = s["first_nonfinite_step"]
+        scores = " | ".join(fmt(s[m], ".3f") for m in metrics)
+        rows.append(
+            f"| {s['framework']} | {s['precision']} | {s['mode']} | {s['steps']} | "
+            f"{'-' if first is None else first} | {fmt(s['final_loss'], '.4f')} | "
+            f"{s['skipped_total']} | {scores} | {fmt(s['steps_per_s'], '.1f')} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def _short_report(text: str, rows: int = 8) -> str:
+    """The count lines of a diagnostics report and the first `rows` of each table."""
+    out, kept = [], 0
+    for line in text.splitlines():
+        if "entries non-finite" in line or line.startswith(("Adam", "non-finite")):
+            out.append(line)
+            kept = 0
+        elif kept < rows + 2:  # header lines + rows
+            out.append(line)
+            kept += 1
+        elif kept == rows + 2:
+            out.append("  ...")
+            kept += 1
+    return "\n".join(out)
+
+
+def _next_loss(r: RunResult) -> str:
+    i = r.first_nonfinite_step + 1
+    return fmt(r.metrics[i]["loss"], ".4g") if i < len(r.metrics) else "n/a"
+
+
+def explain(task: Any, runs: list[RunResult], agreement: float | None) -> str:
+    """The "what happened" paragraphs of ``report.md``, from the observed numbers."""
+    key = task.metrics[0]
+    parts = []
+    for r in runs:
+        if r.config.mode != "naive":
+            continue
+        if r.first_nonfinite_step is None:
+            parts.append(
+                f"- **{r.name}** stayed finite for its {len(r.metrics)} steps "
+                f"(final loss {fmt(r.final_loss, '.4f')}, {key} "
+                f"{fmt(r.scores[key], '.3f')}): no failure observed at these settings."
+            )
+            continue
+        lines = r.non_finite_report.splitlines()
+        counts = "; ".join(ln for ln in lines if "entries non-finite" in ln)
+        adam = next((ln for ln in lines if ln.startswith("Adam")), "")
+        m0 = r.metrics[r.first_nonfinite_step]
+        parts.append(
+            f"- **{r.name}** became non-finite at step "
+            f"{r.first_nonfinite_step} (loss there {fmt(m0['loss'], '.4f')}, "
+            f"loss of the next step {_next_loss(r)}): {counts}. {adam} "
+            f"The run stopped {r.config.stop_after_nonfinite} steps later: nothing "
+            "more can be learned from NaN weights."
+        )
+    for r in runs:
+        if r.config.mode != "naive" and r.first_nonfinite_step is not None:
+            parts.append(
+                f"- **{r.name}** became non-finite at step {r.first_nonfinite_step} "
+                "despite the guards (see its report below)."
+            )
+    ref = {
+        r.framework: r
+        for r in runs
+        if r.config.precision == "float32" and r.config.mode == "stable"
+    }
+    for r in runs:
+        if r.config.mode != "stable" or r.config.precision == "float32":
+            continue
+        base = ref.get(r.framework)
+        gap = ""
+        if base is not None:
+            gap = (
+                f" vs {fmt(base.scores[key], '.3f')} for its float32 run "
+                f"(difference {fmt(r.scores[key] - base.scores[key], '+.3f')})"
+            )
+        scale = (
+            "dynamic loss scale"
+            if r.config.precision == "float16"
+            else "no loss scale (bfloat16 has float32's range)"
+        )
+        parts.append(
+            f"- **{r.name}** (float32 params, {r.config.precision} compute, "
+            f"{task.stable_loss}, {scale}, clip at {r.config.max_grad_norm}, "
+            f"skip non-finite): "
+            + ("finite throughout" if r.first_nonfinite_step is None else "BROKE")
+            + f", {r.skipped_total} step(s) skipped, held-out {key} "
+            f"{fmt(r.scores[key], '.3f')}{gap}."
+        )
+    if agreement is not None:
+        parts.append(
+            f"- float32 JAX vs torch from the same weights and batches: "
+            f"max relative loss difference over the first "
+            f"{min(AGREEMENT_STEPS, runs[0].config.steps)} steps = "
+            + (
+                f"{agreement:.2e}."
+                if math.isfinite(agreement)
+                else "undefined (a float32 run stopped early, or a loss there "
+                "was non-finite or zero)."
+            )
+        )
+    parts.append(
+        "- Step rates are CPU numbers (`fit`'s per-step `time_s`). torch's CPU "
+        "convolution in float16/bfloat16 (autocast or `.half()`) is 8x (32x32, "
+        "width 8) to 80x (64x64, width 16) slower than in float32 on this CPU "
+        "(examples/segmentation/TIMINGS.md): the torch low-precision rates are a "
+        "CPU artefact, not a cost of the method; XLA's CPU convolution costs about "
+        "the same in all three dtypes. JAX rates leave out the first step "
+        "(compile). Naive runs that stopped early are timed over a few steps only."
+    )
+    return "\n".join(parts) + "\n"
+
+
+def write_report(
+    task: Any, out: str, runs: list[RunResult], summary: dict[str, Any], command: str
+) -> str:
+    """Writes ``report.md`` (table, plot, explanation, first bad step's report)."""
+    agreement = fp32_agreement(runs)  # NaN (not null) when undefined: said so
+    c = runs[0].config
+    text = [
+        f"# {summary['task']}: naive vs stable {summary['precision']}, JAX and PyTorch",
+        "",
+        f"Command: `{command}`  ",
+        f"Wall time: {summary['wall_time_s']:.0f} s on this machine "
+        f"({os.cpu_count()} CPU cores, shared).  ",
+        f"Setup: {task.describe(c)}; batch {c.batch_size}; {c.optimizer} lr "
+        f"{c.learning_rate:g} (b1 {c.b1}, b2 {c.b2}, eps {c.eps:g}); seed {c.seed}; "
+        f"held-out {', '.join(task.metrics)} on {c.eval_images} images. Every run "
+        "starts from the same torch-initialised weights and reads the same "
+        "batches; every run is a `jaxstable.train.fit` / `torchref.train.fit`.",
+        "",
+        _table(runs, task.metrics),
+        "![curves](curves.png)",
+        "",
+        "## What happened",
+        "",
+        explain(task, runs, agreement),
+    ]
+    for r in runs:
+        if r.non_finite_report:
+            text += [
+                f"### Diagnostics of the first non-finite step: {r.name} "
+                f"(step {r.first_nonfinite_step})",
+                "",
+                "```",
+                _short_report(r.non_finite_report),
+                "```",
+                "",
+            ]
+    path = os.path.join(out, "report.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(text))
+    return path
+
+
+def train_and_evaluate(
+    task: Any,
+    framework: str,
+    config: BaseConfig,
+    *,
+    weights: Mapping[str, Any] | None = None,
+    batches: list[dict[str, np.ndarray]] | None = None,
+    heldout: Any = None,
+    progress: bool = True,
+    log: Callable[[dict[str, Any]], None] | None = None,
+) -> RunResult:
+    """One run of `task` in `framework` (``"jax"`` or ``"torch"``).
+
+    What the task does not get passed (initial weights, batches, held-out
+    set) is drawn from `config`; ``log`` is called with each `fit` record.
+    """
+    check_choice("framework", framework, ("jax", "torch"))
+    weights = task.initial_weights(config) if weights is None else weights
+    batches = task.train_batches(config) if batches is None else batches
+    heldout = task.heldout_set(config) if heldout is None else heldout
+    run = run_jax if framework == "jax" else run_torch
+    return run(task, config, weights, batches, heldout, progress=progress, log=log)
+
+
+def compare(task: Any, base: BaseConfig, precision: str, out: str, *,
+            command: str = "", progress: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Runs the plan of `task`, writes the four outputs, returns the summary.
+
+    Writes into `out`:
+
+    * ``metrics.jsonl``: one line per run per step (framework, precision,
+      mode and the `fit` record: step, loss, grad_norm, loss_scale, finite,
+      skipped_total, time_s; null = non-finite);
+    * ``summary.json``: ``{"task", "precision", "metrics", "runs": [...],
+      "fp32_agreement", "config", "wall_time_s"}``, each run with the task's
+      held-out metrics;
+    * ``curves.png``: loss, loss scale and gradient norm per step;
+    * ``report.md``: the table, the plot, what failed where and why, and the
+      diagnostics of the first non-finite step of each broken run.
+    """
+    t0 = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    batches = task.train_batches(base)
+    heldout = task.heldout_set(base)
+    weights = task.initial_weights(base)
+    runs = []
+    for fw, p, mode in run_plan(precision):
+        cfg = base.replace(precision=p, mode=mode)
+        runs.append(
+            train_and_evaluate(
+                task,
+                fw,
+                cfg,
+                weights=weights,
+                batches=batches,
+                heldout=heldout,
+                progress=progress,
+            )
+        )
+    with open(os.path.join(out, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        for r in runs:
+            f.writelines(line + "\n" for line in metric_lines(r))
+    agreement = fp32_agreement(runs)
+    summary = {
+        "task": task.name,
+        "precision": precision,
+        "metrics": list(task.metrics),
+        "runs": [r.summary() for r in runs],
+        "fp32_agreement": None if agreement is None else json_float(agreement),
+        "config": base.as_dict(),
+    }
+    plot_curves(runs, os.path.join(out, "curves.png"))
+    summary["wall_time_s"] = time.perf_counter() - t0
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, allow_nan=False)
+        f.write("\n")
+    summary["report"] = write_report(task, out, runs, summary, command)
+    return summary
+
+
+# --------------------------------------------------------------------------
+# Command line
+
+# The options every task has: (flag, config field, type).
+_OPTIONS = (
+    ("--steps", "steps", int),
+    ("--batch-size", "batch_size", int),
+    ("--image-size", "image_size", int),
+    ("--width", "width", int),
+    ("--lr", "learning_rate", float),
+    ("--seed", "seed", int),
+)
+
+
+def parse_args(
+    tasks: Mapping[str, Any], argv: list[str] | None = None, demo: str | None = None
+) -> argparse.Namespace:
+    """``TASK [options]``; ``demo`` (if given) is that task with its defaults.
+
+    Returns the namespace with ``task`` (the TASK object), ``name``,
+    ``precision``, ``out``, ``quick``, ``no_progress`` and the config fields
+    of :data:`_OPTIONS` and ``optimizer``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="compare.py",
+        description="Naive vs stable low-precision training in JAX and PyTorch, "
+        "one task at a time (outputs: metrics.jsonl, summary.json, curves.png, "
+        "report.md).",
+    )
+    sub = parser.add_subparsers(dest="name", required=True, metavar="TASK")
+    entries = [(name, task, task.help) for name, task in tasks.items()]
+    if demo is not None:
+        entries.append(
+            (
+                "demo",
+                tasks[demo],
+                f"the {demo} comparison with the defaults (make demo)",
+            )
+        )
+    for name, task, text in entries:
+        p = sub.add_parser(name, help=text, description=text)
+        defaults = task.get_config()
+        p.add_argument(
+            "--precision",
+            choices=list(PRECISIONS),
+            default="float16",
+            help="low precision of the naive and stable runs (default float16)",
+        )
+        for flag, field, kind in _OPTIONS:
+            p.add_argument(
+                flag, dest=field, type=kind, default=getattr(defaults, field)
+            )
+        p.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer)
+        p.add_argument(
+            "--out",
+            default=os.path.join("runs", name),
+            help="output folder (created)",
+        )
+        quick = ", ".join(f"{k}={v}" for k, v in task.quick.items())
+        p.add_argument("--quick", action="store_true", help=f"tiny smoke run: {quick}")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.set_defaults(task=task)
+    return parser.parse_args(argv)
+
+
+def base_config(args: argparse.Namespace) -> BaseConfig:
+    """The float32 stable config of the command line (``--quick`` shrinks it)."""
+    settings = {field: getattr(args, field) for _, field, _ in _OPTIONS}
+    settings["optimizer"] = args.optimizer
+    if args.quick:
+        settings.update(args.task.quick)
+    return args.task.get_config(**settings)
+
+
+def main(
+    tasks: Mapping[str, Any], argv: list[str] | None = None, demo: str | None = None
+) -> int:
+    """Entry point of ``compare.py``; prints the table and where the report is."""
+    import sys
+
+    args = parse_args(tasks, argv, demo)
+    command = "python examples/compare.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    task = args.task
+    summary = compare(
+        task,
+        base_config(args),
+        args.precision,
+        args.out,
+        command=command,
+        progress=not args.no_progress,
+    )
+    print(f"\nwall time {summary['wall_time_s']:.0f} s")
+    for r in summary["runs"]:
+        scores = "  ".join(f"{m} {fmt(r[m], '.3f')}" for m in task.metrics)
+        print(
+            f"  {r['framework']:<5} {r['precision']:<8} {r['mode']:<6} "
+            f"steps {r['steps']:>4}  first non-finite {r['first_nonfinite_step']}  "
+            f"final loss {fmt(r['final_loss'], '.4f')}  {scores}"
+        )
+    print(f"fp32_agreement {summary['fp32_agreement']}")
+    print(f"report: {summary['report']}")
+    return 0
