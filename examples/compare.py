@@ -35,6 +35,7 @@ from examples import harness  # noqa: E402
 # name -> module defining TASK (see the task interface in examples/harness.py)
 TASKS = {
     "segmentation": "examples.segmentation.task",
+    "ocr": "examples.ocr.task",
 }
 DEMO = "segmentation"  # `compare.py demo` (`make demo`): its defaults
 

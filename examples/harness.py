@@ -70,6 +70,7 @@ learned from NaN weights.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import json
@@ -276,8 +277,11 @@ class JaxParts:
     """The JAX side of one run, built by ``task.jax_parts(config, weights)``.
 
     Attributes:
-      params: the parameter pytree, float32 for ``mode="stable"`` and in
-        ``config.precision`` for ``mode="naive"`` (the ``.half()`` recipe).
+      params: the parameter pytree: float32 for ``mode="stable"``; for
+        ``mode="naive"`` what the task's users ran: in ``config.precision``
+        for the ``.half()`` recipe (segmentation), or float32 master weights
+        that ``loss_fn`` casts for the forward (OCR: mixed precision without
+        any guard).
       model_state: non-trainable state (batch statistics), in the same dtype
         as the params; None if the model has none.
       loss_fn: ``loss_fn(params, model_state, batch) -> (loss,
@@ -290,12 +294,18 @@ class JaxParts:
       evaluate: ``evaluate(params, model_state, heldout) -> {metric: float}``
         in eval mode; the harness passes params cast to the compute dtype.
         A metric is nan when the model's outputs are non-finite.
+      probe: optional, naive runs: ``probe(params, model_state, batch) ->
+        str``, one line starting with ``"Cause observed:"`` that measures
+        the task's failure mechanism on the batch of the first non-finite
+        step, from the state before that step (``batch`` cast to the compute
+        dtype). It goes into the report.
     """
 
     params: Any
     model_state: Any
     loss_fn: Callable[[Any, Any, Any], tuple[Any, Any]]
     evaluate: Callable[[Any, Any, Any], dict[str, float]]
+    probe: Callable[[Any, Any, Any], str] | None = None
 
 
 @dataclasses.dataclass
@@ -304,9 +314,10 @@ class TorchParts:
 
     Attributes:
       model: the ``nn.Module`` with the initial weights loaded, in train mode:
-        float32 for ``mode="stable"``, in ``config.precision`` for
-        ``mode="naive"`` (``model.to(dtype)``: weights, buffers, hence the
-        optimizer state).
+        float32 for ``mode="stable"``; for ``mode="naive"`` in
+        ``config.precision`` (``model.to(dtype)``: weights, buffers, hence
+        the optimizer state) or float32 with ``loss_fn`` running the forward
+        under autocast, as the task's users did.
       loss_fn: ``loss_fn(model, batch) -> loss`` (0-d tensor), the
         `torchref.train.TrainStep` contract; ``batch`` is
         ``to_torch(numpy batch)``. Stable: the task's float32 loss (the
@@ -314,14 +325,19 @@ class TorchParts:
       to_torch: numpy batch -> what ``loss_fn`` reads (NCHW tensors); the
         harness casts its floating tensors to the compute dtype for naive.
       evaluate: ``evaluate(model, heldout) -> {metric: float}``; the harness
-        calls it in eval mode under ``torch.no_grad()`` (and autocast for a
-        low-precision stable run). nan when the outputs are non-finite.
+        calls it in eval mode under ``torch.no_grad()`` and, for a
+        low-precision run, ``torch.autocast``. nan when the outputs are
+        non-finite.
+      probe: optional, naive runs: ``probe(model, batch) -> str`` as
+        `JaxParts.probe`; ``model`` is a copy holding the parameters from
+        before the first non-finite step, ``batch`` what that step read.
     """
 
     model: Any
     loss_fn: Callable[[Any, Any], Any]
     to_torch: Callable[[Mapping[str, np.ndarray]], Any]
     evaluate: Callable[[Any, Any], dict[str, float]]
+    probe: Callable[[Any, Any], str] | None = None
 
 
 # --------------------------------------------------------------------------
@@ -602,7 +618,12 @@ def _jax_report(tree) -> str:
 
 
 def _jax_naive(config, parts):
-    """The naive step: a pure ``(state, batch) -> (state, metrics)`` over a dict."""
+    """The naive step: a pure ``(state, batch) -> (state, metrics)`` over a dict.
+
+    The state also holds the step's gradients and updates (``"last"``) for
+    the report of the first non-finite step: twice the parameters' memory,
+    small next to a second compile of the whole step to recompute them.
+    """
     import jax
     import jax.numpy as jnp
     import optax
@@ -613,7 +634,7 @@ def _jax_naive(config, parts):
     dtype = jax_dtype(config.precision)
     tx = jax_optimizer(config)
 
-    def grads_and_updates(state, batch):
+    def step(state, batch):
         batch = _jax_cast_floats(batch, dtype)
 
         def loss(p):
@@ -621,10 +642,6 @@ def _jax_naive(config, parts):
 
         (value, new_ms), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return value, new_ms, grads, updates, opt_state
-
-    def step(state, batch):
-        value, new_ms, grads, updates, opt_state = grads_and_updates(state, batch)
         params = optax.apply_updates(state["params"], updates)
         metrics = {
             "loss": value.astype(jnp.float32),
@@ -633,22 +650,29 @@ def _jax_naive(config, parts):
             "finite": all_finite((value, grads, params)),
             "skipped_total": jnp.zeros([], jnp.int32),
         }
-        new = {"params": params, "opt_state": opt_state, "model_state": new_ms}
+        new = {
+            "params": params,
+            "opt_state": opt_state,
+            "model_state": new_ms,
+            "last": {"grads": grads, "updates": updates},
+        }
         return new, metrics
 
+    zeros = jax.tree.map(jnp.zeros_like, parts.params)
     state = {
         "params": parts.params,
         "opt_state": tx.init(parts.params),
         "model_state": parts.model_state,
+        "last": {"grads": zeros, "updates": zeros},
     }
-    return jax.jit(step), state, jax.jit(grads_and_updates)
+    return jax.jit(step), state
 
 
-def _jax_naive_report(config, recompute, before, batch, after) -> str:
+def _jax_naive_report(config, after) -> str:
     import jax
     import optax
 
-    _, _, grads, updates, _ = recompute(before, batch)
+    grads, updates = after["last"]["grads"], after["last"]["updates"]
     text = _jax_report({"grads": grads, "updates": updates, "params": after["params"]})
     adam = [
         s
@@ -660,8 +684,9 @@ def _jax_naive_report(config, recompute, before, batch, after) -> str:
     if adam:
         as_np = functools.partial(np.asarray, dtype=np.float32)
         g = [as_np(x) for x in jax.tree_util.tree_leaves(grads)]
-        nu = [as_np(x) for x in jax.tree_util.tree_leaves(adam[0].nu)]
-        text += "\n" + adam_underflow_note(g, nu, config.precision, config.eps)
+        nus = jax.tree_util.tree_leaves(adam[0].nu)
+        nu = [as_np(x) for x in nus]
+        text += "\n" + adam_underflow_note(g, nu, str(nus[0].dtype), config.eps)
     return text
 
 
@@ -704,18 +729,25 @@ def run_jax(
     batches = [jax.tree.map(np.asarray, b) for b in batches[: config.steps]]
     fit_args = dict(progress=progress, time_steps=True)
     if config.mode == "naive":
-        step, state, recompute = _jax_naive(config, parts)
-        box = {"before": state, "first": None, "text": ""}
+        step, state = _jax_naive(config, parts)
+        # `before`: the state the next step starts from (no copy: jax arrays
+        # are immutable and the naive step donates nothing)
+        box = {"first": None, "text": "", "before": state}
 
         def on_step(record, after):
             if log is not None:
                 log(record)
             if box["first"] is None and not record["finite"]:
                 box["first"] = record["step"]
-                box["text"] = _jax_naive_report(
-                    config, recompute, box["before"], batches[record["step"]], after
-                )
-            box["before"] = after  # the state the next step starts from
+                box["text"] = _jax_naive_report(config, after)
+                if parts.probe is not None:
+                    before = box["before"]
+                    batch = _jax_cast_floats(
+                        batches[record["step"]], jax_dtype(config.precision)
+                    )
+                    probe = parts.probe(before["params"], before["model_state"], batch)
+                    box["text"] += "\n" + probe
+            box["before"] = after
 
         state, history = train.fit(
             state,
@@ -831,6 +863,7 @@ def _torch_naive(config, parts):
 
     def step(batch):
         batch = _torch_cast_floats(parts.to_torch(batch), dtype)
+        last["batch"] = batch
         old = {n: p.detach().clone() for n, p in named.items()}
         optimizer.zero_grad(set_to_none=True)
         loss = parts.loss_fn(model, batch)
@@ -861,7 +894,14 @@ def _torch_naive(config, parts):
                 optimizer.state[p]["exp_avg_sq"].float().numpy() for p in named.values()
             ]
             g = [grads[n].float().numpy() for n in named]
-            text += "\n" + adam_underflow_note(g, nus, config.precision, config.eps)
+            dtype = str(next(iter(named.values())).dtype).replace("torch.", "")
+            text += "\n" + adam_underflow_note(g, nus, dtype, config.eps)
+        if parts.probe is not None:
+            before = copy.deepcopy(model)
+            with torch.no_grad():
+                for n, p in before.named_parameters():
+                    p.copy_(old[n])
+                text += "\n" + parts.probe(before, last["batch"])
         return text
 
     return step, report
@@ -901,7 +941,7 @@ def _torch_evaluate(config, parts, heldout) -> dict[str, float]:
     model = parts.model
     model.eval()
     ctx = contextlib.nullcontext()
-    if config.mode == "stable" and config.precision != "float32":
+    if config.precision != "float32":  # a .half() model is float16 anyway
         ctx = torch.autocast("cpu", dtype=torch_dtype(config.precision))
     try:
         with torch.no_grad(), ctx:
@@ -1167,7 +1207,8 @@ def _short_report(text: str, rows: int = 8) -> str:
     """The count lines of a diagnostics report and the first `rows` of each table."""
     out, kept = [], 0
     for line in text.splitlines():
-        if "entries non-finite" in line or line.startswith(("Adam", "non-finite")):
+        starts = ("Adam", "non-finite", "Cause observed")
+        if "entries non-finite" in line or line.startswith(starts):
             out.append(line)
             kept = 0
         elif kept < rows + 2:  # header lines + rows
@@ -1201,6 +1242,8 @@ def explain(task: Any, runs: list[RunResult], agreement: float | None) -> str:
         lines = r.non_finite_report.splitlines()
         counts = "; ".join(ln for ln in lines if "entries non-finite" in ln)
         adam = next((ln for ln in lines if ln.startswith("Adam")), "")
+        cause = next((ln for ln in lines if ln.startswith("Cause observed")), "")
+        adam = f"{cause} {adam}".strip()
         m0 = r.metrics[r.first_nonfinite_step]
         parts.append(
             f"- **{r.name}** became non-finite at step "
