@@ -158,6 +158,9 @@ class BaseConfig:
       torch_threads: ``torch.set_num_threads`` for the torch runs (1 was
         4-8x faster than 2 on the shared 2-core box,
         examples/segmentation/TIMINGS.md).
+      eval_every: None, or evaluate on the held-out set every this many
+        steps as well (`fit`'s ``eval_fn``/``eval_every``): the records and
+        ``metrics.jsonl`` then carry ``eval['<metric>']`` at those steps.
 
     Example:
         >>> BaseConfig(optimizer="rmsprop")
@@ -184,6 +187,7 @@ class BaseConfig:
     eval_batch_size: int = 32
     stop_after_nonfinite: int = 5
     torch_threads: int = 1
+    eval_every: int | None = None
 
     def __post_init__(self):
         check_choice("precision", self.precision, PRECISIONS)
@@ -201,6 +205,8 @@ class BaseConfig:
             ("torch_threads", 1),
         ):
             check_int(name, getattr(self, name), minimum)
+        if self.eval_every is not None:
+            check_int("eval_every", self.eval_every, 1)
         check_positive("learning_rate", self.learning_rate)
         check_positive("eps", self.eps)
         if self.max_grad_norm is not None:
@@ -728,6 +734,18 @@ def run_jax(
     parts = task.jax_parts(config, weights)
     batches = [jax.tree.map(np.asarray, b) for b in batches[: config.steps]]
     fit_args = dict(progress=progress, time_steps=True)
+    dtype = jax_dtype(config.precision)
+    if config.eval_every is not None:
+
+        def eval_fn(state):
+            params, model_state = (
+                (state["params"], state["model_state"])
+                if isinstance(state, dict)
+                else (state.params, state.model_state)
+            )
+            return parts.evaluate(_jax_cast_floats(params, dtype), model_state, heldout)
+
+        fit_args.update(eval_fn=eval_fn, eval_every=config.eval_every)
     if config.mode == "naive":
         step, state = _jax_naive(config, parts)
         # `before`: the state the next step starts from (no copy: jax arrays
@@ -776,7 +794,6 @@ def run_jax(
         state, history = train.fit(state, step, batches, on_step=watch, **fit_args)
         first_bad, text = watch.first_bad, watch.text
         params, model_state = state.params, state.model_state
-    dtype = jax_dtype(config.precision)
     scores = parts.evaluate(_jax_cast_floats(params, dtype), model_state, heldout)
     return _result("jax", config, history, first_bad, text, scores)
 
@@ -968,6 +985,11 @@ def run_torch(
     parts = task.torch_parts(config, weights)
     batches = batches[: config.steps]
     fit_args = dict(progress=progress, time_steps=True)
+    if config.eval_every is not None:
+        fit_args.update(
+            eval_fn=lambda _step: _torch_evaluate(config, parts, heldout),
+            eval_every=config.eval_every,
+        )
     if config.mode == "naive":
         step, report = _torch_naive(config, parts)
         box = {"first": None, "text": ""}
@@ -1492,6 +1514,13 @@ def parse_args(
         )
         quick = ", ".join(f"{k}={v}" for k, v in task.quick.items())
         p.add_argument("--quick", action="store_true", help=f"tiny smoke run: {quick}")
+        p.add_argument(
+            "--eval-every",
+            type=int,
+            default=None,
+            metavar="K",
+            help="also evaluate on the held-out set every K steps (metrics.jsonl)",
+        )
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
         p.set_defaults(task=task)
     return parser.parse_args(argv)
@@ -1501,6 +1530,7 @@ def base_config(args: argparse.Namespace) -> BaseConfig:
     """The float32 stable config of the command line (``--quick`` shrinks it)."""
     settings = {field: getattr(args, field) for _, field, _ in _OPTIONS}
     settings["optimizer"] = args.optimizer
+    settings["eval_every"] = args.eval_every
     if args.quick:
         settings.update(args.task.quick)
     return args.task.get_config(**settings)

@@ -129,3 +129,15 @@ def test_config_validates_strings_and_fields():
         config_lib.get_config(learningrate=1.0)
     with pytest.raises(ValueError, match="divisible by 2\\*\\*depth"):
         config_lib.get_config(image_size=20, depth=3)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_eval_every_puts_held_out_scores_in_the_records(framework, shared):
+    """fit's eval_fn/eval_every: the held-out mIoU every 2 steps; the last
+    one is the final model's, so it equals the run's score."""
+    r = _run(framework, shared, precision="float16", mode="stable", eval_every=2)
+    evals = [m.get("eval['miou']") for m in r.metrics]
+    assert [e is not None for e in evals] == [False, True, False, True]
+    assert evals[-1] == r.scores["miou"]
+    with pytest.raises(ValueError, match="eval_every must be an int >= 1"):
+        config_lib.get_config(eval_every=0)
