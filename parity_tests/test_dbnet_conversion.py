@@ -128,3 +128,60 @@ def test_db_loss_and_its_parameter_gradients_match(tol):
         err, ref = np.linalg.norm(g - w), np.linalg.norm(w)
         assert np.isfinite(ref) and ref > 0, path
         assert err <= t["rtol"] * ref + t["atol"], (path, err, ref)
+
+
+def _head_outputs(dtype_np):
+    """A freshly initialised torch DBNet's train-mode heads on a data batch."""
+    torch.manual_seed(0)
+    tm = model_torch.DBNet(width=WIDTH).train()
+    batch = _batch(n=4)
+    out = _torch_out(tm, batch["image"])
+    maps = {k: batch[k] for k in data.MAP_KEYS}
+    return out["logits"].astype(dtype_np), out["thresh"].astype(dtype_np), maps
+
+
+def test_naive_loss_in_float32_equals_db_loss_in_both_frameworks(tol):
+    """The naive recipe differs from the stable one by its dtype, not its maths."""
+    logits, thresh, maps = _head_outputs(np.float32)
+    t = tol("float32")
+    jax_out = {"logits": jnp.asarray(logits), "thresh": jnp.asarray(thresh)}
+    torch_out = {"logits": torch.from_numpy(logits), "thresh": torch.from_numpy(thresh)}
+    jmaps = {k: jnp.asarray(v) for k, v in maps.items()}
+    tmaps = {k: torch.from_numpy(v) for k, v in maps.items()}
+    stable, _ = loss_jax.stable_loss(jax_out, jmaps)
+    for value in (
+        loss_jax.naive_loss(jax_out, jmaps)[0],
+        loss_torch.naive_loss(torch_out, tmaps)[0],
+        loss_torch.stable_loss(torch_out, tmaps)[0],
+    ):
+        chex.assert_trees_all_close(float(value), float(stable), **t)
+
+
+def test_naive_float16_step_gradient_is_nan_exactly_where_exp_overflows():
+    """The observed failure: exp(-50 (P - T)) > 65504 -> 0 * inf in its backward."""
+    logits, thresh, maps = _head_outputs(np.float16)
+    jmaps = {k: jnp.asarray(v) for k, v in maps.items()}
+    tmaps = {k: torch.from_numpy(v) for k, v in maps.items()}
+
+    def jax_loss(t):
+        return loss_jax.naive_loss({"logits": jnp.asarray(logits), "thresh": t}, jmaps)[
+            0
+        ]
+
+    g_jax = np.asarray(jax.grad(jax_loss)(jnp.asarray(thresh)))
+    t_thresh = torch.from_numpy(thresh).requires_grad_()
+    loss_t, _ = loss_torch.naive_loss(
+        {"logits": torch.from_numpy(logits), "thresh": t_thresh}, tmaps
+    )
+    loss_t.backward()
+    g_torch = t_thresh.grad.numpy()
+
+    # float16 exp overflows above ln(65504) = 11.09, i.e. where P - T < -0.2218
+    p_jax = jax.nn.sigmoid(jnp.asarray(logits))
+    over_jax = np.asarray(jnp.isinf(jnp.exp(-50 * (p_jax - jnp.asarray(thresh)))))
+    p_torch = torch.sigmoid(torch.from_numpy(logits))
+    over_torch = torch.isinf(torch.exp(-50 * (p_torch - torch.from_numpy(thresh))))
+    assert 0 < over_jax.sum() < over_jax.size  # an untrained model has both
+    np.testing.assert_array_equal(np.isnan(g_jax), over_jax)
+    np.testing.assert_array_equal(np.isnan(g_torch), over_torch.numpy())
+    assert np.isfinite(loss_t.item())  # the forward value is still finite

@@ -8,7 +8,9 @@ length and angle, an occasional ruled line (ink that is *not* text), pixel
 noise and a Gaussian blur. The ground truth is one quadrilateral per word.
 
 As in the ICDAR sets, some words are "do not care" (ICDAR's ``###``): faded,
-illegible words, and words whose shorter side is below ``min_text_size``.
+illegible words, words too small to read (1.5 px up to ``min_text_height``
+high), and, as DBNet's label generation does, polygons whose bounding box is
+thinner than ``min_text_size`` or whose shrunk polygon is empty.
 They are excluded from the training mask and from the evaluation
 (`metric.py`), as DBNet's references do.
 
@@ -80,6 +82,10 @@ class OCRConfig:
         max_angle] degrees.
       dont_care_prob: probability that a word is faded / illegible (ICDAR's
         ``###``): drawn at low contrast and marked "do not care".
+      tiny_prob: probability that a word is too small to read: its height is
+        drawn in [1.5, min_text_height) px, it is drawn as ink like the
+        others and marked "do not care" (ICDAR's annotators mark such words
+        ``###``).
       min_text_size: polygons whose bounding box is thinner than this (px)
         are marked "do not care" too (DBNet's ``min_text_size``, 8 px at
         640 px input, scaled down to these images).
@@ -106,6 +112,7 @@ class OCRConfig:
     max_chars: int = 4
     max_angle: float = 30.0
     dont_care_prob: float = 0.1
+    tiny_prob: float = 0.1
     min_text_size: float = 3.0
     shrink_ratio: float = 0.4
     thresh_min: float = 0.3
@@ -141,7 +148,7 @@ class OCRConfig:
                 "need 0 <= thresh_min < thresh_max <= 1, got "
                 f"{self.thresh_min}, {self.thresh_max}"
             )
-        for name in ("dont_care_prob", "rule_prob"):
+        for name in ("dont_care_prob", "tiny_prob", "rule_prob"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("max_angle", "min_text_size", "noise_std", "max_blur"):
@@ -343,16 +350,22 @@ def _glyph_strokes(rng, quad, n_chars) -> list[tuple[np.ndarray, np.ndarray]]:
     return strokes
 
 
-def _place_words(rng, c: OCRConfig) -> tuple[list[np.ndarray], list[int], list[bool]]:
+def _place_words(rng, c: OCRConfig) -> tuple[list, list, list, list]:
+    """Non-overlapping words: quads, characters, faded flags, tiny flags."""
     n = int(rng.integers(c.min_words, c.max_words + 1))
-    quads, chars, faded, shapes = [], [], [], []
+    quads, chars, faded, tiny, shapes = [], [], [], [], []
     for _ in range(n):
-        for _try in range(30):
-            height = float(
-                np.exp(
-                    rng.uniform(np.log(c.min_text_height), np.log(c.max_text_height))
-                )
+        is_tiny = bool(rng.random() < c.tiny_prob)
+        lo, hi = (
+            (1.5, c.min_text_height)
+            if is_tiny
+            else (
+                c.min_text_height,
+                c.max_text_height,
             )
+        )
+        for _try in range(30):
+            height = float(np.exp(rng.uniform(np.log(lo), np.log(hi))))
             n_chars = int(rng.integers(c.min_chars, c.max_chars + 1))
             length = height * (0.35 + 0.6 * n_chars) * rng.uniform(0.85, 1.15)
             angle = np.deg2rad(rng.uniform(-c.max_angle, c.max_angle))
@@ -370,9 +383,10 @@ def _place_words(rng, c: OCRConfig) -> tuple[list[np.ndarray], list[int], list[b
                 quads.append(quad)
                 chars.append(n_chars)
                 faded.append(bool(rng.random() < c.dont_care_prob))
+                tiny.append(is_tiny)
                 shapes.append(shape)
                 break
-    return quads, chars, faded
+    return quads, chars, faded, tiny
 
 
 def _smooth(rng, h, w, knots=4) -> np.ndarray:
@@ -462,12 +476,12 @@ def generate(config: OCRConfig, num_images: int, rng: np.random.Generator) -> di
     used = np.zeros((num_images, k), bool)
     dont_care = np.zeros((num_images, k), bool)
     for i in range(num_images):
-        quads, chars, faded = _place_words(rng, c)
+        quads, chars, faded, tiny = _place_words(rng, c)
         gray = _render(rng, c, quads, chars, faded)
         images[i] = ((gray - 0.5) / 0.25)[..., None]
         m, ignored = make_labels(
             quads,
-            faded,
+            [f or t for f, t in zip(faded, tiny, strict=True)],
             c.height,
             c.width,
             shrink_ratio=c.shrink_ratio,

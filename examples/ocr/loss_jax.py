@@ -117,7 +117,13 @@ def naive_loss(
     thresh = outputs["thresh"].astype(dtype)
     bce = _ohem_bce(prob, gt, mask)
     mask_sum = tmask.sum()
-    l1 = jnp.where(mask_sum > 0, (jnp.abs(thresh - tmap) * tmask).sum() / mask_sum, 0)
+    # DBNet's MaskL1Loss returns the zero mask sum instead of dividing by it;
+    # the inner where keeps 0/0 out of the gradient (where's unused branch
+    # would still send 0 * inf = NaN back), so this is the reference's value
+    # and gradient, not a guard the reference lacks
+    has_mask = mask_sum > 0
+    l1_sum = (jnp.abs(thresh - tmap) * tmask).sum()
+    l1 = jnp.where(has_mask, l1_sum / jnp.where(has_mask, mask_sum, 1), mask_sum)
     binary = naive_step(prob, thresh, k)
     inter = (binary * gt * mask).sum()
     union = (binary * mask).sum() + (gt * mask).sum() + jnp.asarray(1e-6, dtype)

@@ -7,7 +7,7 @@ Architecture for ``width`` w (DBNet, Liao et al. 2020, at toy scale)::
               stage2  same, 2w                                       (H/4)
               stage3  same, 4w                                       (H/8)
     neck (FPN): 1x1 lateral convs to 2w, top-down nearest-2x + add,
-              3x3 smoothing convs to w/2... w, nearest upsampling of every
+              3x3 smoothing convs to w channels, nearest upsampling of every
               level to H/2 and concatenation (DBNet fuses at 1/4)
     heads:    prob / thresh: 3x3 conv-BN-ReLU (w) -> 2x2/2 transposed conv
               to 1 channel at H (DBNet's deconvolutions)
