@@ -979,9 +979,17 @@ def run_torch(
     """
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.torch_threads)
+    try:
+        return _run_torch(task, config, weights, batches, heldout, progress, log)
+    finally:
+        torch.set_num_threads(threads)  # leave no global state behind
+
+
+def _run_torch(task, config, weights, batches, heldout, progress, log) -> RunResult:
     from torchref import train
 
-    torch.set_num_threads(config.torch_threads)
     parts = task.torch_parts(config, weights)
     batches = batches[: config.steps]
     fit_args = dict(progress=progress, time_steps=True)
