@@ -151,3 +151,58 @@ def test_fit_rollbacks_exhausted_at_the_same_step(tol):
     assert jstep == tstep == 5
     assert [r["step"] for r in jhist if r.get("rolled_back")] == [2]
     _assert_same_records(jhist, thist, tol)
+
+
+def test_fit_extras_write_the_same_records(tol):
+    """time_steps, eval_fn/eval_every, on_step and stop_after_nonfinite: the
+    same keys in the same order, eval values, and the same stop step."""
+    batches = _rollback_batches({2}, 8)  # NaN input at step 2 (a skipped step)
+    state = jtrain.TrainState.create(
+        params={"w": jnp.ones((3,))},
+        optimizer=transforms.stable_optimizer(optax.sgd(0.01)),
+        loss_scale=jls.DynamicLossScale(),
+    )
+    step = jtrain.make_train_step(lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2))
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    tstep = ttrain.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        lambda m, x: ((m(x)[:, 0] - 1.0) ** 2).mean(),
+        scaler=tls.DynamicLossScale(),
+    )
+    seen = {"jax": [], "torch": []}
+    common = dict(time_steps=True, eval_every=2, stop_after_nonfinite=3)
+    _, jhist = jtrain.fit(
+        state,
+        step,
+        [jnp.asarray(b) for b in batches],
+        progress=False,
+        eval_fn=lambda s: {"w_sum": jnp.sum(s.params["w"])},
+        on_step=lambda rec, s: seen["jax"].append(dict(rec)),
+        **common,
+    )
+    thist = ttrain.fit(
+        tstep,
+        [torch.from_numpy(b) for b in batches],
+        progress=False,
+        eval_fn=lambda s: {"w_sum": s.model.weight.detach().sum()},
+        on_step=lambda rec, s: seen["torch"].append(dict(rec)),
+        **common,
+    )
+    # stopped 3 steps after the first non-finite step (2): 6 records
+    assert [r["step"] for r in jhist] == list(range(6))
+    assert seen["jax"] == jhist and seen["torch"] == thist
+    assert all(r["time_s"] > 0 for r in jhist + thist)
+    evals = [[r.get("eval['w_sum']") for r in h] for h in (jhist, thist)]
+    assert [e is not None for e in evals[0]] == [False, True] * 3
+    np.testing.assert_allclose(
+        [x for x in evals[0] if x is not None],
+        [x for x in evals[1] if x is not None],
+        **tol("float32"),
+    )
+    timeless = [[{k: v for k, v in r.items() if k != "time_s"} for r in h]
+                for h in (jhist, thist)]  # fmt: skip
+    _assert_same_records(*timeless, tol)
+    assert [list(r) for r in jhist] == [list(r) for r in thist]

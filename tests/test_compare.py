@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from examples import compare
+from examples import compare, harness
 from examples.segmentation import config as config_lib
+from examples.segmentation.task import TASK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_KEYS = {
@@ -18,7 +19,7 @@ RUN_KEYS = {
 }  # fmt: skip
 LINE_KEYS = {
     "framework", "precision", "mode", "step", "loss", "grad_norm",
-    "loss_scale", "finite", "skipped_total",
+    "loss_scale", "finite", "skipped_total", "time_s",
 }  # fmt: skip
 
 
@@ -45,15 +46,21 @@ def test_summary_has_six_well_formed_runs(out):
             assert r["first_nonfinite_step"] == 0 and r["final_loss"] is None
         else:
             assert r["first_nonfinite_step"] is None
-            assert r["steps"] == compare.QUICK["steps"]
+            assert r["steps"] == TASK.quick["steps"]
             assert 0.0 <= r["miou"] <= 1.0 and r["final_loss"] > 0
-    assert 0.0 <= summary["fp32_agreement"] <= compare.FP32_AGREEMENT_LIMIT
+    assert 0.0 <= summary["fp32_agreement"] <= harness.FP32_AGREEMENT_LIMIT
+    assert summary["task"] == "segmentation" and summary["metrics"] == ["miou"]
 
 
 def test_metrics_jsonl_has_one_line_per_run_step(out):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]  # strict JSON: no NaN
-    assert all(set(r) == LINE_KEYS for r in records)
+    # fit's guarded steps also say whether their gradients were finite, and
+    # a skipped step why and (the first one) where; the naive steps do not.
+    optional = {"grads_finite", "skip_reason", "location"}
+    assert all(LINE_KEYS <= set(r) <= LINE_KEYS | optional for r in records)
+    assert all(("grads_finite" in r) == (r["mode"] == "stable") for r in records)
+    assert all(r["time_s"] > 0 for r in records)  # fit's time_steps
     summary = json.loads((out / "summary.json").read_text())
     assert len(records) == sum(r["steps"] for r in summary["runs"])
     naive = [r for r in records if r["mode"] == "naive" and r["framework"] == "jax"]
@@ -87,13 +94,14 @@ def test_fp32_agreement_is_undefined_not_zero_for_broken_runs():
     cfg = config_lib.get_config(steps=3)
 
     def run(framework, losses):
-        return config_lib.RunResult(
-            framework, cfg, [{"loss": x} for x in losses], None, losses[-1], 0, 0.5, 1.0
-        )
+        return harness.RunResult(
+            framework, cfg, [{"loss": x} for x in losses], None, losses[-1], 0,
+            {"miou": 0.5}, 1.0,
+        )  # fmt: skip
 
     good = run("torch", [1.0, 0.5, 0.25])
-    assert compare.fp32_agreement([run("jax", [1.0, 0.5, 0.25]), good]) == 0.0
+    assert harness.fp32_agreement([run("jax", [1.0, 0.5, 0.25]), good]) == 0.0
     for bad in ([1.0, float("nan"), 0.25], [1.0, float("inf"), 0.25], [1.0, 0.5]):
-        assert math.isnan(compare.fp32_agreement([run("jax", bad), good])), bad
+        assert math.isnan(harness.fp32_agreement([run("jax", bad), good])), bad
     zero = run("torch", [1.0, 0.0, 0.25])
-    assert math.isnan(compare.fp32_agreement([run("jax", [1.0, 0.0, 0.25]), zero]))
+    assert math.isnan(harness.fp32_agreement([run("jax", [1.0, 0.0, 0.25]), zero]))

@@ -56,7 +56,7 @@ def test_stable_float16_stays_finite_and_scales_the_loss(framework, shared):
     # DynamicLossScale starts at GradScaler's 2**16 (halved on each skip)
     assert r.metrics[0]["loss_scale"] == 2.0**16
     assert r.metrics[-1]["loss"] < r.metrics[0]["loss"]
-    assert 0.0 <= r.miou <= 1.0 and r.steps_per_s > 0
+    assert 0.0 <= r.scores["miou"] <= 1.0 and r.steps_per_s > 0
     assert set(r.summary()) == {
         "framework", "precision", "mode", "steps", "first_nonfinite_step",
         "final_loss", "skipped_total", "miou", "steps_per_s",
@@ -92,7 +92,7 @@ def test_naive_float16_breaks_at_the_first_adam_step(framework, shared):
     assert r.first_nonfinite_step == 0
     assert len(r.metrics) == 2 and r.stopped_early  # stopped 1 step later
     assert math.isnan(r.metrics[1]["loss"])
-    assert math.isnan(r.miou)  # the held-out logits are NaN: no prediction
+    assert math.isnan(r.scores["miou"])  # the held-out logits are NaN: no prediction
     assert r.skipped_total == 0 and r.metrics[0]["loss_scale"] == 1.0
     text = r.non_finite_report
     assert "grads: 0 of" in text  # the gradients were finite...
@@ -129,3 +129,15 @@ def test_config_validates_strings_and_fields():
         config_lib.get_config(learningrate=1.0)
     with pytest.raises(ValueError, match="divisible by 2\\*\\*depth"):
         config_lib.get_config(image_size=20, depth=3)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_eval_every_puts_held_out_scores_in_the_records(framework, shared):
+    """fit's eval_fn/eval_every: the held-out mIoU every 2 steps; the last
+    one is the final model's, so it equals the run's score."""
+    r = _run(framework, shared, precision="float16", mode="stable", eval_every=2)
+    evals = [m.get("eval['miou']") for m in r.metrics]
+    assert [e is not None for e in evals] == [False, True, False, True]
+    assert evals[-1] == r.scores["miou"]
+    with pytest.raises(ValueError, match="eval_every must be an int >= 1"):
+        config_lib.get_config(eval_every=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -627,6 +628,10 @@ def _check_loss_scale_type(path: Any, raw: Any, target: Any) -> None:
 
 
 def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+    # Only a guarded step reports grads_finite (a plain step that does not
+    # skip has no reason to give); then its record tells why it skipped.
+    if grads_finite is None:
+        return
     # Same keys as torchref.train.fit: a skipped step says why.
     rec["grads_finite"] = bool(grads_finite)
     if not rec["finite"]:
@@ -645,7 +650,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         "finite": bool(m["finite"]),
         "skipped_total": int(m["skipped_total"]),
     }
-    _add_skip_reason(rec, m.get("grads_finite", rec["finite"]))
+    _add_skip_reason(rec, m.get("grads_finite"))
     aux = m.get("aux")
     if aux is not None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
@@ -677,6 +682,11 @@ def fit(
     rollback_every: int = 100,
     max_rollbacks: int = 3,
     locate_first: int = 1,
+    time_steps: bool = False,
+    eval_fn: Callable[[Any], Any] | None = None,
+    eval_every: int | None = None,
+    on_step: Callable[[dict[str, Any], Any], Any] | None = None,
+    stop_after_nonfinite: int | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -727,8 +737,9 @@ def fit(
         ``"rollback"``, >= 1.
       log_path: JSONL file, overwritten at the start of the call: one line
         per step (keys ``step, loss, grad_norm, loss_scale, finite,
-        skipped_total, grads_finite`` and ``aux[...]`` scalars; a skipped
-        step also has ``skip_reason``: ``"non-finite gradients"`` or
+        skipped_total`` and ``aux[...]`` scalars; with a step that reports
+        ``grads_finite``, as `make_train_step`'s does, that key too, and a
+        skipped step has ``skip_reason``: ``"non-finite gradients"`` or
         ``"non-finite update"``).
       progress: show a tqdm progress bar with loss, grad_norm, loss_scale,
         skipped.
@@ -749,11 +760,37 @@ def fit(
         on non-finite steps. With "skip" and a step that donates its input
         (``donate=True``) the input is gone when the step is read: such
         steps are not located.
+      time_steps: add ``"time_s"`` to each record: the wall time from the
+        call of ``train_step`` until its new state and metrics are ready
+        (`jax.block_until_ready`). Off by default: it waits for every step,
+        so the lookahead described above is dropped.
+      eval_fn: ``eval_fn(state) -> {name: scalar}``, e.g. a held-out
+        evaluation; called after every ``eval_every``-th step (n steps done
+        in this call, ``n % eval_every == 0``) on that step's state, its
+        scalars added to that step's record as ``eval[...]`` keys (named as
+        ``aux``'s). Needs ``eval_every``.
+      eval_every: int >= 1, the period of ``eval_fn`` (needs ``eval_fn``).
+      on_step: ``on_step(record, state)``, called once per step with the
+        step's record (after it is logged) and the state that step produced;
+        if it returns True, fit stops after that step and returns normally.
+      stop_after_nonfinite: None, or an int >= 0: fit returns normally
+        (nothing raised) this many steps after the first step of the call
+        whose record has ``finite == False`` (0: stop at that step). For runs
+        that are meant to fail (a naive low-precision baseline): a few steps
+        show what follows, then nothing more is learned from NaN weights.
+
+    Any ``train_step`` with the contract above works, a pure function over a
+    plain dict (or any pytree) state included; the metrics must hold
+    ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
+    ``skipped_total`` (and optionally ``aux``). Only a `TrainStep` gives the
+    error report its gradient table (it has ``grads``).
 
     Returns:
       ``(state, history)``: the final state and a list of per-step metric
       dicts (Python numbers, the same records as the JSON lines; a rollback
-      step's record also has ``"rolled_back": True``).
+      step's record also has ``"rolled_back": True``). When fit stops early
+      (``stop_after_nonfinite``, ``on_step``), the state is that of the last
+      recorded step: a step queued after it is dropped.
 
     Raises:
       NonFiniteError: with ``nan_policy="stop"``, or ``"rollback"`` once the
@@ -786,7 +823,16 @@ def fit(
       >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
       >>> [h.get("rolled_back", False) for h in hist], int(state.step) - before
       ([False, False, True, False], 3)
+      >>> data = [jnp.ones(2), jnp.array([jnp.nan, 1.0])] + [jnp.ones(2)] * 5
+      >>> state, hist = train.fit(state, step, data, progress=False, time_steps=True,
+      ...                         eval_fn=lambda s: {"p0": s.params[0]}, eval_every=2,
+      ...                         stop_after_nonfinite=2)
+      >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stopped 2 after step 1
+      (4, ['skip_reason', "eval['p0']", 'location'])
+      >>> hist[3]["eval['p0']"] == float(state.params[0]), hist[0]["time_s"] > 0
+      (True, True)
     """
+    _check_fit_extras(time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite)
     if nan_policy not in NAN_POLICIES:
         raise ValueError(
             f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}"
@@ -836,7 +882,13 @@ def fit(
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
     it = iter(batches) if steps is None else itertools.islice(batches, steps)
-    pipeline = nan_policy == "skip" or not _may_donate(train_step)
+    # The lookahead needs each step's output state to outlive the next
+    # dispatch whenever fit reads it (policy, callback, eval, early stop):
+    # only a step that does not donate its input keeps it.
+    reads_state = nan_policy != "skip" or on_step is not None
+    reads_state = reads_state or eval_fn is not None
+    reads_state = reads_state or stop_after_nonfinite is not None
+    pipeline = not time_steps and (not reads_state or not _may_donate(train_step))
     history: list[dict[str, Any]] = []
     bar = tqdm(total=total, disable=not progress, desc="train")
     log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
@@ -846,12 +898,17 @@ def fit(
     located = 0
     # A device copy: the step may donate `state`, never the snapshot.
     snapshot = jax.tree.map(jnp.copy, state) if rollback else None
+    first_bad = None
 
-    def consume(pending) -> bool:
-        """Logs one step and applies the policy; True when it rolled back."""
-        nonlocal consecutive, rollbacks, snapshot, located
-        index, metrics, batch, state_out = pending
+    def consume(pending) -> str | None:
+        """Logs one step, applies the policy: "rollback", "stop" or None."""
+        nonlocal consecutive, rollbacks, snapshot, located, first_bad
+        index, metrics, batch, state_out, seconds = pending
         rec = _host_record(index, metrics)
+        if seconds is not None:
+            rec["time_s"] = seconds
+        if eval_fn is not None and (index + 1) % eval_every == 0:
+            rec.update(_scalar_record("eval", eval_fn(state_out)))
         consecutive = 0 if rec["finite"] else consecutive + 1
         triggered = nan_policy != "skip" and consecutive >= max_consecutive_nonfinite
         rolls = triggered and rollback and rollbacks < max_rollbacks
@@ -875,10 +932,11 @@ def fit(
             refresh=False,
         )
         bar.update(1)
+        wants_stop = on_step is not None and on_step(rec, state_out) is True
         if rolls:
             rollbacks += 1
             consecutive = 0
-            return True
+            return "rollback"
         if triggered:
             _raise_non_finite(
                 train_step,
@@ -896,7 +954,11 @@ def fit(
             # Read before the next step is queued (see snapshot_due), so a
             # donating step has not consumed state_out yet.
             snapshot = jax.tree.map(jnp.copy, state_out)
-        return False
+        if first_bad is None and not rec["finite"]:
+            first_bad = index
+        if stop_after_nonfinite is not None and first_bad is not None:
+            wants_stop = wants_stop or index - first_bad >= stop_after_nonfinite
+        return "stop" if wants_stop else None
 
     def restored():
         # A copy again: a donating step must leave the snapshot intact for
@@ -912,26 +974,39 @@ def fit(
     saved_at = None
     try:
         for batch in it:
+            start = time.perf_counter()
             new_state, metrics = train_step(state, batch)
+            seconds = None
+            if time_steps:
+                jax.block_until_ready((new_state, metrics))
+                seconds = time.perf_counter() - start
             # Step done-1, read after step done is queued. If it rolled back,
             # the step just queued ran on a discarded state: re-run its batch
             # on the snapshot (it is the next batch, not a bad one retried).
-            if pending is not None and consume(pending):
+            # If it stopped the run, the step just queued is dropped.
+            action = None if pending is None else consume(pending)
+            if action == "stop":
+                state, pending = pending[3], None
+                break
+            if action == "rollback":
                 new_state, metrics = train_step(restored(), batch)
-            pending = (done, metrics, batch, new_state)
+            pending = (done, metrics, batch, new_state, seconds)
             done += 1
             state = new_state
             due = checkpoint_every is not None and done % checkpoint_every == 0
             snapshot_due = rollback and done % rollback_every == 0
             if not pipeline or due or snapshot_due:
                 # A checkpoint is written only after its step passed the check.
-                if consume(pending):
-                    state = restored()
+                action = consume(pending)
                 pending = None
+                if action == "rollback":
+                    state = restored()
+                elif action == "stop":
+                    break
             if due:
                 save(state, done)
                 saved_at = done
-        if pending is not None and consume(pending):
+        if pending is not None and consume(pending) == "rollback":
             state = restored()
         if checkpoint_dir is not None and saved_at != done:
             save(state, done)  # the final checkpoint
@@ -948,6 +1023,43 @@ _UPDATE_NOTE = (
     "optimizer state) was non-finite, e.g. float16 Adam state whose second "
     "moment underflowed to 0 while eps is 0 in float16"
 )
+
+
+def _check_fit_extras(time_steps, eval_fn, eval_every, on_step, stop_after):
+    # Same checks and texts as torchref.train.fit.
+    if not isinstance(time_steps, bool):
+        raise TypeError(f"time_steps must be True or False, got {time_steps!r}")
+    for name, fn in (("eval_fn", eval_fn), ("on_step", on_step)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be None or a callable, got {fn!r}")
+    if (eval_fn is None) != (eval_every is None):
+        raise ValueError(
+            "eval_fn and eval_every go together: pass both or neither, got "
+            f"eval_fn={eval_fn!r}, eval_every={eval_every!r}"
+        )
+    if eval_every is not None and (
+        isinstance(eval_every, bool)
+        or not isinstance(eval_every, int)
+        or eval_every < 1
+    ):
+        raise ValueError(f"eval_every must be None or an int >= 1, got {eval_every!r}")
+    if stop_after is not None and (
+        isinstance(stop_after, bool)
+        or not isinstance(stop_after, int)
+        or stop_after < 0
+    ):
+        raise ValueError(
+            f"stop_after_nonfinite must be None or an int >= 0, got {stop_after!r}"
+        )
+
+
+def _scalar_record(prefix: str, tree: Any) -> dict[str, float]:
+    # prefix + keystr of every scalar leaf: the aux[...] naming of records.
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]:
+        if getattr(leaf, "size", 1) == 1:
+            out[prefix + jax.tree_util.keystr(path)] = float(leaf)
+    return out
 
 
 def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
@@ -996,7 +1108,8 @@ def _raise_non_finite(
     batch_report = non_finite_report(batch)
     if batch_report:
         parts.append("non-finite batch inputs:\n" + format_report(batch_report))
-    param_report = non_finite_report(state_out.params)
+    # A plain pytree state (a pure step over a dict) has no .params.
+    param_report = non_finite_report(getattr(state_out, "params", state_out))
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
     if "location" in rec:

@@ -601,3 +601,107 @@ def test_load_checkpoint_lists_at_most_twelve_leaves_and_counts_the_rest(tmp_pat
     assert "(20 leaf/leaves differ)" in lines[0]
     assert lines[1] == "  p00: checkpoint (2,) float32, target (3,) float32"
     assert lines[13] == "  ... and 8 more" and len(lines) == 15
+
+
+# -- fit's per-step extras: time_s, eval_fn/eval_every, on_step, stopping ---
+
+
+def test_fit_times_steps_only_when_asked():
+    data = [_batch(i) for i in range(3)]
+    _, hist = train.fit(_state(), _STEP, data, progress=False)
+    assert all("time_s" not in r for r in hist)
+    _, hist = train.fit(_state(), _STEP, data, progress=False, time_steps=True)
+    assert all(r["time_s"] > 0 for r in hist)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_fit_on_step_sees_each_state_and_can_stop(donate):
+    step = train.make_train_step(_mlp_loss, donate=donate)
+    seen = []
+
+    def on_step(rec, state):
+        seen.append((dict(rec), int(state.step), float(state.params["b1"][0])))
+        return rec["step"] == 2  # stop after the third step
+
+    data = [_batch(i) for i in range(6)]
+    state, hist = train.fit(_state(), step, data, progress=False, on_step=on_step)
+    assert [r for r, _, _ in seen] == hist and len(hist) == 3
+    assert [n for _, n, _ in seen] == [1, 2, 3] and int(state.step) == 3
+    # the returned state is the third step's own (the one queued after it was
+    # dropped), the one on_step saw
+    assert float(state.params["b1"][0]) == seen[-1][2]
+
+
+def test_fit_eval_every_adds_eval_keys_of_that_steps_state():
+    calls = []
+
+    def eval_fn(state):
+        calls.append(int(state.step))
+        return {"b": state.params["b1"][0], "vec": state.params["b1"]}
+
+    data = [_batch(i) for i in range(5)]
+    _, hist = train.fit(
+        _state(), _STEP, data, progress=False, eval_fn=eval_fn, eval_every=2
+    )
+    assert calls == [2, 4]
+    assert ["eval['b']" in r for r in hist] == [False, True, False, True, False]
+    assert all("eval['vec']" not in r for r in hist)  # scalars only, as aux
+    assert hist[3]["eval['b']"] != hist[1]["eval['b']"]
+
+
+def test_fit_stop_after_nonfinite_returns_n_steps_after_the_first():
+    data = [_batch(0), _batch(1, nan=True)] + [_batch(i) for i in range(2, 9)]
+    state, hist = train.fit(
+        _state(), _STEP, data, progress=False, stop_after_nonfinite=3
+    )
+    assert [r["finite"] for r in hist] == [True, False, True, True, True]
+    assert int(state.step) == 5
+    _, hist = train.fit(_state(), _STEP, data, progress=False, stop_after_nonfinite=0)
+    assert len(hist) == 2
+
+
+def _plain_sgd_step(state, batch):
+    """A pure step over a dict state, no guard (the fit step contract)."""
+    loss, grads = jax.value_and_grad(_mlp_loss)(state["params"], batch)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads)
+    metrics = {
+        "loss": loss,
+        "grad_norm": transforms.global_norm(grads),
+        "loss_scale": jnp.ones([]),
+        "finite": jls.all_finite((loss, params)),
+        "skipped_total": jnp.zeros([], jnp.int32),
+    }
+    return {"params": params, "count": state["count"] + 1}, metrics
+
+
+def test_fit_runs_a_plain_step_over_a_dict_state():
+    data = [_batch(0), _batch(1, nan=True), _batch(2), _batch(3)]
+    start = {"params": _init_params(), "count": jnp.zeros([], jnp.int32)}
+    step = jax.jit(_plain_sgd_step)
+    state, hist = train.fit(start, step, data, progress=False, stop_after_nonfinite=1)
+    assert [r["finite"] for r in hist] == [True, False, False]
+    assert int(state["count"]) == 3
+    # the stop policy raises its error (it used to fail on state.params)
+    with pytest.raises(train.NonFiniteError, match="non-finite parameters") as e:
+        train.fit(start, step, data, progress=False, nan_policy="stop",
+                  max_consecutive_nonfinite=1)  # fmt: skip
+    assert e.value.step == 1 and e.value.report == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(eval_every=2), "eval_fn and eval_every go together"),
+        (dict(eval_fn=lambda s: {}), "eval_fn and eval_every go together"),
+        (dict(eval_fn=lambda s: {}, eval_every=0), "eval_every must be None or"),
+        (dict(stop_after_nonfinite=-1), "stop_after_nonfinite must be None or"),
+        (dict(stop_after_nonfinite=True), "stop_after_nonfinite must be None or"),
+    ],
+)
+def test_fit_extras_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        train.fit(_state(), _STEP, [_batch(0)], progress=False, **kwargs)
+    with pytest.raises(TypeError, match="on_step must be None or a callable"):
+        train.fit(_state(), _STEP, [_batch(0)], progress=False, on_step=3)
+    with pytest.raises(TypeError, match="time_steps must be True or False"):
+        train.fit(_state(), _STEP, [_batch(0)], progress=False, time_steps=1)

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -677,6 +678,10 @@ def _scalar_leaves(tree: Any, path: str = "") -> Iterable[tuple[str, float]]:
 
 
 def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+    # Only a guarded step reports grads_finite (a plain step that does not
+    # skip has no reason to give); then its record tells why it skipped.
+    if grads_finite is None:
+        return
     # Same keys as jaxstable.train.fit: a skipped step says why.
     rec["grads_finite"] = bool(grads_finite)
     if not rec["finite"]:
@@ -688,8 +693,15 @@ def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
 def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     """One history/JSONL record: the metrics and the scalar leaves of ``aux``
     as ``aux[...]`` keys, the same record as `jaxstable.train.fit` writes."""
-    rec = {"step": index, **{k: metrics[k] for k in _LOGGED}}
-    _add_skip_reason(rec, metrics.get("grads_finite", rec["finite"]))
+    rec = {"step": index}
+    # Python numbers of the JAX record's types (a step callable may return
+    # 0-d tensors; a TrainStep already returns numbers).
+    for key, kind in zip(_LOGGED, (float, float, float, bool, int), strict=True):
+        value = metrics[key]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().float().item() if kind is not bool else value
+        rec[key] = kind(value)
+    _add_skip_reason(rec, metrics.get("grads_finite"))
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value
@@ -710,15 +722,20 @@ def fit(
     rollback_every: int = 100,
     max_rollbacks: int = 3,
     locate_first: int = 1,
+    time_steps: bool = False,
+    eval_fn: Callable[[Any], Any] | None = None,
+    eval_every: int | None = None,
+    on_step: Callable[[dict[str, Any], Any], Any] | None = None,
+    stop_after_nonfinite: int | None = None,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
     Per batch: ``metrics = step(batch)``; the history entry (and JSONL line)
-    is ``{"step": i, loss, grad_norm, loss_scale, finite, skipped_total,
-    grads_finite}`` plus one ``aux[...]`` key per scalar leaf of ``aux`` (i
-    0-based), and on a skipped step ``skip_reason`` (``"non-finite
-    gradients"`` or ``"non-finite update"``): the same record as
-    `jaxstable.train.fit`.
+    is ``{"step": i, loss, grad_norm, loss_scale, finite, skipped_total}``
+    plus one ``aux[...]`` key per scalar leaf of ``aux`` (i 0-based); with a
+    step that reports ``grads_finite`` (a `TrainStep`) that key too, and on a
+    skipped step ``skip_reason`` (``"non-finite gradients"`` or
+    ``"non-finite update"``): the same record as `jaxstable.train.fit`.
     `log_path` is overwritten at the start of the call and gets one JSON line
     per step with keys step, loss, grad_norm, loss_scale, finite,
     skipped_total (python's json writes non-finite floats as NaN/Infinity,
@@ -749,8 +766,15 @@ def fit(
     `checkpoint_every` steps, and once more at the end (not when it raises);
     `checkpoint_dir` alone writes only that final checkpoint.
 
+    Steps: a `TrainStep`, or any callable ``step(batch) -> metrics`` whose
+    metrics hold ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
+    ``skipped_total`` (numbers or 0-d tensors; optionally ``aux``), e.g. a
+    hand-written baseline loop. "rollback" and checkpoints need its
+    ``state_dict`` / ``load_state_dict``; the error report names non-finite
+    gradients of its ``model`` if it has one.
+
     Args:
-        step: a `TrainStep`.
+        step: a `TrainStep` or a step callable (see above).
         batches: any iterable of batches.
         steps: stop after this many steps (None: exhaust `batches`).
         nan_policy: "skip", "stop" or "rollback".
@@ -771,6 +795,23 @@ def fit(
             gets it (and the error its ``location``). Costs one re-run per
             located step, only on non-finite steps. Same keys as
             `jaxstable.train.fit`.
+        time_steps: add ``"time_s"`` to each record: the wall time of the
+            step call until its metrics are host numbers (a CUDA step has
+            synchronised by then). Off by default.
+        eval_fn: ``eval_fn(step) -> {name: scalar}``, e.g. a held-out
+            evaluation; called after every `eval_every`-th step (n steps
+            done in this call, ``n % eval_every == 0``), its scalars added to
+            that step's record as ``eval[...]`` keys (named as ``aux``'s).
+            Needs `eval_every`.
+        eval_every: int >= 1, the period of `eval_fn` (needs `eval_fn`).
+        on_step: ``on_step(record, step)``, called once per step with the
+            step's record (after it is logged); if it returns True, fit stops
+            after that step and returns normally.
+        stop_after_nonfinite: None, or an int >= 0: fit returns normally
+            (nothing raised) this many steps after the first step of the call
+            whose record has ``finite == False`` (0: stop at that step); for
+            runs meant to fail, such as a naive low-precision baseline.
+        The same records and options as `jaxstable.train.fit`.
 
     Returns:
         The history: list of per-step dicts (a rollback step's also has
@@ -803,11 +844,21 @@ def fit(
         >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
         >>> [h.get("rolled_back", False) for h in hist], step.steps_done - before
         ([False, False, True, False], 3)
+        >>> w = model.weight
+        >>> hist = fit(step, [good, bad] + [good] * 5, progress=False, time_steps=True,
+        ...            eval_fn=lambda s: {"w0": w[0, 0]}, eval_every=2,
+        ...            stop_after_nonfinite=2)
+        >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stops 2 after 1
+        (4, ['skip_reason', "eval['w0']", 'location'])
+        >>> hist[3]["eval['w0']"] == float(w.detach()[0, 0]), hist[0]["time_s"] > 0
+        (True, True)
     """
-    if not isinstance(step, TrainStep):
+    if not callable(step):
         raise TypeError(
-            f"step must be a torchref.train.TrainStep, got {type(step).__name__}"
+            "step must be a torchref.train.TrainStep or a callable "
+            f"step(batch) -> metrics, got {type(step).__name__}"
         )
+    _check_fit_extras(time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite)
     if nan_policy not in NAN_POLICIES:
         raise ValueError(
             f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}"
@@ -851,6 +902,12 @@ def fit(
             )
         if checkpoint_dir is None:
             raise ValueError("checkpoint_every needs checkpoint_dir")
+    stateful = hasattr(step, "state_dict") and hasattr(step, "load_state_dict")
+    if not stateful and (nan_policy == "rollback" or checkpoint_dir is not None):
+        raise TypeError(
+            "nan_policy='rollback' and checkpoint_dir need a step with "
+            f"state_dict() and load_state_dict(), got {type(step).__name__}"
+        )
 
     from tqdm.auto import tqdm
 
@@ -877,21 +934,30 @@ def fit(
     def save(n: int) -> None:
         save_checkpoint(os.path.join(checkpoint_dir, f"step_{n:08d}.pt"), step)
 
+    first_bad = None
     try:
         for i, batch in enumerate(it):
+            start = time.perf_counter()
             metrics = step(batch)
             done = i + 1
             entry = _host_record(i, metrics)
-            run = 0 if metrics["finite"] else run + 1
+            if time_steps:
+                entry["time_s"] = time.perf_counter() - start
+            if eval_fn is not None and done % eval_every == 0:
+                for path, value in _scalar_leaves(eval_fn(step)):
+                    entry["eval" + path] = value
+            run = 0 if entry["finite"] else run + 1
             triggered = nan_policy != "skip" and run >= max_consecutive_nonfinite
             rolls = triggered and rollback and rollbacks < max_rollbacks
             if rolls:
                 entry["rolled_back"] = True
             location = None
-            if not metrics["finite"] and (triggered or located < locate_first):
+            locatable = isinstance(step, TrainStep)  # as jaxstable's fit
+            wanted = triggered or located < locate_first
+            if locatable and not entry["finite"] and wanted:
                 # A skipped step left model and optimizer as they were; only
                 # the scaler backed off: re-run at the scale the step used.
-                location = locate(step, batch, loss_scale=metrics["loss_scale"])
+                location = locate(step, batch, loss_scale=entry["loss_scale"])
                 located += 1
                 entry["location"] = None if location is None else location._asdict()
             history.append(entry)
@@ -900,12 +966,13 @@ def fit(
                 log.flush()
             bar.update(1)
             bar.set_postfix(
-                loss=f"{metrics['loss']:.4g}",
-                grad_norm=f"{metrics['grad_norm']:.3g}",
-                loss_scale=f"{metrics['loss_scale']:.3g}",
-                skipped=metrics["skipped_total"],
+                loss=f"{entry['loss']:.4g}",
+                grad_norm=f"{entry['grad_norm']:.3g}",
+                loss_scale=f"{entry['loss_scale']:.3g}",
+                skipped=entry["skipped_total"],
                 refresh=False,
             )
+            wants_stop = on_step is not None and on_step(entry, step) is True
             if rolls:
                 # A copy again: the optimizer may keep the loaded tensors and
                 # update them in place, which must not reach the snapshot.
@@ -923,8 +990,14 @@ def fit(
                     max_rollbacks,
                     location,
                 )
-            elif rollback and metrics["finite"] and done % rollback_every == 0:
+            elif rollback and entry["finite"] and done % rollback_every == 0:
                 snapshot = copy.deepcopy(step.state_dict())
+            if first_bad is None and not entry["finite"]:
+                first_bad = i
+            if stop_after_nonfinite is not None and first_bad is not None:
+                wants_stop = wants_stop or i - first_bad >= stop_after_nonfinite
+            if wants_stop and not rolls:
+                break
             if checkpoint_every is not None and done % checkpoint_every == 0:
                 save(done)
                 saved_at = done
@@ -943,6 +1016,34 @@ _UPDATE_NOTE = (
     "optimizer state) was non-finite, e.g. float16 Adam state whose second "
     "moment underflowed to 0 while eps is 0 in float16"
 )
+
+
+def _check_fit_extras(time_steps, eval_fn, eval_every, on_step, stop_after):
+    # Same checks and texts as jaxstable.train.fit.
+    if not isinstance(time_steps, bool):
+        raise TypeError(f"time_steps must be True or False, got {time_steps!r}")
+    for name, fn in (("eval_fn", eval_fn), ("on_step", on_step)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be None or a callable, got {fn!r}")
+    if (eval_fn is None) != (eval_every is None):
+        raise ValueError(
+            "eval_fn and eval_every go together: pass both or neither, got "
+            f"eval_fn={eval_fn!r}, eval_every={eval_every!r}"
+        )
+    if eval_every is not None and (
+        isinstance(eval_every, bool)
+        or not isinstance(eval_every, int)
+        or eval_every < 1
+    ):
+        raise ValueError(f"eval_every must be None or an int >= 1, got {eval_every!r}")
+    if stop_after is not None and (
+        isinstance(stop_after, bool)
+        or not isinstance(stop_after, int)
+        or stop_after < 0
+    ):
+        raise ValueError(
+            f"stop_after_nonfinite must be None or an int >= 0, got {stop_after!r}"
+        )
 
 
 def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
@@ -968,7 +1069,9 @@ def _raise_non_finite(
     # The grads left by the step: computed at the scale it used, unscaled by
     # GradScaler.unscale_ (not clipped on a non-finite step). Same message
     # layout as jaxstable.train.fit.
-    report = non_finite_grad_report(step.model)
+    # A plain step callable may have no model to report on.
+    model = getattr(step, "model", None)
+    report = non_finite_grad_report(model) if model is not None else []
     scale = f"{entry['loss_scale']:.6g}"
     parts = [
         f"{run} non-finite step(s) in a row, the last at step {entry['step']}; "
@@ -982,7 +1085,7 @@ def _raise_non_finite(
     batch_report = non_finite_report(batch)
     if batch_report:
         parts.append("non-finite batch inputs:\n" + format_report(batch_report))
-    param_report = non_finite_report(step.model)
+    param_report = non_finite_report(model) if model is not None else []
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
     if "location" in entry:

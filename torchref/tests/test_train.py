@@ -627,3 +627,109 @@ def test_load_checkpoint_refuses_other_param_groups(tmp_path):
     assert "optimizer/param_groups: checkpoint sizes [4], target sizes [2, 2]" in str(
         e.value
     )
+
+
+# -- fit's per-step extras: time_s, eval_fn/eval_every, on_step, stopping ---
+
+
+def _guarded(seed=0):
+    model = _mlp(seed)
+    return train.TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.05), _mse, max_grad_norm=1.0
+    )
+
+
+def test_fit_times_steps_only_when_asked():
+    hist = train.fit(_guarded(), _batches(3), progress=False)
+    assert all("time_s" not in r for r in hist)
+    hist = train.fit(_guarded(), _batches(3), progress=False, time_steps=True)
+    assert all(r["time_s"] > 0 for r in hist)
+
+
+def test_fit_on_step_sees_each_step_and_can_stop():
+    step = _guarded()
+    seen = []
+
+    def on_step(rec, s):
+        seen.append((dict(rec), s.steps_done))
+        return rec["step"] == 2
+
+    hist = train.fit(step, _batches(6), progress=False, on_step=on_step)
+    assert [r for r, _ in seen] == hist and len(hist) == 3
+    assert [n for _, n in seen] == [1, 2, 3] and step.steps_done == 3
+
+
+def test_fit_eval_every_adds_eval_keys():
+    step = _guarded()
+    calls = []
+
+    def eval_fn(s):
+        calls.append(s.steps_done)
+        return {"b": s.model[0].bias[0], "vec": s.model[0].bias}
+
+    hist = train.fit(step, _batches(5), progress=False, eval_fn=eval_fn, eval_every=2)
+    assert calls == [2, 4]
+    assert ["eval['b']" in r for r in hist] == [False, True, False, True, False]
+    assert all("eval['vec']" not in r for r in hist)  # scalars only, as aux
+
+
+def test_fit_stop_after_nonfinite_returns_n_steps_after_the_first():
+    step = _guarded()
+    hist = train.fit(
+        step, _batches(9, poison={1}), progress=False, stop_after_nonfinite=3
+    )
+    assert [r["finite"] for r in hist] == [True, False, True, True, True]
+    assert step.steps_done == 5
+
+
+def test_fit_runs_a_plain_step_callable():
+    """A hand-written loop as `step(batch) -> metrics` (0-d tensors allowed)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def plain(batch):
+        opt.zero_grad()
+        loss = _mse(model, batch)
+        loss.backward()
+        opt.step()
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        return {
+            "loss": loss.detach(),
+            "grad_norm": torch.tensor(1.0),
+            "loss_scale": 1.0,
+            "finite": finite and bool(torch.isfinite(loss)),
+            "skipped_total": 0,
+        }
+
+    hist = train.fit(
+        plain, _batches(5, poison={1}), progress=False, stop_after_nonfinite=1
+    )
+    assert [r["finite"] for r in hist] == [True, False, False]
+    assert isinstance(hist[0]["loss"], float) and json.dumps(hist[0])
+    with pytest.raises(train.NonFiniteError, match="1 non-finite step") as e:
+        train.fit(plain, _batches(2, poison={0}), progress=False, nan_policy="stop",
+                  max_consecutive_nonfinite=1)  # fmt: skip
+    assert e.value.report == []
+    with pytest.raises(TypeError, match="need a step with state_dict"):
+        train.fit(plain, _batches(2), progress=False, nan_policy="rollback")
+    with pytest.raises(TypeError, match="TrainStep or a callable"):
+        train.fit(3, _batches(2), progress=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(eval_every=2), "eval_fn and eval_every go together"),
+        (dict(eval_fn=lambda s: {}), "eval_fn and eval_every go together"),
+        (dict(eval_fn=lambda s: {}, eval_every=0), "eval_every must be None or"),
+        (dict(stop_after_nonfinite=-1), "stop_after_nonfinite must be None or"),
+        (dict(stop_after_nonfinite=True), "stop_after_nonfinite must be None or"),
+    ],
+)
+def test_fit_extras_are_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        train.fit(_guarded(), _batches(1), progress=False, **kwargs)
+    with pytest.raises(TypeError, match="on_step must be None or a callable"):
+        train.fit(_guarded(), _batches(1), progress=False, on_step=3)
+    with pytest.raises(TypeError, match="time_steps must be True or False"):
+        train.fit(_guarded(), _batches(1), progress=False, time_steps=1)
