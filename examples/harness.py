@@ -1576,10 +1576,13 @@ def compare(task: Any, base: BaseConfig, precision: str, out: str, *,
       skipped_total, time_s; null = non-finite);
     * ``summary.json``: ``{"task", "precision", "metrics", "runs": [...],
       "fp32_agreement", "config", "wall_time_s"}``, each run with the task's
-      held-out metrics;
+      held-out metrics and ``location``: ``{"step", "phase", "path", "op",
+      "detail"}`` of what ``diagnostics.locate`` found for its first
+      non-finite step (naive) or first skipped step (stable), else None;
     * ``curves.png``: loss, loss scale and gradient norm per step;
-    * ``report.md``: the table, the plot, what failed where and why, and the
-      diagnostics of the first non-finite step of each broken run.
+    * ``report.md``: the table, the plot, what failed where and why, and for
+      each run that went non-finite what ``diagnostics.locate`` found, above
+      the diagnostics table of its first non-finite step.
     """
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
