@@ -400,6 +400,13 @@ class RunResult:
         second-moment entries were 0 for a non-zero gradient); "" if none.
       stopped_early: the run stopped ``stop_after_nonfinite`` steps after
         ``first_nonfinite_step`` instead of running ``config.steps``.
+      location: what ``diagnostics.locate`` found for the run's first
+        non-finite step (the fields of ``NonFiniteLocation`` as a dict;
+        None when it found every value finite or nothing was located): for
+        naive runs the first broken step, re-run as a ``TrainStep`` from
+        the state before it; for stable runs the first step the guards
+        skipped (`fit` records it).
+      location_step: the step ``location`` is about; None if none was located.
 
     Example:
         >>> r = RunResult("jax", BaseConfig(), [], None, float("nan"), 0,
@@ -418,6 +425,8 @@ class RunResult:
     steps_per_s: float
     non_finite_report: str = ""
     stopped_early: bool = False
+    location: dict[str, Any] | None = None
+    location_step: int | None = None
 
     @property
     def name(self) -> str:
@@ -436,6 +445,27 @@ class RunResult:
             "skipped_total": int(self.skipped_total),
             **{k: json_float(v) for k, v in self.scores.items()},
             "steps_per_s": json_float(self.steps_per_s),
+            "location": self.location_summary(),
+        }
+
+    def location_summary(self) -> dict[str, Any] | None:
+        """``{"step", "phase", "path", "op", "detail"}`` of ``location``, or
+        None when no step was located (a located step whose values all came
+        out finite on the re-run has phase None).
+
+        Example:
+            >>> r = RunResult("jax", BaseConfig(), [], 0, 1.0, 0, {}, 1.0,
+            ...               location=dict(phase="update", path="w", op=None,
+            ...                             detail="m / 0"), location_step=0)
+            >>> r.location_summary()["phase"], r.location_summary()["step"]
+            ('update', 0)
+        """
+        if self.location_step is None:
+            return None
+        loc = self.location or {}
+        return {
+            "step": self.location_step,
+            **{k: loc.get(k) for k in ("phase", "path", "op", "detail")},
         }
 
 
@@ -522,7 +552,20 @@ def _report_text(tree: Mapping[str, Any], diagnostics: Any, size: Callable) -> s
     return "non-finite after the step:\n" + "\n".join(parts)
 
 
-def _result(framework, config, history, first_bad, report, scores) -> RunResult:
+def _first_location(history) -> tuple[int | None, dict[str, Any] | None]:
+    """(step, location) of the first `fit` record that carries a location."""
+    for rec in history:
+        if "location" in rec:
+            return rec["step"], rec["location"]
+    return None, None
+
+
+def _result(
+    framework, config, history, first_bad, report, scores, located=None
+) -> RunResult:
+    """The RunResult of a run; ``located``: (step, location) of a naive run,
+    else the first location `fit` recorded."""
+    step, location = located if located is not None else _first_location(history)
     return RunResult(
         framework=framework,
         config=config,
@@ -534,6 +577,8 @@ def _result(framework, config, history, first_bad, report, scores) -> RunResult:
         steps_per_s=step_rate([r["time_s"] for r in history]),
         non_finite_report=report,
         stopped_early=len(history) < config.steps,
+        location=location,
+        location_step=step,
     )
 
 
@@ -696,6 +741,26 @@ def _jax_naive_report(config, after) -> str:
     return text
 
 
+def _jax_locate_naive(config, parts, before, batch) -> dict[str, Any] | None:
+    """`jaxstable.diagnostics.locate` of a naive step, off the hot path.
+
+    The naive step is a plain function, which `locate` does not take: the
+    same step is rebuilt as an unguarded `TrainStep` (the task's naive loss,
+    no policy, `NoOpLossScale`) over the state `before` the bad step, with
+    the naive run's own optimizer state. ``batch``: cast as the step casts it.
+    """
+    from jaxstable import diagnostics, train
+
+    step = train.make_train_step(parts.loss_fn, has_state=True, jit=False)
+    state = train.TrainState.create(
+        params=before["params"],
+        optimizer=jax_optimizer(config),
+        model_state=before["model_state"],
+    ).replace(opt_state=before["opt_state"])
+    loc = diagnostics.locate(step, state, batch)
+    return None if loc is None else loc._asdict()
+
+
 def _jax_stable(config, parts):
     from jaxstable import train, transforms
     from jaxstable.loss_scale import DynamicLossScale, NoOpLossScale
@@ -750,7 +815,7 @@ def run_jax(
         step, state = _jax_naive(config, parts)
         # `before`: the state the next step starts from (no copy: jax arrays
         # are immutable and the naive step donates nothing)
-        box = {"first": None, "text": "", "before": state}
+        box = {"first": None, "text": "", "before": state, "location": None}
 
         def on_step(record, after):
             if log is not None:
@@ -758,13 +823,12 @@ def run_jax(
             if box["first"] is None and not record["finite"]:
                 box["first"] = record["step"]
                 box["text"] = _jax_naive_report(config, after)
+                before = box["before"]
+                batch = _jax_cast_floats(batches[record["step"]], dtype)
                 if parts.probe is not None:
-                    before = box["before"]
-                    batch = _jax_cast_floats(
-                        batches[record["step"]], jax_dtype(config.precision)
-                    )
                     probe = parts.probe(before["params"], before["model_state"], batch)
                     box["text"] += "\n" + probe
+                box["location"] = _jax_locate_naive(config, parts, before, batch)
             box["before"] = after
 
         state, history = train.fit(
@@ -776,6 +840,7 @@ def run_jax(
             **fit_args,
         )
         first_bad, text = box["first"], box["text"]
+        located = (first_bad, box["location"])
         params, model_state = state["params"], state["model_state"]
     else:
         step, state = _jax_stable(config, parts)
@@ -793,9 +858,10 @@ def run_jax(
         )
         state, history = train.fit(state, step, batches, on_step=watch, **fit_args)
         first_bad, text = watch.first_bad, watch.text
+        located = None  # fit located the first skipped step (its record)
         params, model_state = state.params, state.model_state
     scores = parts.evaluate(_jax_cast_floats(params, dtype), model_state, heldout)
-    return _result("jax", config, history, first_bad, text, scores)
+    return _result("jax", config, history, first_bad, text, scores, located)
 
 
 # --------------------------------------------------------------------------
@@ -866,7 +932,15 @@ def _torch_report_text(tree) -> str:
 
 
 def _torch_naive(config, parts):
-    """The naive step ``step(batch) -> metrics``: zero_grad, backward, step."""
+    """The naive step ``step(batch) -> metrics``: zero_grad, backward, step.
+
+    Returns ``(step, report, locate)``: ``report()`` is the diagnostics text
+    of the last step, ``locate()`` `torchref.diagnostics.locate` of it
+    re-run from the model and optimizer state before it. For those, each
+    step keeps a copy of that state (parameters, buffers, Adam's moments:
+    3-4x the parameters' memory, a copy per step next to a whole forward
+    and backward).
+    """
     import torch
 
     from torchref.loss_scale import all_finite
@@ -881,7 +955,11 @@ def _torch_naive(config, parts):
     def step(batch):
         batch = _torch_cast_floats(parts.to_torch(batch), dtype)
         last["batch"] = batch
-        old = {n: p.detach().clone() for n, p in named.items()}
+        last["model_before"] = {
+            k: v.detach().clone() for k, v in model.state_dict().items()
+        }
+        last["opt_before"] = copy.deepcopy(optimizer.state_dict())
+        old = {n: last["model_before"][n] for n in named}
         optimizer.zero_grad(set_to_none=True)
         loss = parts.loss_fn(model, batch)
         loss.backward()
@@ -914,14 +992,30 @@ def _torch_naive(config, parts):
             dtype = str(next(iter(named.values())).dtype).replace("torch.", "")
             text += "\n" + adam_underflow_note(g, nus, dtype, config.eps)
         if parts.probe is not None:
-            before = copy.deepcopy(model)
-            with torch.no_grad():
-                for n, p in before.named_parameters():
-                    p.copy_(old[n])
-                text += "\n" + parts.probe(before, last["batch"])
+            text += "\n" + parts.probe(model_before(), last["batch"])
         return text
 
-    return step, report
+    def model_before():
+        before = copy.deepcopy(model)
+        before.load_state_dict(last["model_before"])
+        return before
+
+    def locate() -> dict[str, Any] | None:
+        # The naive step is a plain function, which `locate` does not take:
+        # the same step as an unguarded TrainStep (the task's naive loss, no
+        # scaler, no autocast of its own) on copies of the state before it.
+        from torchref import diagnostics, train
+
+        before = model_before()
+        opt = torch_optimizer(config, before.parameters())
+        opt.load_state_dict(last["opt_before"])
+        step = train.TrainStep(
+            before, opt, parts.loss_fn, scaler=None, check_update=False
+        )
+        loc = diagnostics.locate(step, last["batch"])
+        return None if loc is None else loc._asdict()
+
+    return step, report, locate
 
 
 def _torch_stable(config, parts):
@@ -999,14 +1093,15 @@ def _run_torch(task, config, weights, batches, heldout, progress, log) -> RunRes
             eval_every=config.eval_every,
         )
     if config.mode == "naive":
-        step, report = _torch_naive(config, parts)
-        box = {"first": None, "text": ""}
+        step, report, locate = _torch_naive(config, parts)
+        box = {"first": None, "text": "", "location": None}
 
         def on_step(record, _step):
             if log is not None:
                 log(record)
             if box["first"] is None and not record["finite"]:
                 box["first"], box["text"] = record["step"], report()
+                box["location"] = locate()
 
         history = train.fit(
             step,
@@ -1016,6 +1111,7 @@ def _run_torch(task, config, weights, batches, heldout, progress, log) -> RunRes
             **fit_args,
         )
         first_bad, text = box["first"], box["text"]
+        located = (first_bad, box["location"])
     else:
         step = _torch_stable(config, parts)
         model = parts.model
@@ -1037,8 +1133,9 @@ def _run_torch(task, config, weights, batches, heldout, progress, log) -> RunRes
             step, [to_torch(b) for b in batches], on_step=watch, **fit_args
         )
         first_bad, text = watch.first_bad, watch.text
+        located = None  # fit located the first skipped step (its record)
     scores = _torch_evaluate(config, parts, heldout)
-    return _result("torch", config, history, first_bad, text, scores)
+    return _result("torch", config, history, first_bad, text, scores, located)
 
 
 # --------------------------------------------------------------------------
@@ -1259,6 +1356,53 @@ def _short_report(text: str, rows: int = 8) -> str:
     return "\n".join(out)
 
 
+def location_text(r: RunResult) -> str:
+    """``format_location`` of the run's located step ("" when none was located).
+
+    Both frameworks render the same text; the run's own module does it.
+
+    Example:
+        >>> r = RunResult("torch", BaseConfig(), [], 0, 1.0, 0, {}, 1.0,
+        ...               location=dict(phase="input", path="image", op=None,
+        ...                             source=None, detail="NaN in batch['image']"),
+        ...               location_step=0)
+        >>> print(location_text(r))
+        non-finite value first in phase 'input' at image
+          cause: NaN in batch['image']
+    """
+    if r.location_step is None:
+        return ""
+    if r.framework == "jax":
+        from jaxstable import diagnostics
+    else:
+        from torchref import diagnostics
+    if r.location is None:
+        return (
+            "all finite: re-run op by op, the step gave no non-finite value "
+            "(it did in the run)"
+        )
+    return diagnostics.format_location(diagnostics.NonFiniteLocation(**r.location))
+
+
+def _location_block(r: RunResult) -> list[str]:
+    """The report lines of what ``diagnostics.locate`` found for `r`."""
+    if r.location_step is None:
+        return []
+    what = (
+        "the first non-finite step"
+        if r.config.mode == "naive"
+        else "the first step the guards skipped"
+    )
+    return [
+        f"Where ({what}, step {r.location_step}; `diagnostics.locate`):",
+        "",
+        "```text",
+        location_text(r),
+        "```",
+        "",
+    ]
+
+
 def _next_loss(r: RunResult) -> str:
     i = r.first_nonfinite_step + 1
     return fmt(r.metrics[i]["loss"], ".4g") if i < len(r.metrics) else "n/a"
@@ -1284,10 +1428,12 @@ def explain(task: Any, runs: list[RunResult], agreement: float | None) -> str:
         cause = next((ln for ln in lines if ln.startswith("Cause observed")), "")
         adam = f"{cause} {adam}".strip()
         m0 = r.metrics[r.first_nonfinite_step]
+        where = location_text(r).split("\n")[0]
+        where = f" `diagnostics.locate`: {where}." if where else ""
         parts.append(
             f"- **{r.name}** became non-finite at step "
             f"{r.first_nonfinite_step} (loss there {fmt(m0['loss'], '.4f')}, "
-            f"loss of the next step {_next_loss(r)}): {counts}. {adam} "
+            f"loss of the next step {_next_loss(r)}): {counts}. {adam}{where} "
             f"The run stopped {r.config.stop_after_nonfinite} steps later: nothing "
             "more can be learned from NaN weights."
         )
@@ -1380,11 +1526,15 @@ def write_report(
                 f"### Diagnostics of the first non-finite step: {r.name} "
                 f"(step {r.first_nonfinite_step})",
                 "",
+                *_location_block(r),
                 "```",
                 _short_report(r.non_finite_report),
                 "```",
                 "",
             ]
+        elif r.location_step is not None:  # skipped steps, the model intact
+            text += [f"### Where the first skipped step went non-finite: {r.name}", ""]
+            text += _location_block(r)
     path = os.path.join(out, "report.md")
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(text))
@@ -1426,10 +1576,13 @@ def compare(task: Any, base: BaseConfig, precision: str, out: str, *,
       skipped_total, time_s; null = non-finite);
     * ``summary.json``: ``{"task", "precision", "metrics", "runs": [...],
       "fp32_agreement", "config", "wall_time_s"}``, each run with the task's
-      held-out metrics;
+      held-out metrics and ``location``: ``{"step", "phase", "path", "op",
+      "detail"}`` of what ``diagnostics.locate`` found for its first
+      non-finite step (naive) or first skipped step (stable), else None;
     * ``curves.png``: loss, loss scale and gradient norm per step;
-    * ``report.md``: the table, the plot, what failed where and why, and the
-      diagnostics of the first non-finite step of each broken run.
+    * ``report.md``: the table, the plot, what failed where and why, and for
+      each run that went non-finite what ``diagnostics.locate`` found, above
+      the diagnostics table of its first non-finite step.
     """
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)

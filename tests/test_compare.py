@@ -15,8 +15,9 @@ from examples.segmentation.task import TASK
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_KEYS = {
     "framework", "precision", "mode", "steps", "first_nonfinite_step",
-    "final_loss", "skipped_total", "miou", "steps_per_s",
+    "final_loss", "skipped_total", "miou", "steps_per_s", "location",
 }  # fmt: skip
+LOCATION_KEYS = {"step", "phase", "path", "op", "detail"}
 LINE_KEYS = {
     "framework", "precision", "mode", "step", "loss", "grad_norm",
     "loss_scale", "finite", "skipped_total", "time_s",
@@ -44,8 +45,13 @@ def test_summary_has_six_well_formed_runs(out):
     for r in runs:
         if r["mode"] == "naive":  # a real failure: Adam's state in float16
             assert r["first_nonfinite_step"] == 0 and r["final_loss"] is None
+            # diagnostics.locate of that step: finite gradients, m / 0 in Adam
+            loc = r["location"]
+            assert set(loc) == LOCATION_KEYS and loc["step"] == 0, loc
+            assert loc["phase"] == "update" and "eps is 0 in float16" in loc["detail"]
         else:
             assert r["first_nonfinite_step"] is None
+            assert r["location"] is None or set(r["location"]) == LOCATION_KEYS
             assert r["steps"] == TASK.quick["steps"]
             assert 0.0 <= r["miou"] <= 1.0 and r["final_loss"] > 0
     assert 0.0 <= summary["fp32_agreement"] <= harness.FP32_AGREEMENT_LIMIT
@@ -73,6 +79,10 @@ def test_report_and_plot_are_written(out):
     assert "| framework | precision | mode |" in report
     assert "![curves](curves.png)" in report
     assert "nu == 0 for" in report  # the observed mechanism, with numbers
+    for fw in ("jax", "torch"):  # where locate says it started, above the table
+        section = report.split(f"first non-finite step: {fw} float16 naive")[1]
+        where = section.index("non-finite value first in phase 'update' at ")
+        assert section.index("```text") < where < section.index("non-finite after")
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

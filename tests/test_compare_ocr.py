@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_KEYS = {
     "framework", "precision", "mode", "steps", "first_nonfinite_step",
     "final_loss", "skipped_total", "hmean", "precision_det", "recall_det",
-    "steps_per_s",
+    "steps_per_s", "location",
 }  # fmt: skip
 
 
@@ -43,6 +43,10 @@ def test_summary_has_six_runs_with_the_detection_metrics(out):
         if r["mode"] == "naive":  # a real failure (see the report test)
             assert r["first_nonfinite_step"] is not None
             assert r["final_loss"] is None and r["hmean"] is None
+            # diagnostics.locate: NaN gradients from the step function's exp
+            loc = r["location"]
+            assert loc["step"] == r["first_nonfinite_step"], loc
+            assert (loc["phase"], loc["op"]) == ("backward", "exp"), loc
         else:
             assert r["first_nonfinite_step"] is None
             assert r["steps"] == TASK.quick["steps"] and r["final_loss"] > 0
@@ -58,7 +62,11 @@ def test_naive_report_names_the_bad_gradients_and_the_overflow(out):
     assert "| held-out hmean | held-out precision_det | held-out recall_det |" in report
     for fw in ("jax", "torch"):
         section = report.split(f"first non-finite step: {fw} float16 naive")[1]
-        section = section.split("```")[1]
+        # what diagnostics.locate found, in its own block above the table
+        where = section.split("```text")[1].split("```")[0]
+        assert "non-finite value first in phase 'backward' at " in where, where
+        assert ", op exp at examples/ocr/loss_" in where, where
+        section = section.split("```text")[1].split("```")[2]
         bad, total = map(int, re.search(r"grads: (\d+) of (\d+)", section).groups())
         assert 0 < bad <= total  # the per-parameter table follows
         assert "nan  inf  max|finite|" in section
