@@ -54,6 +54,9 @@ def test_summary_has_six_well_formed_runs(out):
             assert r["location"] is None or set(r["location"]) == LOCATION_KEYS
             assert r["steps"] == TASK.quick["steps"]
             assert 0.0 <= r["miou"] <= 1.0 and r["final_loss"] > 0
+    # both frameworks name the same phase and the same parameter
+    naive = [r["location"] for r in runs if r["mode"] == "naive"]
+    assert len({(loc["phase"], loc["path"]) for loc in naive}) == 1, naive
     assert 0.0 <= summary["fp32_agreement"] <= harness.FP32_AGREEMENT_LIMIT
     assert summary["task"] == "segmentation" and summary["metrics"] == ["miou"]
 

@@ -52,6 +52,9 @@ def test_summary_has_six_runs_with_the_detection_metrics(out):
             assert r["steps"] == TASK.quick["steps"] and r["final_loss"] > 0
             for key in TASK.metrics:
                 assert 0.0 <= r[key] <= 1.0
+    # both frameworks name the same phase, op and gradient leaf
+    naive = [r["location"] for r in runs if r["mode"] == "naive"]
+    assert len({(loc["phase"], loc["op"], loc["path"]) for loc in naive}) == 1, naive
     assert 0.0 <= summary["fp32_agreement"] <= harness.FP32_AGREEMENT_LIMIT
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == sum(r["steps"] for r in runs)

@@ -460,11 +460,19 @@ def dotted(key_path: Any) -> str:
 
 
 def _first_bad(tree: Any) -> tuple[Any, Any, Stats] | None:
-    """(key path, leaf, stats) of the first non-finite leaf of ``tree``."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if _is_float(leaf) and not _finite(leaf):
-            return path, leaf, array_stats(leaf)
-    return None
+    """(key path, leaf, stats) of the non-finite leaf of ``tree`` whose dotted
+    path sorts first. torchref uses the same rule, so both name the same leaf
+    whatever their own order (pytree keys sorted here, registration order in
+    torch; ``bias`` sorts before ``kernel`` as before ``weight``)."""
+    bad = [
+        (dotted(path), path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if _is_float(leaf) and not _finite(leaf)
+    ]
+    if not bad:
+        return None
+    _, path, leaf = min(bad, key=lambda item: item[0])
+    return path, leaf, array_stats(leaf)
 
 
 def _value_fields(s: Stats) -> dict[str, Any]:

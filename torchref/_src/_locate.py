@@ -328,10 +328,18 @@ def leaves(tree: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
 
 
 def _first_bad(items: list[tuple[Any, torch.Tensor]]):
-    for path, t in items:
-        if _is_float(t) and not _finite(t):
-            return path, t, tensor_stats(t)
-    return None
+    """(path, tensor, stats) of the non-finite tensor whose dotted path sorts
+    first: the rule of jaxstable's locate, so both name the same leaf
+    whatever their own order (registration order here, sorted keys there)."""
+    bad = [(path, t) for path, t in items if _is_float(t) and not _finite(t)]
+    if not bad:
+        return None
+    path, t = min(bad, key=lambda item: _dotted(item[0]))
+    return path, t, tensor_stats(t)
+
+
+def _dotted(path: Any) -> str:
+    return ".".join(map(str, path)) if isinstance(path, tuple) else str(path)
 
 
 def _value_fields(s: Stats) -> dict[str, Any]:
