@@ -3,9 +3,9 @@
 Run: .venv/bin/python examples/showcase_losses.py   (`make demo`, ~10 s on CPU)
 
 Every number printed is computed here, on this machine; nothing is canned.
-The cases are the failures of ../shared/seeds: segmentation cross-entropy on
-fp16/bf16 logits (000), the DBNet step function (002), InfoNCE logits / 0.07
-in bf16 (004).
+The cases are failure patterns of docs/failure_patterns.md: segmentation
+cross-entropy on fp16/bf16 logits (1), the DBNet step function (3), InfoNCE
+logits / 0.07 in bf16 (5).
 """
 
 from __future__ import annotations

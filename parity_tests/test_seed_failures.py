@@ -1,5 +1,6 @@
-"""The failures of ../shared/seeds reproduced: the naive low-precision path
-really produces inf/NaN, ours is finite and equals a float64 reference."""
+"""The failure patterns of docs/failure_patterns.md reproduced: the naive
+low-precision path really produces inf/NaN, ours is finite and equals a
+float64 reference."""
 
 from __future__ import annotations
 
