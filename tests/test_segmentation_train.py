@@ -59,7 +59,7 @@ def test_stable_float16_stays_finite_and_scales_the_loss(framework, shared):
     assert 0.0 <= r.scores["miou"] <= 1.0 and r.steps_per_s > 0
     assert set(r.summary()) == {
         "framework", "precision", "mode", "steps", "first_nonfinite_step",
-        "final_loss", "skipped_total", "miou", "steps_per_s",
+        "final_loss", "skipped_total", "miou", "steps_per_s", "location",
     }  # fmt: skip
 
 

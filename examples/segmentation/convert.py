@@ -53,8 +53,14 @@ _DROPPED = ("num_batches_tracked",)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    # bfloat16 has no numpy dtype; float32 holds every bf16/fp16 value exactly
-    return t.detach().cpu().to(torch.float32).numpy()
+    # bfloat16 has no numpy dtype; float32 holds every bf16/fp16 value exactly.
+    # A copy: `.numpy()` of a float32 CPU tensor shares its memory, and
+    # `jnp.asarray` of that may too (zero-copy on CPU), so torch's in-place
+    # updates (batch-norm running stats in train mode) would change the JAX
+    # arrays under it, depending on when XLA's asynchronous dispatch reads
+    # them (seen: converted running stats off by 0.03-0.17 after one torch
+    # train-mode forward).
+    return t.detach().cpu().to(torch.float32).numpy().copy()
 
 
 def convert_array(module: nnx.Module, name: str, value: torch.Tensor) -> np.ndarray:
