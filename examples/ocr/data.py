@@ -52,10 +52,16 @@ import numpy as np
 import pyclipper
 from shapely.geometry import Polygon
 
-SPLITS = ("train", "heldout")
+# The split streams and the NHWC -> NCHW layout are those of the segmentation
+# data: one copy, shared by every task.
+from examples.segmentation.data import (  # noqa: F401 (to_nchw re-exported)
+    SPLITS,
+    _check_split,
+    to_nchw,
+)
+
 MAP_KEYS = ("gt", "mask", "thresh_map", "thresh_mask")
 
-_SPLIT_IDS = {"train": 0, "heldout": 1}
 _STREAM_BATCHES = 1
 _STREAM_DATASET = 2
 # Supersampling of the ink canvas: strokes are drawn 4x larger and area-averaged
@@ -519,12 +525,6 @@ def polygons_of(batch: dict, index: int) -> tuple[list[np.ndarray], list[bool]]:
     return polys, [bool(f) for f in batch["dont_care"][index][used]]
 
 
-def _check_split(split: str) -> int:
-    if split not in _SPLIT_IDS:
-        raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
-    return _SPLIT_IDS[split]
-
-
 def batch_at(
     config: OCRConfig, split: str, batch_size: int, index: int, seed: int = 0
 ) -> dict:
@@ -577,15 +577,3 @@ def make_dataset(config: OCRConfig, split: str, num_images: int, seed: int = 0) 
     split_id = _check_split(split)
     ss = np.random.SeedSequence([seed, split_id, _STREAM_DATASET])
     return generate(config, num_images, np.random.default_rng(ss))
-
-
-def to_nchw(images: np.ndarray) -> np.ndarray:
-    """NHWC -> NCHW (contiguous), for torch.
-
-    Example:
-        >>> to_nchw(np.zeros((2, 16, 8, 3), np.float32)).shape
-        (2, 3, 16, 8)
-    """
-    if images.ndim != 4:
-        raise ValueError(f"expected NHWC images (4 dims), got shape {images.shape}")
-    return np.ascontiguousarray(images.transpose(0, 3, 1, 2))
