@@ -51,6 +51,23 @@ def tol():
     return tolerance
 
 
+def has_conditional(lowered) -> bool:
+    """Whether a `jax.jit(...).lower(...)` result branches on device.
+
+    Checks the program JAX emitted (`stablehlo.case`/`stablehlo.if`, what a
+    `lax.cond` or `lax.switch` lowers to) as well as the compiled HLO
+    (`conditional(`). The compiled text alone is not enough: XLA's GPU
+    pipeline turns small conditionals into selects (seen on an H100 with a
+    3-element `lax.cond`), so only the lowered text says what the code asked for.
+    """
+    import re
+
+    if re.search(r"stablehlo\.(case|if)\b", lowered.as_text()):
+        return True
+    # An HLO instruction `... conditional(...)`; metadata may hold the word.
+    return re.search(r"\sconditional\(", lowered.compile().as_text()) is not None
+
+
 def _has_gpu() -> bool:
     try:
         import jax

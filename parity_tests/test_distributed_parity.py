@@ -87,7 +87,10 @@ def _scale(state) -> float:
 
 def _launch_jax(tmp_path) -> list[dict]:
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    # Keep the caller's PYTHONPATH after ROOT: on the GPU machine jmp and the
+    # other carried wheels are found only through it.
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     outs = [tmp_path / f"jax{pid}.npz" for pid in range(WORLD)]
     procs = []

@@ -1,7 +1,6 @@
 """Unit tests of jaxstable.loss_scale."""
 
 import pickle
-import re
 
 import chex
 import jax
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 from flax import serialization
 
+from conftest import has_conditional
 from jaxstable import loss_scale as jls
 
 _NON_DEFAULT = dict(
@@ -130,19 +130,14 @@ def test_hysteresis_backs_off_after_n_in_a_row():
     assert int(ls.non_finite_counter) == 1
 
 
-def _has_conditional(lowered) -> bool:
-    # An HLO instruction `... conditional(...)`; metadata may hold the word.
-    return re.search(r"\sconditional\(", lowered.compile().as_text()) is not None
-
-
 def test_adjust_has_no_conditional_and_rejects_non_scalar():
     ls = jls.DynamicLossScale()
-    assert not _has_conditional(
+    assert not has_conditional(
         jax.jit(lambda ls, f: ls.adjust(f)).lower(ls, jnp.asarray(True))
     )
     # The check does see a lax.cond.
     cond = jax.jit(lambda f, x: jax.lax.cond(f, jnp.sin, jnp.cos, x))
-    assert _has_conditional(cond.lower(jnp.asarray(True), jnp.ones(3)))
+    assert has_conditional(cond.lower(jnp.asarray(True), jnp.ones(3)))
     with pytest.raises(ValueError, match="boolean scalar"):
         ls.adjust(jnp.array([True, False]))
 

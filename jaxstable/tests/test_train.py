@@ -1,7 +1,6 @@
 """Unit tests of jaxstable.train: the guarded step and the fit loop."""
 
 import json
-import re
 
 import chex
 import flax.linen as nn
@@ -11,13 +10,9 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import has_conditional
 from jaxstable import loss_scale as jls
 from jaxstable import train, transforms
-
-
-def _has_conditional(lowered) -> bool:
-    # An HLO instruction `... conditional(...)`; metadata may hold the word.
-    return re.search(r"\sconditional\(", lowered.compile().as_text()) is not None
 
 
 def _init_params(seed=0):
@@ -123,7 +118,7 @@ def test_plain_optax_optimizer_is_guarded_by_the_step():
 def test_compiled_step_has_no_conditional_and_one_finiteness_reduction():
     state, batch = _state(), _batch(0)
     lowered = _STEP.lower(state, batch)
-    assert not _has_conditional(lowered)
+    assert not has_conditional(lowered)
     # One is_finite per gradient leaf (the single all_finite over the
     # gradients, reused by the skip and the loss scale), one on the grown
     # scalar scale inside DynamicLossScale.adjust, and one per float leaf the
@@ -408,7 +403,7 @@ def test_inject_hyperparams_around_the_skip_is_trusted():
 def test_lower_without_jit():
     step = train.make_train_step(_mlp_loss, jit=False)
     lowered = step.lower(_state(), _batch(0))
-    assert not _has_conditional(lowered)
+    assert not has_conditional(lowered)
 
 
 def test_non_scalar_loss_is_rejected():

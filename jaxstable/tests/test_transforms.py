@@ -1,19 +1,13 @@
 """Unit tests of jaxstable.transforms."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from conftest import has_conditional
 from jaxstable import transforms
-
-
-def _has_conditional(lowered) -> bool:
-    # An HLO instruction `... conditional(...)`; metadata may hold the word.
-    return re.search(r"\sconditional\(", lowered.compile().as_text()) is not None
 
 
 def _params():
@@ -138,10 +132,10 @@ def test_no_conditional_in_compiled_update():
     )
     params = _params()
     lowered = jax.jit(tx.update).lower(_grads(), tx.init(params), params)
-    assert not _has_conditional(lowered)
+    assert not has_conditional(lowered)
     # The check does see a lax.cond.
     cond = jax.jit(lambda f, x: jax.lax.cond(f, jnp.sin, jnp.cos, x))
-    assert _has_conditional(cond.lower(jnp.asarray(True), jnp.ones(3)))
+    assert has_conditional(cond.lower(jnp.asarray(True), jnp.ones(3)))
 
 
 def test_stable_optimizer_structure_and_find_skip_state():
