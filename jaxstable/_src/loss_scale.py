@@ -65,6 +65,51 @@ def _check_positive_scalar(value: Any, name: str) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {v}")
 
 
+def _div_rn(a: Any, b: Any) -> jax.Array:
+    """``float32(a) / float32(b)`` rounded to nearest even on every backend.
+
+    XLA's GPU backend divides float32 with PTX ``div.full`` (up to 2 ulp off),
+    so on an H100 ``1 / 1000.3`` and ``1000.3 / 3`` came out one ulp away from
+    the correctly rounded values GradScaler gets (it takes reciprocals in
+    float64). The loss scale is one scalar per step, so this divides the two
+    24-bit significands exactly in integer arithmetic (24 steps of long
+    division, then round half to even) and gives the same bits on CPU and GPU.
+    Zero, subnormal, infinite or NaN operands and results that would not be a
+    normal float32 fall back to the plain division.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    ia = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    ib = jax.lax.bitcast_convert_type(b, jnp.uint32)
+    ea = ((ia >> 23) & 0xFF).astype(jnp.int32)
+    eb = ((ib >> 23) & 0xFF).astype(jnp.int32)
+    implicit = jnp.uint32(1 << 23)
+    ma = (ia & 0x7FFFFF) | implicit
+    mb = (ib & 0x7FFFFF) | implicit
+    # Normalise so that 1 <= ma / mb < 2 (ma < 2**25 after the shift).
+    shifted = ma < mb
+    r = jnp.where(shifted, ma << 1, ma)
+    exponent = ea - eb + 127 - shifted.astype(jnp.int32)
+    q = jnp.uint32(0)
+    for _ in range(24):
+        bit = r >= mb
+        r = jnp.where(bit, r - mb, r) << 1
+        q = (q << 1) | bit.astype(jnp.uint32)
+    # The fraction left over is r / (2 mb): above one half rounds up, exactly
+    # one half rounds to the even significand.
+    up = (r > mb) | ((r == mb) & ((q & 1) == 1))
+    q = q + up.astype(jnp.uint32)
+    carry = q == jnp.uint32(1 << 24)
+    q = jnp.where(carry, q >> 1, q)
+    exponent = exponent + carry.astype(jnp.int32)
+    sign = (ia ^ ib) & jnp.uint32(0x80000000)
+    bits = sign | (exponent.astype(jnp.uint32) << 23) | (q & 0x7FFFFF)
+    quotient = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    normal = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255)
+    normal = normal & (exponent > 0) & (exponent < 255)
+    return jnp.where(normal, quotient, a / b)
+
+
 def _scale_leaf(x: Any, factor: jax.Array) -> Any:
     # Multiply in float32 (at least) and cast back: a float16 leaf times a
     # float32 scale would otherwise be promoted to float32 by jnp's rules and
@@ -179,7 +224,7 @@ class StaticLossScale:
 
     def unscale(self, tree: T) -> T:
         """Multiplies every floating leaf of `tree` by ``1/loss_scale``."""
-        inv = 1.0 / self.loss_scale
+        inv = _div_rn(1.0, self.loss_scale)
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
@@ -320,8 +365,9 @@ class DynamicLossScale:
     # `factor` is a child (a float32 array), not aux data: XLA rewrites a
     # division by a compile-time constant into a multiplication by its rounded
     # reciprocal (x / 1.5 -> x * 0.666666687), one ulp away from GradScaler's
-    # float64 backoff for factor 1.5. Divided by a run-time value, it rounds
-    # like GradScaler.
+    # float64 backoff for factor 1.5. A run-time value goes through `_div_rn`,
+    # which rounds like GradScaler on CPU and GPU alike (XLA:GPU's own float32
+    # division does not round correctly).
     _CHILDREN = (
         "loss_scale",
         "counter",
@@ -359,7 +405,7 @@ class DynamicLossScale:
         rounded to float32; for the powers of two a factor-2 scale takes, both
         reciprocals are exact).
         """
-        inv = 1.0 / self.loss_scale
+        inv = _div_rn(1.0, self.loss_scale)
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
 
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
@@ -385,7 +431,7 @@ class DynamicLossScale:
         finite_counter = jnp.where(grow, 0, successful).astype(jnp.int32)
 
         bad_run = self.non_finite_counter + 1
-        backed_off = jnp.maximum(scale / factor, self.min_loss_scale)
+        backed_off = jnp.maximum(_div_rn(scale, factor), self.min_loss_scale)
         bad_scale = jnp.where(bad_run >= self.hysteresis, backed_off, scale)
 
         return self._replace(

@@ -298,3 +298,27 @@ def test_loss_scales_are_hashable_and_compare_by_identity():
         return jnp.asarray(ls == ls)  # no traced comparison of the fields
 
     assert bool(same(dyn))
+
+
+def test_div_rn_rounds_like_ieee_division_where_the_gpu_does_not():
+    # XLA:GPU divides float32 with div.full (<= 2 ulp); the loss scale's
+    # divisions go through the integer long division instead, on every
+    # backend, so checking it here on CPU checks the code the GPU runs.
+    from jaxstable._src.loss_scale import _div_rn
+
+    rng = np.random.default_rng(0)
+    n = 200_000
+    a = (rng.random(n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+    b = (rng.random(n) * 2.0 ** rng.integers(-60, 60, n)).astype(np.float32)
+    a[::7] *= -1
+    a[:3], b[:3] = (1.0, 1000.3, 12345.678), (1000.3, 3.0, 1.5)
+    got = np.asarray(jax.jit(_div_rn)(a, b))
+    want = a / b
+    normal = np.abs(want) >= np.finfo(np.float32).tiny
+    assert normal.mean() > 0.9
+    np.testing.assert_array_equal(
+        got[normal].view(np.uint32), want[normal].view(np.uint32)
+    )
+    # Outside the normal range it is the plain division (inf, nan, zero).
+    edge = np.float32([1.0, 0.0, np.inf, 3e38]), np.float32([0.0, 2.0, 2.0, 1e-3])
+    np.testing.assert_array_equal(np.asarray(_div_rn(*edge)), edge[0] / edge[1])
