@@ -212,10 +212,48 @@ def bench_step(reps: int, device: str, tiny: bool, compile_torch: bool):
                 "shape": f"{batch}x{hw}x{hw}x3, width {width}, depth {depth}",
                 "median_s": med,
                 "jax_guard_overhead": med["jax_guarded"] / med["jax_plain"] - 1,
-                "torch_guard_overhead": med["torch_trainstep"] / med["torch_plain"] - 1,
+                # The issue's yardstick: TrainStep against the torch.amp recipe.
+                "torch_guard_overhead": med["torch_trainstep"] / med["torch_amp_recipe"]
+                - 1,
             }
         )
     return rows
+
+
+# dtype -> (TrainStep call, torch.amp recipe call), filled by _step_variants.
+PROFILE_TARGETS: dict = {}
+
+
+def profile_torch_steps(device: str, out: Path) -> str:
+    """torch.profiler tables of 5 TrainStep and 5 recipe steps (float16)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if device == "cuda":
+        acts.append(ProfilerActivity.CUDA)
+    text = []
+    names = ("TrainStep", "torch.amp recipe")
+    for name, fn in zip(names, PROFILE_TARGETS["float16"], strict=True):
+        for _ in range(3):
+            fn()
+        _sync_torch(device)
+        with profile(activities=acts) as prof:
+            for _ in range(5):
+                fn()
+            _sync_torch(device)
+        ka = prof.key_averages()
+        syncs = sum(e.count for e in ka if e.key == "aten::_local_scalar_dense")
+        launches = sum(e.count for e in ka if e.key == "cudaLaunchKernel")
+        text += [
+            f"## {name}: 5 float16 steps; .item() syncs {syncs}, "
+            f"kernel launches {launches}",
+            ka.table(sort_by="self_cpu_time_total", row_limit=25),
+        ]
+    body = "\n".join(text)
+    (out / f"profile_torch_step_{'gpu' if device == 'cuda' else 'cpu'}.txt").write_text(
+        body
+    )
+    return body
 
 
 def _step_variants(x, y, dtype, width, depth, device, compile_torch):
@@ -298,12 +336,41 @@ def _step_variants(x, y, dtype, width, depth, device, compile_torch):
         loss.backward()
         popt.step()
 
+    # The standard torch.amp recipe the guard is measured against: GradScaler
+    # (float16 only), unscale_, clip_grad_norm_, scaler.step, scaler.update.
+    rmodel = model_torch.UNet(3, 19, width=width, depth=depth).to(device)
+    ropt = torch.optim.Adam(rmodel.parameters(), lr=1e-3)
+    rscaler = torch.amp.GradScaler(device, enabled=dtype == "float16")
+
+    def torch_amp_recipe(b):
+        ropt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=tdt, enabled=device == "cuda"):
+            loss = tlosses.softmax_cross_entropy(rmodel(b[0]), b[1])
+        rscaler.scale(loss).backward()
+        rscaler.unscale_(ropt)
+        torch.nn.utils.clip_grad_norm_(rmodel.parameters(), 1.0)
+        rscaler.step(ropt)
+        rscaler.update()
+
+    nmodel = model_torch.UNet(3, 19, width=width, depth=depth).to(device)
+    nstep = ttrain.TrainStep(
+        nmodel,
+        torch.optim.Adam(nmodel.parameters(), lr=1e-3),
+        tloss,
+        max_grad_norm=1.0,
+        scaler=tls.DynamicLossScale() if dtype == "float16" else None,
+        autocast_dtype=tdt if device == "cuda" else None,
+        check_update=False,
+    )
     variants = {
         "jax_plain": run_plain,
         "jax_guarded": run_guarded,
         "torch_trainstep": lambda: tstep(tb),
+        "torch_trainstep_no_update_check": lambda: nstep(tb),
+        "torch_amp_recipe": lambda: torch_amp_recipe(tb),
         "torch_plain": lambda: torch_plain_step(tb),
     }
+    PROFILE_TARGETS[dtype] = (lambda: tstep(tb), lambda: torch_amp_recipe(tb))
     if compile_torch:
         compiled = torch.compile(torch_plain_step)
         variants["torch_compile_plain"] = lambda: compiled(tb)
@@ -383,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--only", choices=("all", "ce", "step"), default="all")
+    ap.add_argument(
+        "--profile", action="store_true", help="torch.profiler tables of the steps"
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_gpu.py: torch sees no CUDA device; nothing was run")
@@ -399,18 +470,26 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_info(args.device),
         "reps": args.reps,
         "copy_bandwidth": bw,
-        "cross_entropy": bench_ce(
+        "cross_entropy": []
+        if args.only == "step"
+        else bench_ce(
             CE_TINY if args.tiny else CE_SHAPES,
             args.reps,
             args.device,
             compile_torch,
             bw,
         ),
-        "train_step": bench_step(args.reps, args.device, args.tiny, compile_torch),
+        "train_step": []
+        if args.only == "ce"
+        else bench_step(args.reps, args.device, args.tiny, compile_torch),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.profile and payload["train_step"]:
+        print(profile_torch_steps(args.device, out))
     tag = "gpu" if args.device == "cuda" else "cpu_smoke"
+    if args.only != "all":
+        tag += f"_{args.only}"
     (out / f"bench_gpu_{tag}.json").write_text(json.dumps(payload, indent=2))
     md = to_markdown(payload)
     (out / f"bench_gpu_{tag}.md").write_text(md + "\n")

@@ -171,3 +171,22 @@ def test_static_default_equals_jax_and_loss_scales_hash():
     assert ls.StaticLossScale().loss_scale == 2.0**15  # jaxstable's default
     assert ls.StaticLossScale().make_scaler("cpu").get_scale() == 2.0**15
     assert len({ls.DynamicLossScale(), ls.StaticLossScale(), ls.NoOpLossScale()}) == 3
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+)
+def test_all_finite_is_exact_in_every_dtype(dtype):
+    big = torch.finfo(dtype).max
+    tensors = [torch.full((1000,), big, dtype=dtype), torch.ones(5, dtype=dtype)]
+    tensors += [torch.arange(3), torch.tensor([True])]  # never non-finite
+    # The L1 norm of the first tensor overflows: still all finite.
+    assert ls.all_finite(tensors)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = [t.clone() for t in tensors]
+        poisoned[1][3] = bad
+        assert not ls.all_finite(poisoned)
+        poisoned[0][999] = bad  # in the overflowing tensor too
+        assert not ls.all_finite(poisoned[:1])
+    assert not ls.all_finite([torch.tensor([1 + 1j, complex("nan")])])
+    assert ls.all_finite([]) and ls.all_finite({"a": None})
