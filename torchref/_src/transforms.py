@@ -270,8 +270,7 @@ class _StepUndo:
         self._live_params = live[: len(self.params)]
         # Keyed by the parameter itself (a `.detach()` is a new object).
         self._saved_params = [self._copy(p) for p in self.params]
-        if live:
-            torch._foreach_copy_(self._saved_params + saved, live)
+        _foreach_copy_by_device(self._saved_params + saved, live)
 
     def written_finite(self) -> bool:
         state = [
@@ -284,8 +283,7 @@ class _StepUndo:
 
     @torch.no_grad()
     def restore(self) -> None:
-        if self._live_params:
-            torch._foreach_copy_(self._live_params, self._saved_params)
+        _foreach_copy_by_device(self._live_params, self._saved_params)
         for p, saved in self.state.items():
             if saved is None:
                 self.optimizer.state.pop(p, None)
@@ -303,6 +301,19 @@ class _StepUndo:
                         live[k] = v.clone()
                 else:
                     live[k] = copy.deepcopy(v)
+
+
+def _foreach_copy_by_device(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """`torch._foreach_copy_` per device: one list mixing devices (Adam keeps
+    its ``step`` tensors on the CPU beside CUDA moments) takes torch's
+    per-tensor slow path, one launch per tensor."""
+    groups: dict[Any, tuple[list, list]] = {}
+    for d, s in zip(dst, src, strict=True):
+        pair = groups.setdefault(d.device, ([], []))
+        pair[0].append(d)
+        pair[1].append(s)
+    for d, s in groups.values():
+        torch._foreach_copy_(d, s)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
