@@ -68,6 +68,17 @@ def has_conditional(lowered) -> bool:
     return re.search(r"\sconditional\(", lowered.compile().as_text()) is not None
 
 
+def torch_device() -> str:
+    """The device torch parity tests run on: CUDA when torch sees one, else CPU.
+
+    JAX tests run on JAX's default device (the GPU when there is one), so on
+    a GPU machine both sides of a parity test compute on the GPU.
+    """
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _has_gpu() -> bool:
     try:
         import jax

@@ -48,8 +48,14 @@ IGNORE = 255
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {
     # name: (leading shape, classes, fraction of ignored labels, reps)
+    # The class counts users train with (issue 13): binary masks, Cityscapes,
+    # COCO, ADE20K, ImageNet, a language-model vocabulary; ~2-5 M logits each.
+    "binary 8x128x128x2": ((8, 128, 128), 2, 0.10, 200),
     "segmentation 8x128x128x19": ((8, 128, 128), 19, 0.10, 200),
+    "coco 8x64x64x80": ((8, 64, 64), 80, 0.0, 150),
+    "ade20k 8x64x64x150": ((8, 64, 64), 150, 0.10, 150),
     "classification 4096x1000": ((4096,), 1000, 0.0, 200),
+    "language model 128x32000": ((128,), 32000, 0.0, 150),
 }
 
 

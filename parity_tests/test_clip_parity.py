@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import torch_device
 from jaxstable import transforms
+
+DEV = torch_device()  # CUDA when present: both frameworks on the GPU
 
 _SHAPES = {"conv": (3, 3, 4, 8), "bias": (8,), "dense": (32, 10), "scalar": ()}
 
@@ -21,8 +24,8 @@ def _grads(dtype_name, scale, seed=0):
 def _torch_clip(grads, dtype, max_norm):
     params = []  # in jax's (sorted) dict-key order
     for _, g in sorted(grads.items()):
-        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=dtype))
-        p.grad = torch.from_numpy(np.array(g)).to(dtype)
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=dtype, device=DEV))
+        p.grad = torch.from_numpy(np.array(g)).to(DEV, dtype)
         params.append(p)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return norm, [p.grad for p in params]
@@ -55,7 +58,7 @@ def test_clip_matches_clip_grad_norm_(dtype_name, scale, max_norm, tol):
     for (k, c), t in zip(sorted(clipped.items()), t_clipped, strict=True):
         assert c.dtype == jdtype, k
         c32 = np.asarray(c.astype(jnp.float32))
-        t32 = t.float().numpy()
+        t32 = t.float().cpu().numpy()
         if ref_norm < max_norm:  # coef clamps to 1: unchanged bit for bit
             np.testing.assert_array_equal(c32, start[k])
             np.testing.assert_array_equal(t32, start[k])
@@ -82,4 +85,6 @@ def test_clip_float32_tight_on_many_draws(tol):
             for c, t in zip(
                 [clipped[k] for k in sorted(clipped)], t_clipped, strict=True
             ):
-                np.testing.assert_allclose(np.asarray(c), t.numpy(), **tol("float32"))
+                np.testing.assert_allclose(
+                    np.asarray(c), t.cpu().numpy(), **tol("float32")
+                )

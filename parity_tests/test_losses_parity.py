@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tolerance
+from conftest import tolerance, torch_device
 from jaxstable import losses as jl
 from torchref import losses as tl
 
 DTYPES = ["float32", "bfloat16", "float16"]
+DEV = torch_device()  # CUDA when present: both frameworks on the GPU
 IGNORE = 255
 
 
@@ -39,15 +40,20 @@ def _jx(x: np.ndarray, dtype: str) -> jax.Array:
 
 def _tx(x: np.ndarray, dtype: str, grad: bool = True) -> torch.Tensor:
     t = torch.tensor(np.ascontiguousarray(x, dtype=np.float32)).to(
-        getattr(torch, dtype)
+        DEV, getattr(torch, dtype)
     )
     return t.requires_grad_(grad)
 
 
 def _np(t) -> np.ndarray:
     if isinstance(t, torch.Tensor):
-        return t.detach().float().numpy()
+        return t.detach().float().cpu().numpy()
     return np.asarray(jnp.asarray(t).astype(jnp.float32))
+
+
+def _t(v) -> torch.Tensor:
+    """A torch copy of a numpy array (labels, masks, weights) on DEV."""
+    return torch.as_tensor(np.array(v)).to(DEV)
 
 
 def _close(a, b, tol):
@@ -85,8 +91,8 @@ def _compare_ce(x, y, w, dtype, reduction, smoothing, weighted, tol, native=True
         _jx(x, dtype), jnp.asarray(y), jnp.asarray(w)
     )
     xt = _tx(np.moveaxis(x, -1, 1), dtype)  # NCHW
-    yt = torch.tensor(y)
-    wt = torch.tensor(w) if weighted else None
+    yt = _t(y)
+    wt = _t(w) if weighted else None
     t_out = tl.softmax_cross_entropy(
         xt, yt, dim=1, ignore_index=ii, label_smoothing=smoothing, weights=wt,
         reduction=reduction,
@@ -163,16 +169,16 @@ def test_cross_entropy_all_ignored_is_zero_not_nan(dtype, weighted, tol):
         _jx(x, dtype), jnp.asarray(y), jnp.asarray(w)
     )
     xt = _tx(np.moveaxis(x, -1, 1), dtype)
-    wt = torch.tensor(w) if weighted else None
+    wt = _t(w) if weighted else None
     t_out = tl.softmax_cross_entropy(
-        xt, torch.tensor(y), ignore_index=IGNORE, label_smoothing=0.1, weights=wt
+        xt, _t(y), ignore_index=IGNORE, label_smoothing=0.1, weights=wt
     )
     t_out.backward()
     assert float(j_out) == 0.0 and t_out.item() == 0.0
     assert not np.any(_np(j_grad)) and not np.any(_np(xt.grad))
     # ... where torch's own F.cross_entropy gives NaN (0 / 0)
     native = F.cross_entropy(
-        _tx(np.moveaxis(x, -1, 1), "float32"), torch.tensor(y), weight=wt,
+        _tx(np.moveaxis(x, -1, 1), "float32"), _t(y), weight=wt,
         ignore_index=IGNORE, label_smoothing=0.1,
     )  # fmt: skip
     assert torch.isnan(native)
@@ -186,8 +192,8 @@ def test_cross_entropy_nchw_vs_nhwc(tol):
     kw = dict(ignore_index=IGNORE, label_smoothing=0.1, reduction="none")
     j_nchw = jl.softmax_cross_entropy(jnp.asarray(x_nchw), jnp.asarray(y), axis=1, **kw)
     j_nhwc = jl.softmax_cross_entropy(jnp.asarray(x), jnp.asarray(y), **kw)
-    t_nhwc = tl.softmax_cross_entropy(torch.tensor(x), torch.tensor(y), dim=-1, **kw)
-    t_nchw = tl.softmax_cross_entropy(torch.tensor(x_nchw), torch.tensor(y), **kw)
+    t_nhwc = tl.softmax_cross_entropy(_t(x), _t(y), dim=-1, **kw)
+    t_nchw = tl.softmax_cross_entropy(_t(x_nchw), _t(y), **kw)
     for out in (j_nhwc, t_nhwc, t_nchw):
         _close(j_nchw, out, tol("float32"))
     g_nchw = jax.jit(
@@ -246,7 +252,7 @@ def test_sigmoid_bce_parity(dtype, reduction, weighted, tol):
     t = rng.random((2, 3, 5)).astype(np.float32)
     w = rng.uniform(0.1, 2, size=(3, 5)).astype(np.float32)
     wj = jnp.asarray(w) if weighted else None
-    wt = torch.tensor(w) if weighted else None
+    wt = _t(w) if weighted else None
 
     def f(v):
         out = jl.sigmoid_binary_cross_entropy(
@@ -256,13 +262,11 @@ def test_sigmoid_bce_parity(dtype, reduction, weighted, tol):
 
     (_, j_out), j_grad = jax.value_and_grad(f, has_aux=True)(_jx(x, dtype))
     xt = _tx(x, dtype)
-    t_out = tl.sigmoid_binary_cross_entropy(
-        xt, torch.tensor(t), weights=wt, reduction=reduction
-    )
+    t_out = tl.sigmoid_binary_cross_entropy(xt, _t(t), weights=wt, reduction=reduction)
     t_out.sum().backward()
     xn = _tx(x, "float32")
     n_out = F.binary_cross_entropy_with_logits(
-        xn, torch.tensor(t), weight=wt, reduction=reduction
+        xn, _t(t), weight=wt, reduction=reduction
     )
     n_out.sum().backward()
     assert j_out.dtype == jnp.float32 and t_out.dtype == torch.float32
@@ -296,9 +300,7 @@ def test_balanced_bce_parity(dtype, case, tol):
         )
     )(_jx(x, dtype))
     xt = _tx(x, dtype)
-    t_val = tl.balanced_binary_cross_entropy(
-        xt, torch.tensor(gt), torch.tensor(mask), negative_ratio=ratio
-    )
+    t_val = tl.balanced_binary_cross_entropy(xt, _t(gt), _t(mask), negative_ratio=ratio)
     t_val.backward()
     _close(j_val, t_val, tol("float32"))
     _close(j_grad, xt.grad, tol(dtype))
@@ -319,12 +321,12 @@ def test_dice_parity(dtype, masked, tol):
     }
     m = None if m[masked] is None else m[masked].astype(np.float32)
     mj = None if m is None else jnp.asarray(m)
-    mt = None if m is None else torch.tensor(m)
+    mt = None if m is None else _t(m)
     j_val, j_grad = jax.value_and_grad(lambda v: jl.dice_loss(v, jnp.asarray(g), mj))(
         _jx(p, dtype)
     )
     pt = _tx(p, dtype)
-    t_val = tl.dice_loss(pt, torch.tensor(g), mt)
+    t_val = tl.dice_loss(pt, _t(g), mt)
     t_val.backward()
     chex.assert_tree_all_finite(j_grad)
     _close(j_val, t_val, tol("float32"))
@@ -349,7 +351,7 @@ def test_masked_l1_parity(dtype, empty, tol):
         lambda v: jl.masked_l1_loss(v, jnp.asarray(t), jnp.asarray(m))
     )(_jx(p, dtype))
     pt = _tx(p, dtype)
-    t_val = tl.masked_l1_loss(pt, torch.tensor(t), torch.tensor(m))
+    t_val = tl.masked_l1_loss(pt, _t(t), _t(m))
     t_val.backward()
     _close(j_val, t_val, tol("float32"))
     _close(j_grad, pt.grad, tol(dtype))
@@ -394,7 +396,7 @@ def test_db_loss_parity(dtype, tol):
     )
     j_val, (ja, jb) = j_fn(_jx(logits, dtype), _jx(thresh, dtype))
     ta, tb = _tx(logits, dtype), _tx(thresh, dtype)
-    t_val = tl.db_loss(ta, tb, *(torch.tensor(v) for v in (gt, mask, tmap, tmask)))
+    t_val = tl.db_loss(ta, tb, *(_t(v) for v in (gt, mask, tmap, tmask)))
     t_val.backward()
     _close(j_val, t_val, tol("float32"))
     _close(ja, ta.grad, tol(dtype))
@@ -422,7 +424,7 @@ def test_info_nce_parity(dtype, case, tol):
         argnums=(0, 1, 2),
     )(_jx(a, dtype), _jx(b, dtype), jnp.float32(temp))
     at, bt = _tx(a, dtype), _tx(b, dtype)
-    tt = torch.tensor(temp, dtype=torch.float32, requires_grad=True)
+    tt = torch.tensor(temp, dtype=torch.float32, device=DEV, requires_grad=True)
     t_val = tl.info_nce(at, bt, temperature=tt, min_temperature=min_t, eps=eps)
     t_val.backward()
     chex.assert_tree_all_finite((j_val, ja, jb, jt))

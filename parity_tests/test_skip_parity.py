@@ -13,11 +13,13 @@ import numpy as np
 import optax
 import torch
 
+from conftest import torch_device
 from jaxstable import loss_scale as jls
 from jaxstable import transforms
 
 _POISON = {3: np.nan, 4: np.inf, 9: -np.inf}
 _STEPS = 14
+DEV = torch_device()  # CUDA when present: both frameworks on the GPU
 
 
 def _grad_sequence():
@@ -40,10 +42,11 @@ def test_skip_matches_grad_scaler_skipped_step(tol):
 
     # torch: the real GradScaler decides to skip optimizer.step().
     tparams = {
-        k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in init.items()
+        k: torch.nn.Parameter(torch.from_numpy(v.copy()).to(DEV))
+        for k, v in init.items()
     }
     opt = torch.optim.Adam(tparams.values(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    scaler = torch.amp.GradScaler(DEV, init_scale=2.0**4)
 
     # JAX: the same Adam inside skip_non_finite, with the same loss scale.
     tx = transforms.skip_non_finite(optax.adam(1e-2))
@@ -66,7 +69,7 @@ def test_skip_matches_grad_scaler_skipped_step(tol):
         before_j = (params, state)
 
         opt.zero_grad()
-        loss = sum((tparams[k] * torch.from_numpy(g[k])).sum() for k in tparams)
+        loss = sum((tparams[k] * torch.from_numpy(g[k]).to(DEV)).sum() for k in tparams)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         scaler.step(opt)
@@ -96,12 +99,12 @@ def test_skip_matches_grad_scaler_skipped_step(tol):
             st = opt.state[p]
             assert int(st["step"].item()) == int(adam.count)
             np.testing.assert_allclose(
-                np.asarray(adam.mu[k]), st["exp_avg"].numpy(), **tol("float32")
+                np.asarray(adam.mu[k]), st["exp_avg"].cpu().numpy(), **tol("float32")
             )
             np.testing.assert_allclose(
-                np.asarray(adam.nu[k]), st["exp_avg_sq"].numpy(), **tol("float32")
+                np.asarray(adam.nu[k]), st["exp_avg_sq"].cpu().numpy(), **tol("float32")
             )
             np.testing.assert_allclose(
-                np.asarray(params[k]), p.detach().numpy(), **tol("float32")
+                np.asarray(params[k]), p.detach().cpu().numpy(), **tol("float32")
             )
     assert int(adam.count) == _STEPS - len(_POISON)

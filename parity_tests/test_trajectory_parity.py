@@ -49,6 +49,7 @@ import optax
 import pytest
 import torch
 
+from conftest import torch_device
 from jaxstable import loss_scale as jls
 from jaxstable import losses as jlosses
 from jaxstable import train as jtrain
@@ -58,6 +59,7 @@ from torchref import losses as tlosses
 from torchref import train as ttrain
 
 _STEPS = 44
+DEV = torch_device()  # CUDA when present: both frameworks on the GPU
 _POISON = frozenset({5, 17, 18, 30})  # NaN input at these steps (0-based)
 _BATCH = 8
 _CLASSES = 5
@@ -177,7 +179,11 @@ class JaxConvNet(nn.Module):
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy().copy()
+    return t.detach().cpu().numpy().copy()
+
+
+def _torch_batch(x: np.ndarray, y: np.ndarray):
+    return torch.from_numpy(x).to(DEV), torch.from_numpy(y.astype(np.int64)).to(DEV)
 
 
 def _torch_to_jax(model: torch.nn.Module):
@@ -227,7 +233,7 @@ def _make_torch(
     kind, opt_name, max_grad_norm, *, scale=_LOSS_SCALE, autocast_dtype=None
 ):
     torch.manual_seed(0)
-    model = TorchMLP() if kind == "mlp" else TorchConvNet()
+    model = (TorchMLP() if kind == "mlp" else TorchConvNet()).to(DEV)
     model.train()
     opt = _OPTIMIZERS[opt_name][1](model.parameters())
 
@@ -302,7 +308,7 @@ def test_guarded_step_trajectories_agree(kind, opt_name, tol):
     applied = 0  # finite (applied) steps so far: BN stats move only on these
     scales, clipped = [], []
     for i, (x, y) in enumerate(batches):
-        tm = tstep((torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))))
+        tm = tstep(_torch_batch(x, y))
         state, jm = jstep(state, (jnp.asarray(_to_jax_layout(x)), jnp.asarray(y)))
         jm = jax.device_get(jm)
         where = f"{kind}/{opt_name} step {i}"
@@ -380,7 +386,7 @@ def test_real_fp16_overflow_backs_off_alike(kind, tol):
     finite = []
     for i, (x, y) in enumerate(batches):
         before = jax.device_get(state.params)
-        tm = tstep((torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))))
+        tm = tstep(_torch_batch(x, y))
         state, jm = jstep(state, (jnp.asarray(_to_jax_layout(x)), jnp.asarray(y)))
         jm = jax.device_get(jm)
         where = f"{kind} fp16 step {i}"
