@@ -318,14 +318,18 @@ def _step_variants(x, y, dtype, width, depth, device, compile_torch):
     def tloss(m, b):
         return tlosses.softmax_cross_entropy(m(b[0]), b[1])
 
-    tstep = ttrain.TrainStep(
-        tmodel,
-        torch.optim.Adam(tmodel.parameters(), lr=1e-3),
-        tloss,
-        max_grad_norm=1.0,
-        scaler=tls.DynamicLossScale() if dtype == "float16" else None,
-        autocast_dtype=tdt if device == "cuda" else None,
-    )
+    def train_step(model, check_update=True):
+        return ttrain.TrainStep(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-3),
+            tloss,
+            max_grad_norm=1.0,
+            scaler=tls.DynamicLossScale() if dtype == "float16" else None,
+            autocast_dtype=tdt if device == "cuda" else None,
+            check_update=check_update,
+        )
+
+    tstep = train_step(tmodel)
     pmodel = model_torch.UNet(3, 19, width=width, depth=depth).to(device)
     popt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
 
@@ -352,14 +356,8 @@ def _step_variants(x, y, dtype, width, depth, device, compile_torch):
         rscaler.step(ropt)
         rscaler.update()
 
-    nmodel = model_torch.UNet(3, 19, width=width, depth=depth).to(device)
-    nstep = ttrain.TrainStep(
-        nmodel,
-        torch.optim.Adam(nmodel.parameters(), lr=1e-3),
-        tloss,
-        max_grad_norm=1.0,
-        scaler=tls.DynamicLossScale() if dtype == "float16" else None,
-        autocast_dtype=tdt if device == "cuda" else None,
+    nstep = train_step(
+        model_torch.UNet(3, 19, width=width, depth=depth).to(device),
         check_update=False,
     )
     variants = {
