@@ -130,7 +130,7 @@ def _run_jax(x, y):
     def one(state, i):
         state, m = step(state, (x[i], y[i]))
         m = jax.device_get(m)
-        return state, (float(m["loss_scale"]), bool(m["grads_finite"]), m["finite"])
+        return state, (m["loss_scale"], m["grads_finite"], m["finite"], m["loss"])
 
     return (*_soak(state, one, lambda s: int(s.skipped_total)), len(traces))
 
@@ -150,7 +150,7 @@ def _run_torch(x, y):
 
     def one(state, i):
         m = step((xt[i], yt[i]))
-        return state, (m["loss_scale"], m["grads_finite"], m["finite"])
+        return state, (m["loss_scale"], m["grads_finite"], m["finite"], m["loss"])
 
     run = _soak(None, one, lambda _: step.skip_state.skipped_total)
     state = {
@@ -172,13 +172,15 @@ def _soak(state, one, skipped_total):
     scales = np.empty(_STEPS, np.float32)
     grads_finite = np.empty(_STEPS, bool)
     applied = np.empty(_STEPS, bool)
+    losses = np.empty(_STEPS, np.float32)
     rss = []
     for i in range(_STEPS):
-        state, (scales[i], grads_finite[i], applied[i]) = one(state, i)
+        state, (scales[i], grads_finite[i], applied[i], losses[i]) = one(state, i)
         if i + 1 == _MEASURE_AT:
             rss.append(_rss_bytes())
     rss.append(_rss_bytes())
-    return state, scales, grads_finite, applied, skipped_total(state), rss
+    flags = grads_finite, applied, losses
+    return state, scales, flags, skipped_total(state), rss
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +204,8 @@ def test_nan_storm_soak(framework, data):
     assert len(poisoned) >= 0.05 * _STEPS
     assert {"nan", "inf", "-inf"} == {str(v) for v in bad_values}
     run = _run_jax if framework == "jax" else _run_torch
-    state, scales, grads_finite, applied, skipped_total, rss, *traces = run(x, y)
+    state, scales, flags, skipped_total, rss, *traces = run(x, y)
+    grads_finite, applied, losses = flags
 
     # Every poisoned batch gave non-finite gradients; the other bad steps are
     # fp16 overflows of clean batches, and there were plenty of them.
@@ -211,6 +214,11 @@ def test_nan_storm_soak(framework, data):
     assert not grads_finite[is_poisoned].any()
     overflows = int((~grads_finite & ~is_poisoned).sum())
     assert overflows >= 50, overflows  # real overflow, not an accident
+    # An overflow is in the scaled backward pass only: the loss of a clean
+    # batch is finite. A NaN input makes the loss NaN; an Inf one need not
+    # (tanh(+-inf) = +-1), only its gradient x^T * delta is non-finite.
+    assert np.isfinite(losses[~is_poisoned]).all()
+    assert not np.isfinite(losses[poisoned[np.isnan(bad_values)]]).any()
     # Every bad step skipped, every good one applied: no update turned
     # non-finite on its own (float32 params and Adam state).
     np.testing.assert_array_equal(applied, grads_finite)
