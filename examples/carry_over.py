@@ -29,8 +29,12 @@ clip, `optax.chain`, `optax.inject_hyperparams`...). Hyperparameters are not
 state: build the other side's optimizer with the same ones (optax's
 ``adamw(weight_decay=...)`` is torch's AdamW's ``weight_decay``; torch's
 defaults differ from optax's). What a run does NOT carry: RNG states and the
-data position (the caller resumes its data at ``steps_done``) and torch-only
-buffers (``num_batches_tracked``: the target keeps its own).
+data position (the caller resumes its data at ``steps_done``), torch-only
+buffers (``num_batches_tracked``: the target keeps its own), LR schedules
+(torch keeps them outside the optimizer; ``optax.inject_hyperparams``'s own
+count is left as the target's), and, into a plain `torch.amp.GradScaler`,
+``min_loss_scale`` (GradScaler has no floor; torchref's ``DynamicGradScaler``
+keeps it).
 
 Parameters are matched by name, through a :class:`Layout` (where a torch key
 lives in the JAX pytrees and how its array is laid out; optimizer moments
@@ -445,6 +449,13 @@ def _scaler_from_jax(ls: Any, like: Mapping[str, Any]) -> dict[str, Any]:
         return dict(like)
     if not isinstance(ls, jls.DynamicLossScale):
         raise TypeError(f"unsupported loss scale {kind}")
+    plain = "hysteresis" not in like  # a torch.amp.GradScaler, no subclass
+    if plain and (int(ls.hysteresis) != 1 or int(ls.non_finite_counter) != 0):
+        raise ValueError(
+            f"DynamicLossScale(hysteresis={ls.hysteresis}) needs torchref's "
+            "DynamicGradScaler (torchref.loss_scale.DynamicLossScale(hysteresis=...)"
+            ".make_scaler()); a plain GradScaler backs off on every non-finite step"
+        )
     factor = float(ls.factor)
     return {
         "scale": float(ls.loss_scale),

@@ -284,3 +284,14 @@ def test_a_mismatch_is_refused_naming_it(case):
     run, target, message = _REFUSED[case]
     with pytest.raises(ValueError, match=message):
         carry_over.train_state_from_torch(run(), target(), _LINEAR)
+
+
+def test_hysteresis_is_not_dropped_into_a_plain_grad_scaler():
+    state = _linear_target(optax.adam(0.1), jls.DynamicLossScale(hysteresis=2))
+    plain = _linear_run(_adam, torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"hysteresis=2\) needs torchref's"):
+        carry_over.torch_run_from_train_state(state, _LINEAR, plain)
+    # torchref's DynamicGradScaler carries it.
+    ours = _linear_run(_adam, tls.DynamicLossScale(hysteresis=2))
+    run = carry_over.torch_run_from_train_state(state, _LINEAR, ours)
+    assert run["scaler"]["hysteresis"] == 2
