@@ -16,6 +16,7 @@ first step after it grows the scale only if the growth tracker was carried.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from jaxstable import loss_scale as jls
 from jaxstable import losses as jlosses
 from jaxstable import train as jtrain
 from jaxstable import transforms
-from parity_tests.test_trajectory_parity import _OPTIMIZERS
+from parity_tests.test_trajectory_parity import _LR, _OPTIMIZERS
 from torchref import loss_scale as tls
 from torchref import losses as tlosses
 from torchref import train as ttrain
@@ -91,30 +92,87 @@ def _torch_steps(step, batches):
     return metrics
 
 
+class _DecayState(NamedTuple):
+    weight_decay: jax.Array
+
+
+def _decay_in_state(weight_decay: float) -> optax.GradientTransformation:
+    """optax.add_decayed_weights with the rate in the state, not the closure."""
+
+    def init(params):
+        del params
+        return _DecayState(jnp.asarray(weight_decay, jnp.float32))
+
+    def update(updates, state, params):
+        u = jax.tree.map(lambda g, p: g + state.weight_decay * p, updates, params)
+        return u, state
+
+    return optax.GradientTransformation(init, update)
+
+
+# Compiling the U-Net's JAX step takes 15-20 s on CPU while 5 jobs share the
+# 2 cores, once per optimizer structure. Adam and AdamW share one: optax's
+# adamw chain (scale_by_adam, add weight_decay * p, scale by -lr) with the rate
+# in the state: 0.0 is Adam's update exactly (u + 0 * p = u), 0.05 AdamW's
+# (the same float32 product as optax.adamw's). The optimizer states are
+# inside a custom chain, so the converter's generic search is tested too.
+# (optax.inject_hyperparams would do the same, but it rounds the Adam update
+# differently: 7e-6 relative per step, which this U-Net amplified past the
+# trajectory tolerance within 4 steps.)
+_ADAM_CHAIN = transforms.stable_optimizer(
+    optax.chain(
+        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
+        _decay_in_state(0.0),
+        optax.scale_by_learning_rate(_LR["adam"]),
+    ),
+    max_grad_norm=_MAX_GRAD_NORM,
+)
+assert _LR["adam"] == _LR["adamw"]
+_WEIGHT_DECAY = {"adam": 0.0, "adamw": 0.05}  # as in _OPTIMIZERS
+
+
 @functools.cache
-def _jax_parts(opt_name: str):
-    """(initial TrainState, jitted step): the torch init, converted."""
-    graphdef, params, stats = model_jax.split(
-        convert.nnx_from_torch(_torch_step(opt_name).model)
-    )
-    tx = transforms.stable_optimizer(
-        _OPTIMIZERS[opt_name][0](), max_grad_norm=_MAX_GRAD_NORM
-    )
-
-    def create(params, stats, ls):
-        return jtrain.TrainState.create(
-            params=params, optimizer=tx, loss_scale=ls, model_state=stats
-        )
-
-    ls = jls.DynamicLossScale(loss_scale=_SCALE, period=_PERIOD)
-    # One compiled init instead of one eager program per optax zeros_like.
-    state = jax.jit(create)(params, stats, ls)
+def _train_step(family: str):
+    graphdef = model_jax.split(convert.nnx_from_torch(_torch_step(family).model))[0]
 
     def loss_fn(p, s, batch):
         logits, s = model_jax.apply(graphdef, p, s, batch[0], train=True)
         return jlosses.softmax_cross_entropy(logits, batch[1]), s
 
-    return state, jtrain.make_train_step(loss_fn, has_state=True)
+    return jtrain.make_train_step(loss_fn, has_state=True)
+
+
+@functools.cache
+def _jax_parts(opt_name: str):
+    """(initial TrainState, jitted step): the torch init, converted."""
+    _, params, stats = model_jax.split(
+        convert.nnx_from_torch(_torch_step(opt_name).model)
+    )
+    family = "sgd_momentum" if opt_name == "sgd_momentum" else "adam"
+    tx = (
+        _ADAM_CHAIN
+        if family == "adam"
+        else transforms.stable_optimizer(
+            _OPTIMIZERS[opt_name][0](), max_grad_norm=_MAX_GRAD_NORM
+        )
+    )
+
+    def create(params, stats, ls):
+        state = jtrain.TrainState.create(
+            params=params, optimizer=tx, loss_scale=ls, model_state=stats
+        )
+        if family == "sgd_momentum":
+            return state
+        decay = _DecayState(jnp.float32(_WEIGHT_DECAY[opt_name]))
+        is_decay = lambda x: isinstance(x, _DecayState)  # noqa: E731
+        opt_state = jax.tree.map(
+            lambda x: decay if is_decay(x) else x, state.opt_state, is_leaf=is_decay
+        )
+        return state.replace(opt_state=opt_state)
+
+    ls = jls.DynamicLossScale(loss_scale=_SCALE, period=_PERIOD)
+    # One compiled init instead of one eager program per optax zeros_like.
+    return jax.jit(create)(params, stats, ls), _train_step(family)
 
 
 def _jax_steps(state, step, batches):
