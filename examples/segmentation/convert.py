@@ -33,6 +33,7 @@ stay equal in train mode too.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +88,62 @@ def convert_array(module: nnx.Module, name: str, value: torch.Tensor) -> np.ndar
     if isinstance(module, nnx.Conv) and name == "weight":
         return np.ascontiguousarray(a.transpose(2, 3, 1, 0))  # OIHW -> HWIO
     return a
+
+
+def convert_array_back(module: nnx.Module, name: str, value: Any) -> np.ndarray:
+    """Inverse of :func:`convert_array`: an NNX array -> torch's layout (float32).
+
+    Args:
+      module: the NNX module that owns the variable.
+      name: the torch attribute name (``weight``, ``bias``, ``running_mean``...).
+      value: the array in the NNX layout.
+
+    Returns:
+      A float32 numpy array in the torch layout.
+
+    Example:
+        >>> up = nnx.ConvTranspose(8, 4, kernel_size=(2, 2), rngs=nnx.Rngs(0))
+        >>> w = torch.randn(8, 4, 2, 2)
+        >>> back = convert_array_back(up, "weight", convert_array(up, "weight", w))
+        >>> bool(np.array_equal(back, w.numpy()))
+        True
+    """
+    a = np.asarray(value, np.float32)
+    if isinstance(module, nnx.ConvTranspose) and name == "weight":
+        # un-flip kh, kw; (kh, kw, in, out) -> (in, out, kh, kw)
+        return np.ascontiguousarray(a[::-1, ::-1].transpose(2, 3, 0, 1))
+    if isinstance(module, nnx.Conv) and name == "weight":
+        return np.ascontiguousarray(a.transpose(3, 2, 0, 1))  # HWIO -> OIHW
+    return a.copy()
+
+
+def nnx_path(model: nnx.Module, key: str) -> tuple[nnx.Module, tuple] | None:
+    """Where a torch state_dict key lives in an NNX U-Net.
+
+    Args:
+      model: an NNX ``model_jax.UNet`` (abstract, from ``nnx.eval_shape``, is
+        enough).
+      key: a key of the torch U-Net's ``state_dict()``.
+
+    Returns:
+      ``(module, path)``: the NNX module owning the variable and the
+      variable's path in ``nnx.state(model)`` (``("encoders", 0, "bn1",
+      "var")``); None for a torch-only buffer (``num_batches_tracked``).
+
+    Raises:
+      KeyError: no NNX counterpart (the message names the key).
+
+    Example:
+        >>> m = nnx.eval_shape(lambda: model_jax.UNet(width=4, rngs=nnx.Rngs(0)))
+        >>> nnx_path(m, "encoders.0.bn1.running_var")[1]
+        ('encoders', 0, 'bn1', 'var')
+    """
+    *parts, name = key.split(".")
+    if name in _DROPPED:
+        return None
+    module = _submodule(model, parts, key)
+    attr = _nnx_name(module, name, key)
+    return module, (*(int(p) if p.isdigit() else p for p in parts), attr)
 
 
 def _nnx_name(module: nnx.Module, name: str, key: str) -> str:
@@ -149,12 +206,11 @@ def torch_to_nnx(
     }
     seen = set()
     for key, value in state_dict.items():
-        *parts, name = key.split(".")
-        if name in _DROPPED:
+        found = nnx_path(model, key)
+        if found is None:
             continue
-        module = _submodule(model, parts, key)
-        attr = _nnx_name(module, name, key)
-        variable = getattr(module, attr)
+        (module, path), name = found, key.rsplit(".", 1)[-1]
+        variable = getattr(module, path[-1])
         current = variable.get_value()  # an array, or a ShapeDtypeStruct
         array = convert_array(module, name, value)
         if array.shape != current.shape:
@@ -163,7 +219,7 @@ def torch_to_nnx(
                 f"{array.shape}, but the NNX variable has {current.shape}"
             )
         variable.set_value(jnp.asarray(array, dtype=current.dtype))
-        seen.add((*(int(p) if p.isdigit() else p for p in parts), attr))
+        seen.add(path)
     missing = expected - seen
     if missing:
         names = sorted(".".join(map(str, p)) for p in missing)
