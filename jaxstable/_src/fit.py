@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxstable._src.checkpoint import save_checkpoint
+from jaxstable._src.checkpoint import CheckpointManager
 from jaxstable._src.diagnostics import (
     format_location,
     format_report,
@@ -23,6 +23,7 @@ from jaxstable._src.loss_scale import StaticLossScale
 from jaxstable._src.step import TrainState, TrainStep
 
 NAN_POLICIES = ("skip", "stop", "rollback")
+_ROLLBACK_TARGETS = ("memory", "disk")
 
 
 class NonFiniteError(FloatingPointError):
@@ -32,7 +33,7 @@ class NonFiniteError(FloatingPointError):
     once ``max_rollbacks`` rollbacks have been used.
 
     Attributes:
-      step: 0-based index (within the `fit` call) of the step that hit the
+      step: 0-based index (in the run, see `fit`) of the step that hit the
         limit, as in `torchref.train.NonFiniteError`.
       state: the `TrainState` produced by that step (its update was skipped;
         no later batch was applied).
@@ -111,7 +112,7 @@ def fit(
     max_consecutive_nonfinite: int = 5,
     log_path: str | os.PathLike | None = None,
     progress: bool = True,
-    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_dir: str | os.PathLike | CheckpointManager | None = None,
     checkpoint_every: int | None = None,
     rollback_every: int = 100,
     max_rollbacks: int = 3,
@@ -121,13 +122,34 @@ def fit(
     eval_every: int | None = None,
     on_step: Callable[[dict[str, Any], Any], Any] | None = None,
     stop_after_nonfinite: int | None = None,
+    resume: bool = False,
+    rollback_to: str = "memory",
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
     The records, the JSONL log, the checkpoints and `NonFiniteError` are
-    those of `torchref.train.fit`: step indices are 0-based, the log is
-    overwritten at the start of each call, checkpoints are named
-    ``step_{n:08d}.msgpack`` with n the number of steps done.
+    those of `torchref.train.fit`: step indices are 0-based and count from
+    the start of the run (a resumed call goes on where the checkpoint
+    left off), checkpoints are named by the run's global step n (batches
+    of the run consumed): ``checkpoint_dir/step_{n:08d}``.
+
+    Checkpoints and resume: with ``checkpoint_dir`` (a directory, or a
+    `CheckpointManager` for other retention, a best-by-metric checkpoint or
+    synchronous saves; by default the last 3 are kept and saves run in the
+    background) the whole `TrainState` and the data position are saved
+    every ``checkpoint_every`` steps of the run and once at the end (not
+    when fit raises). With ``resume=True`` fit first restores the latest
+    intact checkpoint there (a damaged one is warned of and skipped) and
+    goes on from its position: ``steps`` and the position in ``batches``
+    count from the start of the run (a sequence is indexed from there, an
+    iterator has its first batches dropped: pass it from the start), the
+    JSONL log keeps its lines before that position and is appended to, and
+    the progress bar starts there. So the very same call, re-run after a
+    crash, finishes the very same run; with no checkpoint yet it starts
+    one. Without ``resume``, a directory that already holds checkpoints is
+    refused (they would be overwritten). fit uses no RNG: keep a model's
+    key in the state (``model_state``) or derive it from ``state.step``,
+    and it is checkpointed with the rest.
 
     Pipelining: the metrics of step k are read to the host only after step
     k+1 has been dispatched, so the device is never idle waiting for the
@@ -154,7 +176,11 @@ def fit(
     counter restarts, that step's record gets ``"rolled_back": True`` (the
     only record with that key) and training goes on with the NEXT batch
     (the bad ones are not retried). The trigger after ``max_rollbacks``
-    rollbacks raises `NonFiniteError` as "stop" does. It costs one more
+    rollbacks raises `NonFiniteError` as "stop" does. With
+    ``rollback_to="disk"`` the state goes back to the last intact checkpoint
+    in ``checkpoint_dir`` instead (one is written before the first step if
+    there is none; ``rollback_every`` is then unused): no copy in device
+    memory. The in-memory snapshot costs one more
     copy of the state in device memory.
 
     Args:
@@ -169,7 +195,8 @@ def fit(
         ``"rollback"`` (restore the last good snapshot instead, see above).
       max_consecutive_nonfinite: the limit for ``"stop"`` and
         ``"rollback"``, >= 1.
-      log_path: JSONL file, overwritten at the start of the call: one line
+      log_path: JSONL file, overwritten at the start of a call that does not
+        resume (see above for one that does): one line
         per step (keys ``step, loss, grad_norm, loss_scale, finite,
         skipped_total`` and ``aux[...]`` scalars; with a step that reports
         ``grads_finite``, as `make_train_step`'s does, that key too, and a
@@ -177,10 +204,11 @@ def fit(
         ``"non-finite update"``).
       progress: show a tqdm progress bar with loss, grad_norm, loss_scale,
         skipped.
-      checkpoint_dir: where to write ``step_{n:08d}.msgpack`` checkpoints; a
-        final one is always written when the loop ends (not when it raises).
-      checkpoint_every: also write one every this many steps (needs
-        ``checkpoint_dir``). Without it, only the final checkpoint.
+      checkpoint_dir: None, a directory or a `CheckpointManager` (see
+        above); a final checkpoint is always written when the loop ends (not
+        when it raises).
+      checkpoint_every: also write one every this many steps of the run
+        (needs ``checkpoint_dir``). Without it, only the final checkpoint.
       rollback_every: snapshot period in steps for ``"rollback"``, int >= 1
         (accepted, unused, with the other policies).
       max_rollbacks: rollbacks allowed in this call for ``"rollback"``,
@@ -207,6 +235,10 @@ def fit(
       on_step: ``on_step(record, state)``, called once per step with the
         step's record (after it is logged) and the state that step produced;
         if it returns True, fit stops after that step and returns normally.
+      resume: continue the run from the latest intact checkpoint in
+        ``checkpoint_dir`` (see above).
+      rollback_to: ``"memory"`` (the in-memory snapshot) or ``"disk"`` (the
+        last intact checkpoint; needs ``checkpoint_dir``).
       stop_after_nonfinite: None, or an int >= 0: fit returns normally
         (nothing raised) this many steps after the first step of the call
         whose record has ``finite == False`` (0: stop at that step). For runs
@@ -266,56 +298,37 @@ def fit(
       >>> hist[3]["eval['p0']"] == float(state.params[0]), hist[0]["time_s"] > 0
       (True, True)
     """
-    _check_fit_extras(time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite)
-    if nan_policy not in NAN_POLICIES:
-        raise ValueError(
-            f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}"
-        )
-    if (
-        isinstance(max_consecutive_nonfinite, bool)
-        or not isinstance(max_consecutive_nonfinite, int)
-        or max_consecutive_nonfinite < 1
-    ):
-        raise ValueError(
-            "max_consecutive_nonfinite must be an int >= 1, "
-            f"got {max_consecutive_nonfinite!r}"
-        )
-    for name, value in (
-        ("rollback_every", rollback_every),
-        ("max_rollbacks", max_rollbacks),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if steps is not None and (
-        isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
-    ):
-        raise ValueError(f"steps must be None or an int >= 0, got {steps!r}")
-    if (
-        isinstance(locate_first, bool)
-        or not isinstance(locate_first, int)
-        or locate_first < 0
-    ):
-        raise ValueError(f"locate_first must be an int >= 0, got {locate_first!r}")
-    if checkpoint_every is not None:
-        if (
-            isinstance(checkpoint_every, bool)
-            or not isinstance(checkpoint_every, int)
-            or checkpoint_every < 1
-        ):
-            raise ValueError(
-                f"checkpoint_every must be an int >= 1, got {checkpoint_every!r}"
-            )
-        if checkpoint_dir is None:
-            raise ValueError("checkpoint_every needs checkpoint_dir")
-    if checkpoint_dir is not None:
-        os.makedirs(checkpoint_dir, exist_ok=True)
+    _check_fit_args(
+        nan_policy, max_consecutive_nonfinite, rollback_every, max_rollbacks, steps,
+        locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
+        time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
+    )  # fmt: skip
+    mgr, own_mgr = _manager(checkpoint_dir)
+    try:
+        state, start = _resume(mgr, state, resume)
+        if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
+            mgr.save(start, state)  # what the first rollback goes back to
+        return _run(**locals())
+    finally:
+        if own_mgr:
+            mgr.close()  # waits for a background save
+        elif mgr is not None:
+            mgr.wait()
 
+
+def _run(
+    state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
+    log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
+    locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
+    rollback_to, mgr, start, **_,
+):  # fmt: skip
+    """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
 
     total = steps
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
-    it = iter(batches) if steps is None else itertools.islice(batches, steps)
+    it = _batches_from(batches, start, steps)
     # The lookahead needs each step's output state to outlive the next
     # dispatch whenever fit reads it (policy, callback, eval, early stop):
     # only a step that does not donate its input keeps it.
@@ -324,96 +337,72 @@ def fit(
     reads_state = reads_state or stop_after_nonfinite is not None
     pipeline = not time_steps and (not reads_state or not _may_donate(train_step))
     history: list[dict[str, Any]] = []
-    bar = tqdm(total=total, disable=not progress, desc="train")
-    log = open(log_path, "w", encoding="utf-8") if log_path is not None else None
-    consecutive = 0
+    bar = tqdm(total=total, initial=start, disable=not progress, desc="train")
+    log = _open_log(log_path, start if mgr is not None and start else None)
+    policy = _NanPolicy(
+        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
+        stop_after_nonfinite,
+    )  # fmt: skip
     rollback = nan_policy == "rollback"
-    rollbacks = 0
-    located = 0
     # A device copy: the step may donate `state`, never the snapshot.
-    snapshot = jax.tree.map(jnp.copy, state) if rollback else None
-    first_bad = None
+    in_memory = rollback and rollback_to == "memory"
+    snapshot = jax.tree.map(jnp.copy, state) if in_memory else None
 
     def consume(pending) -> str | None:
         """Logs one step, applies the policy: "rollback", "stop" or None."""
-        nonlocal consecutive, rollbacks, snapshot, located, first_bad
+        nonlocal snapshot
         index, metrics, batch, state_out, seconds = pending
         rec = _host_record(index, metrics)
         if seconds is not None:
             rec["time_s"] = seconds
         if eval_fn is not None and (index + 1) % eval_every == 0:
             rec.update(_scalar_record("eval", eval_fn(state_out)))
-        consecutive = 0 if rec["finite"] else consecutive + 1
-        triggered = nan_policy != "skip" and consecutive >= max_consecutive_nonfinite
-        rolls = triggered and rollback and rollbacks < max_rollbacks
-        if rolls:
+        action = policy.observe(index, rec["finite"])
+        if action == "rollback":
             rec["rolled_back"] = True
         location = None
-        if not rec["finite"] and (triggered or located < locate_first):
+        if policy.wants_location(rec["finite"], action):
             location = _locate_failed(train_step, state_out, metrics, batch, pipeline)
             if location is not False:
-                located += 1
+                policy.located += 1
                 rec["location"] = None if location is None else location._asdict()
         history.append(rec)
         if log is not None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
-        bar.set_postfix(
-            loss=f"{rec['loss']:.4g}",
-            grad_norm=f"{rec['grad_norm']:.3g}",
-            loss_scale=f"{rec['loss_scale']:.3g}",
-            skipped=rec["skipped_total"],
-            refresh=False,
-        )
-        bar.update(1)
+        _show(bar, rec)
         wants_stop = on_step is not None and on_step(rec, state_out) is True
-        if rolls:
-            rollbacks += 1
-            consecutive = 0
+        if action == "rollback":
             return "rollback"
-        if triggered:
+        if action == "raise":
             _raise_non_finite(
-                train_step,
-                rec,
-                consecutive,
-                batch,
-                state_out,
-                metrics,
-                history,
-                nan_policy,
-                max_rollbacks,
-                location or None,
-            )
-        if rollback and rec["finite"] and (index + 1) % rollback_every == 0:
+                train_step, rec, policy.run, batch, state_out, metrics, history,
+                nan_policy, max_rollbacks, location or None,
+            )  # fmt: skip
+        if in_memory and rec["finite"] and (index + 1) % rollback_every == 0:
             # Read before the next step is queued (see snapshot_due), so a
             # donating step has not consumed state_out yet.
             snapshot = jax.tree.map(jnp.copy, state_out)
-        if first_bad is None and not rec["finite"]:
-            first_bad = index
-        if stop_after_nonfinite is not None and first_bad is not None:
-            wants_stop = wants_stop or index - first_bad >= stop_after_nonfinite
-        return "stop" if wants_stop else None
+        return "stop" if wants_stop or policy.stop_due(index) else None
 
-    def restored():
+    def restored(current):
+        if not in_memory:  # the last good checkpoint on disk
+            return mgr.restore(current)[0]
         # A copy again: a donating step must leave the snapshot intact for
         # the next rollback.
         return jax.tree.map(jnp.copy, snapshot)
 
-    def save(st, n):
-        path = os.path.join(checkpoint_dir, f"step_{n:08d}.msgpack")
-        save_checkpoint(path, st)
-
     pending = None
-    done = 0  # steps dispatched so far
-    saved_at = None
+    done = start  # steps of the run dispatched so far
+    saved_at = start if mgr is not None and mgr.latest_step() == start else None
     try:
         for batch in it:
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             new_state, metrics = train_step(state, batch)
             seconds = None
             if time_steps:
                 jax.block_until_ready((new_state, metrics))
-                seconds = time.perf_counter() - start
+                seconds = time.perf_counter() - t0
             # Step done-1, read after step done is queued. If it rolled back,
             # the step just queued ran on a discarded state: re-run its batch
             # on the snapshot (it is the next batch, not a bad one retried).
@@ -423,32 +412,210 @@ def fit(
                 state, pending = pending[3], None
                 break
             if action == "rollback":
-                new_state, metrics = train_step(restored(), batch)
+                new_state, metrics = train_step(restored(new_state), batch)
             pending = (done, metrics, batch, new_state, seconds)
             done += 1
             state = new_state
             due = checkpoint_every is not None and done % checkpoint_every == 0
-            snapshot_due = rollback and done % rollback_every == 0
+            snapshot_due = in_memory and done % rollback_every == 0
             if not pipeline or due or snapshot_due:
                 # A checkpoint is written only after its step passed the check.
                 action = consume(pending)
                 pending = None
                 if action == "rollback":
-                    state = restored()
+                    state = restored(state)
                 elif action == "stop":
                     break
             if due:
-                save(state, done)
+                mgr.save(done, state, metrics=history[-1] if history else None)
                 saved_at = done
         if pending is not None and consume(pending) == "rollback":
-            state = restored()
-        if checkpoint_dir is not None and saved_at != done:
-            save(state, done)  # the final checkpoint
+            state = restored(state)
+        if mgr is not None and saved_at != done:
+            mgr.save(done, state)  # the final checkpoint
     finally:
         bar.close()
         if log is not None:
             log.close()
     return state, history
+
+
+def _show(bar, rec) -> None:
+    bar.set_postfix(
+        loss=f"{rec['loss']:.4g}",
+        grad_norm=f"{rec['grad_norm']:.3g}",
+        loss_scale=f"{rec['loss_scale']:.3g}",
+        skipped=rec["skipped_total"],
+        refresh=False,
+    )
+    bar.update(1)
+
+
+def _manager(checkpoint_dir):
+    """``(manager, owned)``: a `CheckpointManager` for `checkpoint_dir`."""
+    if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointManager):
+        return checkpoint_dir, False
+    return CheckpointManager(checkpoint_dir), True
+
+
+def _resume(mgr, state, resume):
+    """``(state, start)``: the latest intact checkpoint's state and data
+    position with `resume`, else `state` and 0 (refusing a directory that
+    already holds a run: its checkpoints would be overwritten)."""
+    latest = None if mgr is None else mgr.latest_step()
+    if latest is None:
+        return state, 0
+    if not resume:
+        raise ValueError(
+            f"checkpoint_dir {mgr.directory!r} already holds checkpoints (up to "
+            f"step {latest}): pass resume=True to continue that run, or another "
+            "directory to start a new one"
+        )
+    state, info = mgr.restore(state)
+    return state, int(info["data_position"])
+
+
+# Same in torchref.train.fit (the shared fit helpers below).
+class _NanPolicy:
+    """The NaN-policy bookkeeping of one `fit` call.
+
+    ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
+    ``located``: non-finite steps located; ``first_bad``: index of the
+    call's first non-finite step (for ``stop_after_nonfinite``).
+    """
+
+    def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
+        self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
+        self.locate_first, self.stop_after = locate_first, stop_after
+        self.run = self.rollbacks = self.located = 0
+        self.first_bad = None
+
+    def observe(self, index: int, finite: bool) -> str | None:
+        """What the step just recorded triggers: "rollback", "raise" or None."""
+        self.run = 0 if finite else self.run + 1
+        if not finite and self.first_bad is None:
+            self.first_bad = index
+        if self.policy == "skip" or self.run < self.limit:
+            return None
+        if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
+            self.rollbacks, self.run = self.rollbacks + 1, 0
+            return "rollback"
+        return "raise"
+
+    def wants_location(self, finite: bool, action: str | None) -> bool:
+        return not finite and (action is not None or self.located < self.locate_first)
+
+    def stop_due(self, index: int) -> bool:
+        if self.stop_after is None or self.first_bad is None:
+            return False
+        return index - self.first_bad >= self.stop_after
+
+
+def _batches_from(batches, position: int, steps: int | None):
+    """`batches` from the run's `position`, up to `steps` of the run in all.
+
+    A sequence (``__getitem__`` and ``__len__``) is indexed from `position`;
+    anything else is iterated and its first `position` batches dropped.
+    """
+    if position and hasattr(batches, "__getitem__") and hasattr(batches, "__len__"):
+        it = (batches[i] for i in range(position, len(batches)))
+    else:
+        it = itertools.islice(iter(batches), position, None)
+    return it if steps is None else itertools.islice(it, max(steps - position, 0))
+
+
+def _open_log(log_path, resumed_at: int | None):
+    """The JSONL log: overwritten, or on resume kept up to `resumed_at`
+    (lines of steps after the checkpoint are re-run, so dropped) and
+    appended to."""
+    if log_path is None:
+        return None
+    if resumed_at is None or not os.path.exists(log_path):
+        return open(log_path, "w", encoding="utf-8")
+    kept = []
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break  # a line torn by the crash: the rest is re-run
+            if not isinstance(rec, dict) or rec.get("step", resumed_at) >= resumed_at:
+                break
+            kept.append(line.rstrip("\n") + "\n")
+    tmp = f"{os.fspath(log_path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, log_path)
+    return open(log_path, "a", encoding="utf-8")
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    """One validator for every int option: ``name must be [None or ]an int >= m``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = "None or " if optional else ""
+        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
+
+
+def _check_callable(name: str, fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be None or a callable, got {fn!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_needs(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_fit_args(
+    nan_policy, max_consecutive, rollback_every, max_rollbacks, steps,
+    locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
+    time_steps, eval_fn, eval_every, on_step, stop_after,
+):  # fmt: skip
+    # Same checks and texts as torchref.train.fit.
+    _check_bool("time_steps", time_steps)
+    _check_bool("resume", resume)
+    _check_callable("eval_fn", eval_fn)
+    _check_callable("on_step", on_step)
+    _check_needs(
+        (eval_fn is None) == (eval_every is None),
+        "eval_fn and eval_every go together: pass both or neither, got "
+        f"eval_fn={eval_fn!r}, eval_every={eval_every!r}",
+    )
+    _check_int("eval_every", eval_every, 1, optional=True)
+    _check_int("stop_after_nonfinite", stop_after, 0, optional=True)
+    _check_choice("nan_policy", nan_policy, NAN_POLICIES)
+    _check_choice("rollback_to", rollback_to, _ROLLBACK_TARGETS)
+    _check_int("max_consecutive_nonfinite", max_consecutive, 1)
+    _check_int("rollback_every", rollback_every, 1)
+    _check_int("max_rollbacks", max_rollbacks, 1)
+    _check_int("steps", steps, 0, optional=True)
+    _check_int("locate_first", locate_first, 0)
+    _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
+    _check_needs(
+        checkpoint_every is None or checkpoint_dir is not None,
+        "checkpoint_every needs checkpoint_dir",
+    )
+    _check_needs(
+        not resume or checkpoint_dir is not None, "resume needs checkpoint_dir"
+    )
+    _check_needs(
+        rollback_to == "memory" or checkpoint_dir is not None,
+        "rollback_to='disk' needs checkpoint_dir",
+    )
 
 
 # Same text in jaxstable.train and torchref.train.
@@ -457,34 +624,6 @@ _UPDATE_NOTE = (
     "optimizer state) was non-finite, e.g. float16 Adam state whose second "
     "moment underflowed to 0 while eps is 0 in float16"
 )
-
-
-def _check_fit_extras(time_steps, eval_fn, eval_every, on_step, stop_after):
-    # Same checks and texts as torchref.train.fit.
-    if not isinstance(time_steps, bool):
-        raise TypeError(f"time_steps must be True or False, got {time_steps!r}")
-    for name, fn in (("eval_fn", eval_fn), ("on_step", on_step)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be None or a callable, got {fn!r}")
-    if (eval_fn is None) != (eval_every is None):
-        raise ValueError(
-            "eval_fn and eval_every go together: pass both or neither, got "
-            f"eval_fn={eval_fn!r}, eval_every={eval_every!r}"
-        )
-    if eval_every is not None and (
-        isinstance(eval_every, bool)
-        or not isinstance(eval_every, int)
-        or eval_every < 1
-    ):
-        raise ValueError(f"eval_every must be None or an int >= 1, got {eval_every!r}")
-    if stop_after is not None and (
-        isinstance(stop_after, bool)
-        or not isinstance(stop_after, int)
-        or stop_after < 0
-    ):
-        raise ValueError(
-            f"stop_after_nonfinite must be None or an int >= 0, got {stop_after!r}"
-        )
 
 
 def _scalar_record(prefix: str, tree: Any) -> dict[str, float]:
