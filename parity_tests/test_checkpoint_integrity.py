@@ -28,14 +28,18 @@ DATA = [np.full((4, 2), 0.1 * (i + 1), np.float32) for i in range(8)]
 DATA[3] = np.full((4, 2), np.nan, np.float32)
 
 
+# One step (and one optimizer) for every test: compiled once per session.
+_JAX_TX = jtransforms.stable_optimizer(optax.adam(0.1))
+_JAX_STEP = jtrain.make_train_step(lambda p, b: jnp.mean((b @ p["w"] - 1.0) ** 2))
+
+
 def _jax_setup():
     state = jtrain.TrainState.create(
         params={"w": jnp.full((2,), 0.5)},
-        optimizer=jtransforms.stable_optimizer(optax.adam(0.1)),
+        optimizer=_JAX_TX,
         loss_scale=jls.DynamicLossScale(2.0**4, period=2),
     )
-    step = jtrain.make_train_step(lambda p, b: jnp.mean((b @ p["w"] - 1.0) ** 2))
-    return state, step
+    return state, _JAX_STEP
 
 
 def _torch_setup():
