@@ -1,13 +1,15 @@
 """JAX: public API of `jaxstable.train`.
 
-Implementation in `jaxstable._src.train`.
+Implementation in `jaxstable._src.step` (the state and the guarded step),
+`jaxstable._src.checkpoint` (checkpoints) and `jaxstable._src.fit` (the loop).
 """
 
-from jaxstable._src.train import NAN_POLICIES as NAN_POLICIES
-from jaxstable._src.train import NonFiniteError as NonFiniteError
-from jaxstable._src.train import TrainState as TrainState
-from jaxstable._src.train import TrainStep as TrainStep
-from jaxstable._src.train import fit as fit
-from jaxstable._src.train import load_checkpoint as load_checkpoint
-from jaxstable._src.train import make_train_step as make_train_step
-from jaxstable._src.train import save_checkpoint as save_checkpoint
+from jaxstable._src.checkpoint import CheckpointManager as CheckpointManager
+from jaxstable._src.checkpoint import load_checkpoint as load_checkpoint
+from jaxstable._src.checkpoint import save_checkpoint as save_checkpoint
+from jaxstable._src.fit import NAN_POLICIES as NAN_POLICIES
+from jaxstable._src.fit import NonFiniteError as NonFiniteError
+from jaxstable._src.fit import fit as fit
+from jaxstable._src.step import TrainState as TrainState
+from jaxstable._src.step import TrainStep as TrainStep
+from jaxstable._src.step import make_train_step as make_train_step

@@ -3,6 +3,7 @@
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,8 @@ MODULES = [
     "train",
     "distributed",
 ]
+
+PACKAGES = ("jaxstable", "torchref")
 
 # Names that exist on one side only, and why. Keep this list short and honest.
 JAX_ONLY = {
@@ -72,3 +75,10 @@ def test_public_names_mirror(module):
         f"{module}: only in jaxstable {sorted(jax_names - torch_names)}, "
         f"only in torchref {sorted(torch_names - jax_names)}"
     )
+
+
+def test_implementation_modules_mirror():
+    # jaxstable/_src/step.py has torchref/_src/step.py, and so on.
+    root = Path(__file__).resolve().parents[1]
+    files = {p: {f.name for f in (root / p / "_src").glob("*.py")} for p in PACKAGES}
+    assert files["jaxstable"] == files["torchref"], files

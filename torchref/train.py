@@ -1,11 +1,13 @@
 """PyTorch: public API of `torchref.train`.
 
-Implementation in `torchref._src.train`.
+Implementation in `torchref._src.step` (the guarded step),
+`torchref._src.checkpoint` (checkpoints) and `torchref._src.fit` (the loop).
 """
 
-from torchref._src.train import NAN_POLICIES as NAN_POLICIES
-from torchref._src.train import NonFiniteError as NonFiniteError
-from torchref._src.train import TrainStep as TrainStep
-from torchref._src.train import fit as fit
-from torchref._src.train import load_checkpoint as load_checkpoint
-from torchref._src.train import save_checkpoint as save_checkpoint
+from torchref._src.checkpoint import CheckpointManager as CheckpointManager
+from torchref._src.checkpoint import load_checkpoint as load_checkpoint
+from torchref._src.checkpoint import save_checkpoint as save_checkpoint
+from torchref._src.fit import NAN_POLICIES as NAN_POLICIES
+from torchref._src.fit import NonFiniteError as NonFiniteError
+from torchref._src.fit import fit as fit
+from torchref._src.step import TrainStep as TrainStep

@@ -259,11 +259,11 @@ def test_fit_logs_and_skips(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "loss_scale" in err and "skipped" in err  # the tqdm bar
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "step_00000004.msgpack",
-        "step_00000006.msgpack",  # the final one
+        "step_00000004",
+        "step_00000006",  # the final one (orbax checkpoint directories)
     ]
     blank = _state()
-    restored = train.load_checkpoint(tmp_path / "ckpt" / "step_00000006.msgpack", blank)
+    restored = train.load_checkpoint(tmp_path / "ckpt" / "step_00000006", blank)
     jax.tree.map(np.testing.assert_array_equal, restored.params, state.params)
     assert float(restored.loss_scale.loss_scale) == float(state.loss_scale.loss_scale)
     assert int(restored.skipped_total) == 1
@@ -328,7 +328,7 @@ def test_fit_stop_state_is_that_of_the_failing_step(tmp_path, donate, every):
     assert [h["step"] for h in err.history] == [0, 1, 2]
     logged = [json.loads(s)["step"] for s in (tmp_path / "log.jsonl").open()]
     assert logged == [0, 1, 2]
-    expected_files = [] if every is None else [f"step_{n:08d}.msgpack" for n in (1, 2)]
+    expected_files = [] if every is None else [f"step_{n:08d}" for n in (1, 2)]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == expected_files
 
 
@@ -367,8 +367,8 @@ def test_fit_checkpoint_dir_alone_writes_a_final_checkpoint(tmp_path):
         progress=False,
         checkpoint_dir=tmp_path,
     )
-    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003.msgpack"]
-    restored = train.load_checkpoint(tmp_path / "step_00000003.msgpack", _state())
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
+    restored = train.load_checkpoint(tmp_path / "step_00000003", _state())
     assert int(restored.step) == 3
 
 
@@ -419,7 +419,7 @@ def test_non_scalar_loss_is_rejected():
 
 
 def test_load_checkpoint_rejects_another_loss_scale_type(tmp_path):
-    path = tmp_path / "ck.msgpack"
+    path = tmp_path / "ck"
     train.save_checkpoint(path, _state(ls=jls.DynamicLossScale(period=7)))
     for other in (jls.NoOpLossScale(), jls.StaticLossScale(8.0)):
         target = _state().replace(loss_scale=other)
@@ -588,7 +588,7 @@ def test_load_checkpoint_without_optimizer_types_still_checks_leaves(tmp_path):
 
 
 def test_load_checkpoint_lists_at_most_twelve_leaves_and_counts_the_rest(tmp_path):
-    path = tmp_path / "ck.msgpack"
+    path = tmp_path / "ck"
     train.save_checkpoint(path, {f"p{i:02d}": jnp.zeros(2) for i in range(20)})
     with pytest.raises(ValueError) as info:
         train.load_checkpoint(path, {f"p{i:02d}": jnp.zeros(3) for i in range(20)})

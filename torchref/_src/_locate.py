@@ -448,7 +448,7 @@ def _run(step: Any, batch: Any, scale: float) -> _Run:
 
 
 def locate(step: Any, batch: Any, cls: type, loss_scale: float | None = None) -> Any:
-    from torchref._src.train import TrainStep
+    from torchref._src.step import TrainStep
 
     if not isinstance(step, TrainStep):
         raise TypeError(

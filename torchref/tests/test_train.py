@@ -432,7 +432,6 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
     assert math.isnan(lines[1]["grad_norm"])
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert files == ["step_00000004.pt", "step_00000008.pt"]
-    ck = torch.load(tmp_path / "ck" / files[-1], weights_only=False)
     fresh_model = _mlp(seed=3)
     fresh = train.TrainStep(
         fresh_model,
@@ -440,7 +439,7 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
         _mse,
         scaler=ls.DynamicLossScale(),
     )
-    fresh.load_state_dict(ck)
+    train.load_checkpoint(tmp_path / "ck" / files[-1], fresh)
     assert fresh.scaler.get_scale() == step.scaler.get_scale()
     assert fresh.skip_state == step.skip_state and fresh.steps_done == 8
     assert all(

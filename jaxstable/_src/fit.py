@@ -1,0 +1,711 @@
+"""The fit loop: logging, progress, checkpoints and the NaN policy."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxstable._src.checkpoint import CheckpointManager
+from jaxstable._src.diagnostics import (
+    format_location,
+    format_report,
+    locate,
+    non_finite_report,
+)
+from jaxstable._src.loss_scale import StaticLossScale
+from jaxstable._src.step import TrainState, TrainStep
+
+NAN_POLICIES = ("skip", "stop", "rollback")
+_ROLLBACK_TARGETS = ("memory", "disk")
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised by `fit` after too many non-finite steps in a row.
+
+    With ``nan_policy="stop"`` at the first such run; with ``"rollback"``
+    once ``max_rollbacks`` rollbacks have been used.
+
+    Attributes:
+      step: 0-based index (in the run, see `fit`) of the step that hit the
+        limit, as in `torchref.train.NonFiniteError`.
+      state: the `TrainState` produced by that step (its update was skipped;
+        no later batch was applied).
+      report: `non_finite_report` of that step's gradients, recomputed at the
+        loss scale that step used.
+      history: the per-step records, ending with that step.
+      location: `jaxstable.diagnostics.locate` of that step (a
+        `NonFiniteLocation`), None when the op-by-op re-run found it finite.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        state: Any,
+        report: list,
+        history: list,
+        location: Any = None,
+    ):
+        super().__init__(message)
+        self.step = step
+        self.state = state
+        self.report = report
+        self.history = history
+        self.location = location
+
+
+def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+    # Only a guarded step reports grads_finite (a plain step that does not
+    # skip has no reason to give); then its record tells why it skipped.
+    if grads_finite is None:
+        return
+    # Same keys as torchref.train.fit: a skipped step says why.
+    rec["grads_finite"] = bool(grads_finite)
+    if not rec["finite"]:
+        rec["skip_reason"] = (
+            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
+        )
+
+
+def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    m = jax.device_get(metrics)
+    rec = {
+        "step": index,
+        "loss": float(m["loss"]),
+        "grad_norm": float(m["grad_norm"]),
+        "loss_scale": float(m["loss_scale"]),
+        "finite": bool(m["finite"]),
+        "skipped_total": int(m["skipped_total"]),
+    }
+    _add_skip_reason(rec, m.get("grads_finite"))
+    aux = m.get("aux")
+    if aux is not None:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
+            if getattr(leaf, "size", 1) == 1:
+                rec["aux" + jax.tree_util.keystr(path)] = float(leaf)
+    return rec
+
+
+def _may_donate(train_step: Callable) -> bool:
+    # An unknown callable may donate its input (e.g. jax.jit(step.raw,
+    # donate_argnums=0)); a TrainStep says whether it does.
+    if isinstance(train_step, TrainStep):
+        return train_step.jit and train_step.donate
+    return True
+
+
+def fit(
+    state: TrainState,
+    train_step: Callable,
+    batches: Iterable[Any],
+    *,
+    steps: int | None = None,
+    nan_policy: str = "skip",
+    max_consecutive_nonfinite: int = 5,
+    log_path: str | os.PathLike | None = None,
+    progress: bool = True,
+    checkpoint_dir: str | os.PathLike | CheckpointManager | None = None,
+    checkpoint_every: int | None = None,
+    rollback_every: int = 100,
+    max_rollbacks: int = 3,
+    locate_first: int = 1,
+    time_steps: bool = False,
+    eval_fn: Callable[[Any], Any] | None = None,
+    eval_every: int | None = None,
+    on_step: Callable[[dict[str, Any], Any], Any] | None = None,
+    stop_after_nonfinite: int | None = None,
+    resume: bool = False,
+    rollback_to: str = "memory",
+) -> tuple[TrainState, list[dict[str, Any]]]:
+    """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
+
+    The records, the JSONL log, the checkpoints and `NonFiniteError` are
+    those of `torchref.train.fit`: step indices are 0-based and count from
+    the start of the run (a resumed call goes on where the checkpoint
+    left off), checkpoints are named by the run's global step n (batches
+    of the run consumed): ``checkpoint_dir/step_{n:08d}``.
+
+    Checkpoints and resume: with ``checkpoint_dir`` (a directory, or a
+    `CheckpointManager` for other retention, a best-by-metric checkpoint or
+    synchronous saves; by default the last 3 are kept and saves run in the
+    background) the whole `TrainState` and the data position are saved
+    every ``checkpoint_every`` steps of the run and once at the end (not
+    when fit raises). With ``resume=True`` fit first restores the latest
+    intact checkpoint there (a damaged one is warned of and skipped) and
+    goes on from its position: ``steps`` and the position in ``batches``
+    count from the start of the run (a sequence is indexed from there, an
+    iterator has its first batches dropped: pass it from the start), the
+    JSONL log keeps its lines before that position and is appended to, and
+    the progress bar starts there. So the very same call, re-run after a
+    crash, finishes the very same run; with no checkpoint yet it starts
+    one. Without ``resume``, a directory that already holds checkpoints is
+    refused (they would be overwritten). fit uses no RNG: keep a model's
+    key in the state (``model_state``) or derive it from ``state.step``,
+    and it is checkpointed with the rest.
+
+    Pipelining: the metrics of step k are read to the host only after step
+    k+1 has been dispatched, so the device is never idle waiting for the
+    host (the step itself never syncs). With ``nan_policy="stop"`` this
+    lookahead is kept only when the step does not donate its input (a
+    `TrainStep` made with ``donate=False``): the state produced by the
+    failing step must still exist when its metrics are read. With a donating
+    step (or a callable that is not a `TrainStep`) "stop" reads each step's
+    metrics before dispatching the next (one host sync per step). Either way
+    the error carries the failing step's own state and nothing after it is
+    applied, logged or checkpointed. "rollback" follows the same rule; when
+    the lookahead is kept and a rollback happens, the step already queued on
+    the discarded state is dropped and its batch re-run on the snapshot.
+
+    Rollback (``nan_policy="rollback"``): fit keeps an on-device copy of the
+    last state known good (``jax.tree.map(jnp.copy, state)``: no host
+    transfer, and a donating step cannot invalidate it), taken before the
+    first step and after every step n (n steps done in this call) with
+    ``n % rollback_every == 0`` whose result was finite; each snapshot step
+    is read before the next is queued. When ``max_consecutive_nonfinite``
+    non-finite steps happen in a row, a copy of the snapshot replaces the
+    state (params, optimizer state, loss scale, model state and the
+    ``step``/``skipped_total`` counters: all of the `TrainState`), the run
+    counter restarts, that step's record gets ``"rolled_back": True`` (the
+    only record with that key) and training goes on with the NEXT batch
+    (the bad ones are not retried). The trigger after ``max_rollbacks``
+    rollbacks raises `NonFiniteError` as "stop" does. With
+    ``rollback_to="disk"`` the state goes back to the last intact checkpoint
+    in ``checkpoint_dir`` instead (one is written before the first step if
+    there is none; ``rollback_every`` is then unused): no copy in device
+    memory. The in-memory snapshot costs one more
+    copy of the state in device memory.
+
+    Args:
+      state: the initial `TrainState`.
+      train_step: ``train_step(state, batch) -> (state, metrics)``, usually
+        from `make_train_step`.
+      batches: an iterable of batches.
+      steps: stop after this many steps (None: until ``batches`` ends).
+      nan_policy: ``"skip"`` (non-finite steps are skipped, training goes on),
+        ``"stop"`` (raise `NonFiniteError` after
+        ``max_consecutive_nonfinite`` non-finite steps in a row) or
+        ``"rollback"`` (restore the last good snapshot instead, see above).
+      max_consecutive_nonfinite: the limit for ``"stop"`` and
+        ``"rollback"``, >= 1.
+      log_path: JSONL file, overwritten at the start of a call that does not
+        resume (see above for one that does): one line
+        per step (keys ``step, loss, grad_norm, loss_scale, finite,
+        skipped_total`` and ``aux[...]`` scalars; with a step that reports
+        ``grads_finite``, as `make_train_step`'s does, that key too, and a
+        skipped step has ``skip_reason``: ``"non-finite gradients"`` or
+        ``"non-finite update"``).
+      progress: show a tqdm progress bar with loss, grad_norm, loss_scale,
+        skipped.
+      checkpoint_dir: None, a directory or a `CheckpointManager` (see
+        above); a final checkpoint is always written when the loop ends (not
+        when it raises).
+      checkpoint_every: also write one every this many steps of the run
+        (needs ``checkpoint_dir``). Without it, only the final checkpoint.
+      rollback_every: snapshot period in steps for ``"rollback"``, int >= 1
+        (accepted, unused, with the other policies).
+      max_rollbacks: rollbacks allowed in this call for ``"rollback"``,
+        int >= 1 (accepted, unused, with the other policies).
+      locate_first: the first this many non-finite steps of the call (int
+        >= 0) get ``"location"``: `jaxstable.diagnostics.locate` of the step
+        (at the loss scale it used) as a dict of `NonFiniteLocation` fields,
+        or None when the op-by-op re-run is finite; the step that makes
+        "stop" raise or "rollback" roll back always gets it (and the error
+        its ``location``). Costs one op-by-op re-run per located step, only
+        on non-finite steps. With "skip" and a step that donates its input
+        (``donate=True``) the input is gone when the step is read: such
+        steps are not located.
+      time_steps: add ``"time_s"`` to each record: the wall time from the
+        call of ``train_step`` until its new state and metrics are ready
+        (`jax.block_until_ready`). Off by default: it waits for every step,
+        so the lookahead described above is dropped.
+      eval_fn: ``eval_fn(state) -> {name: scalar}``, e.g. a held-out
+        evaluation; called after every ``eval_every``-th step (n steps done
+        in this call, ``n % eval_every == 0``) on that step's state, its
+        scalars added to that step's record as ``eval[...]`` keys (named as
+        ``aux``'s). Needs ``eval_every``.
+      eval_every: int >= 1, the period of ``eval_fn`` (needs ``eval_fn``).
+      on_step: ``on_step(record, state)``, called once per step with the
+        step's record (after it is logged) and the state that step produced;
+        if it returns True, fit stops after that step and returns normally.
+      resume: continue the run from the latest intact checkpoint in
+        ``checkpoint_dir`` (see above).
+      rollback_to: ``"memory"`` (the in-memory snapshot) or ``"disk"`` (the
+        last intact checkpoint; needs ``checkpoint_dir``).
+      stop_after_nonfinite: None, or an int >= 0: fit returns normally
+        (nothing raised) this many steps after the first step of the call
+        whose record has ``finite == False`` (0: stop at that step). For runs
+        that are meant to fail (a naive low-precision baseline): a few steps
+        show what follows, then nothing more is learned from NaN weights.
+
+    Any ``train_step`` with the contract above works, a pure function over a
+    plain dict (or any pytree) state included; the metrics must hold
+    ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
+    ``skipped_total`` (and optionally ``aux``). Only a `TrainStep` gives the
+    error report its gradient table (it has ``grads``).
+
+    Returns:
+      ``(state, history)``: the final state and a list of per-step metric
+      dicts (Python numbers, the same records as the JSON lines; a rollback
+      step's record also has ``"rolled_back": True``). When fit stops early
+      (``stop_after_nonfinite``, ``on_step``), the state is that of the last
+      recorded step: a step queued after it is dropped.
+
+    Raises:
+      NonFiniteError: with ``nan_policy="stop"``, or ``"rollback"`` once the
+        rollbacks are used up (the message says so); the message names the step,
+        the loss scale it used, and lists the non-finite gradient leaves
+        (recomputed at that scale) and batch inputs.
+      ValueError: bad ``nan_policy`` (lists the valid values) or limits.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import train, transforms
+      >>> tx = transforms.stable_optimizer(optax.sgd(0.1))
+      >>> state = train.TrainState.create(params=jnp.zeros(2), optimizer=tx)
+      >>> step = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
+      >>> data = [jnp.ones(2), jnp.array([jnp.nan, 1.0]), jnp.ones(2)]
+      >>> state, hist = train.fit(state, step, data, progress=False)
+      >>> [h["finite"] for h in hist], hist[-1]["skipped_total"]
+      ([True, False, True], 1)
+      >>> try:
+      ...     train.fit(state, step, data[1:], nan_policy="stop",
+      ...               max_consecutive_nonfinite=1, progress=False)
+      ... except train.NonFiniteError as e:
+      ...     print(e.step, "|", str(e).split(";")[0])
+      0 | 1 non-finite step(s) in a row, the last at step 0
+      >>> data = [jnp.ones(2), jnp.ones(2), jnp.array([jnp.nan, 1.0]), jnp.ones(2)]
+      >>> before = int(state.step)
+      >>> state, hist = train.fit(state, step, data, nan_policy="rollback",
+      ...                         max_consecutive_nonfinite=1, rollback_every=2,
+      ...                         progress=False)
+      >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
+      >>> [h.get("rolled_back", False) for h in hist], int(state.step) - before
+      ([False, False, True, False], 3)
+      >>> data = [jnp.ones(2), jnp.array([jnp.nan, 1.0])] + [jnp.ones(2)] * 5
+      >>> state, hist = train.fit(state, step, data, progress=False, time_steps=True,
+      ...                         eval_fn=lambda s: {"p0": s.params[0]}, eval_every=2,
+      ...                         stop_after_nonfinite=2)
+      >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stopped 2 after step 1
+      (4, ['skip_reason', "eval['p0']", 'location'])
+      >>> hist[3]["eval['p0']"] == float(state.params[0]), hist[0]["time_s"] > 0
+      (True, True)
+    """
+    _check_fit_args(
+        nan_policy, max_consecutive_nonfinite, rollback_every, max_rollbacks, steps,
+        locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
+        time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
+    )  # fmt: skip
+    mgr, own_mgr = _manager(checkpoint_dir)
+    try:
+        state, start = _resume(mgr, state, resume)
+        if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
+            mgr.save(start, state)  # what the first rollback goes back to
+        return _run(**locals())
+    finally:
+        if own_mgr:
+            mgr.close()  # waits for a background save
+        elif mgr is not None:
+            mgr.wait()
+
+
+def _run(
+    state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
+    log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
+    locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
+    rollback_to, mgr, start, **_,
+):  # fmt: skip
+    """The loop of `fit` from global step `start` (its arguments checked)."""
+    from tqdm.auto import tqdm  # imported here: only fit needs it
+
+    total = steps
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)
+    it = _batches_from(batches, start, steps)
+    # The lookahead needs each step's output state to outlive the next
+    # dispatch whenever fit reads it (policy, callback, eval, early stop):
+    # only a step that does not donate its input keeps it.
+    reads_state = nan_policy != "skip" or on_step is not None
+    reads_state = reads_state or eval_fn is not None
+    reads_state = reads_state or stop_after_nonfinite is not None
+    pipeline = not time_steps and (not reads_state or not _may_donate(train_step))
+    history: list[dict[str, Any]] = []
+    bar = tqdm(total=total, initial=start, disable=not progress, desc="train")
+    log = _open_log(log_path, start if mgr is not None and start else None)
+    policy = _NanPolicy(
+        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
+        stop_after_nonfinite,
+    )  # fmt: skip
+    rollback = nan_policy == "rollback"
+    # A device copy: the step may donate `state`, never the snapshot.
+    in_memory = rollback and rollback_to == "memory"
+    snapshot = jax.tree.map(jnp.copy, state) if in_memory else None
+
+    def consume(pending) -> str | None:
+        """Logs one step, applies the policy: "rollback", "stop" or None."""
+        nonlocal snapshot
+        index, metrics, batch, state_out, seconds = pending
+        rec = _host_record(index, metrics)
+        if seconds is not None:
+            rec["time_s"] = seconds
+        if eval_fn is not None and (index + 1) % eval_every == 0:
+            rec.update(_scalar_record("eval", eval_fn(state_out)))
+        action = policy.observe(index, rec["finite"])
+        if action == "rollback":
+            rec["rolled_back"] = True
+        location = None
+        if policy.wants_location(rec["finite"], action):
+            location = _locate_failed(train_step, state_out, metrics, batch, pipeline)
+            if location is not False:
+                policy.located += 1
+                rec["location"] = None if location is None else location._asdict()
+        history.append(rec)
+        if log is not None:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        _show(bar, rec)
+        wants_stop = on_step is not None and on_step(rec, state_out) is True
+        if action == "rollback":
+            return "rollback"
+        if action == "raise":
+            _raise_non_finite(
+                train_step, rec, policy.run, batch, state_out, metrics, history,
+                nan_policy, max_rollbacks, location or None,
+            )  # fmt: skip
+        if in_memory and rec["finite"] and (index + 1) % rollback_every == 0:
+            # Read before the next step is queued (see snapshot_due), so a
+            # donating step has not consumed state_out yet.
+            snapshot = jax.tree.map(jnp.copy, state_out)
+        return "stop" if wants_stop or policy.stop_due(index) else None
+
+    def restored(current):
+        if not in_memory:  # the last good checkpoint on disk
+            return mgr.restore(current)[0]
+        # A copy again: a donating step must leave the snapshot intact for
+        # the next rollback.
+        return jax.tree.map(jnp.copy, snapshot)
+
+    pending = None
+    done = start  # steps of the run dispatched so far
+    saved_at = start if mgr is not None and mgr.latest_step() == start else None
+    try:
+        for batch in it:
+            t0 = time.perf_counter()
+            new_state, metrics = train_step(state, batch)
+            seconds = None
+            if time_steps:
+                jax.block_until_ready((new_state, metrics))
+                seconds = time.perf_counter() - t0
+            # Step done-1, read after step done is queued. If it rolled back,
+            # the step just queued ran on a discarded state: re-run its batch
+            # on the snapshot (it is the next batch, not a bad one retried).
+            # If it stopped the run, the step just queued is dropped.
+            action = None if pending is None else consume(pending)
+            if action == "stop":
+                state, pending = pending[3], None
+                break
+            if action == "rollback":
+                new_state, metrics = train_step(restored(new_state), batch)
+            pending = (done, metrics, batch, new_state, seconds)
+            done += 1
+            state = new_state
+            due = checkpoint_every is not None and done % checkpoint_every == 0
+            snapshot_due = in_memory and done % rollback_every == 0
+            if not pipeline or due or snapshot_due:
+                # A checkpoint is written only after its step passed the check.
+                action = consume(pending)
+                pending = None
+                if action == "rollback":
+                    state = restored(state)
+                elif action == "stop":
+                    break
+            if due:
+                mgr.save(done, state, metrics=history[-1] if history else None)
+                saved_at = done
+        if pending is not None and consume(pending) == "rollback":
+            state = restored(state)
+        if mgr is not None and saved_at != done:
+            mgr.save(done, state)  # the final checkpoint
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
+    return state, history
+
+
+def _show(bar, rec) -> None:
+    bar.set_postfix(
+        loss=f"{rec['loss']:.4g}",
+        grad_norm=f"{rec['grad_norm']:.3g}",
+        loss_scale=f"{rec['loss_scale']:.3g}",
+        skipped=rec["skipped_total"],
+        refresh=False,
+    )
+    bar.update(1)
+
+
+def _manager(checkpoint_dir):
+    """``(manager, owned)``: a `CheckpointManager` for `checkpoint_dir`."""
+    if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointManager):
+        return checkpoint_dir, False
+    return CheckpointManager(checkpoint_dir), True
+
+
+def _resume(mgr, state, resume):
+    """``(state, start)``: the latest intact checkpoint's state and data
+    position with `resume`, else `state` and 0 (refusing a directory that
+    already holds a run: its checkpoints would be overwritten)."""
+    latest = None if mgr is None else mgr.latest_step()
+    if latest is None:
+        return state, 0
+    if not resume:
+        raise ValueError(
+            f"checkpoint_dir {mgr.directory!r} already holds checkpoints (up to "
+            f"step {latest}): pass resume=True to continue that run, or another "
+            "directory to start a new one"
+        )
+    state, info = mgr.restore(state)
+    return state, int(info["data_position"])
+
+
+# Same in torchref.train.fit (the shared fit helpers below).
+class _NanPolicy:
+    """The NaN-policy bookkeeping of one `fit` call.
+
+    ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
+    ``located``: non-finite steps located; ``first_bad``: index of the
+    call's first non-finite step (for ``stop_after_nonfinite``).
+    """
+
+    def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
+        self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
+        self.locate_first, self.stop_after = locate_first, stop_after
+        self.run = self.rollbacks = self.located = 0
+        self.first_bad = None
+
+    def observe(self, index: int, finite: bool) -> str | None:
+        """What the step just recorded triggers: "rollback", "raise" or None."""
+        self.run = 0 if finite else self.run + 1
+        if not finite and self.first_bad is None:
+            self.first_bad = index
+        if self.policy == "skip" or self.run < self.limit:
+            return None
+        if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
+            self.rollbacks, self.run = self.rollbacks + 1, 0
+            return "rollback"
+        return "raise"
+
+    def wants_location(self, finite: bool, action: str | None) -> bool:
+        return not finite and (action is not None or self.located < self.locate_first)
+
+    def stop_due(self, index: int) -> bool:
+        if self.stop_after is None or self.first_bad is None:
+            return False
+        return index - self.first_bad >= self.stop_after
+
+
+def _batches_from(batches, position: int, steps: int | None):
+    """`batches` from the run's `position`, up to `steps` of the run in all.
+
+    A sequence (``__getitem__`` and ``__len__``) is indexed from `position`;
+    anything else is iterated and its first `position` batches dropped.
+    """
+    if position and hasattr(batches, "__getitem__") and hasattr(batches, "__len__"):
+        it = (batches[i] for i in range(position, len(batches)))
+    else:
+        it = itertools.islice(iter(batches), position, None)
+    return it if steps is None else itertools.islice(it, max(steps - position, 0))
+
+
+def _open_log(log_path, resumed_at: int | None):
+    """The JSONL log: overwritten, or on resume kept up to `resumed_at`
+    (lines of steps after the checkpoint are re-run, so dropped) and
+    appended to."""
+    if log_path is None:
+        return None
+    if resumed_at is None or not os.path.exists(log_path):
+        return open(log_path, "w", encoding="utf-8")
+    kept = []
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break  # a line torn by the crash: the rest is re-run
+            if not isinstance(rec, dict) or rec.get("step", resumed_at) >= resumed_at:
+                break
+            kept.append(line.rstrip("\n") + "\n")
+    tmp = f"{os.fspath(log_path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, log_path)
+    return open(log_path, "a", encoding="utf-8")
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    """One validator for every int option: ``name must be [None or ]an int >= m``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = "None or " if optional else ""
+        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
+
+
+def _check_callable(name: str, fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be None or a callable, got {fn!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_needs(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_fit_args(
+    nan_policy, max_consecutive, rollback_every, max_rollbacks, steps,
+    locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
+    time_steps, eval_fn, eval_every, on_step, stop_after,
+):  # fmt: skip
+    # Same checks and texts as torchref.train.fit.
+    _check_bool("time_steps", time_steps)
+    _check_bool("resume", resume)
+    _check_callable("eval_fn", eval_fn)
+    _check_callable("on_step", on_step)
+    _check_needs(
+        (eval_fn is None) == (eval_every is None),
+        "eval_fn and eval_every go together: pass both or neither, got "
+        f"eval_fn={eval_fn!r}, eval_every={eval_every!r}",
+    )
+    _check_int("eval_every", eval_every, 1, optional=True)
+    _check_int("stop_after_nonfinite", stop_after, 0, optional=True)
+    _check_choice("nan_policy", nan_policy, NAN_POLICIES)
+    _check_choice("rollback_to", rollback_to, _ROLLBACK_TARGETS)
+    _check_int("max_consecutive_nonfinite", max_consecutive, 1)
+    _check_int("rollback_every", rollback_every, 1)
+    _check_int("max_rollbacks", max_rollbacks, 1)
+    _check_int("steps", steps, 0, optional=True)
+    _check_int("locate_first", locate_first, 0)
+    _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
+    _check_needs(
+        checkpoint_every is None or checkpoint_dir is not None,
+        "checkpoint_every needs checkpoint_dir",
+    )
+    _check_needs(
+        not resume or checkpoint_dir is not None, "resume needs checkpoint_dir"
+    )
+    _check_needs(
+        rollback_to == "memory" or checkpoint_dir is not None,
+        "rollback_to='disk' needs checkpoint_dir",
+    )
+
+
+# Same text in jaxstable.train and torchref.train.
+_UPDATE_NOTE = (
+    "its gradients were finite: the update it computed (new parameters or "
+    "optimizer state) was non-finite, e.g. float16 Adam state whose second "
+    "moment underflowed to 0 while eps is 0 in float16"
+)
+
+
+def _scalar_record(prefix: str, tree: Any) -> dict[str, float]:
+    # prefix + keystr of every scalar leaf: the aux[...] naming of records.
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]:
+        if getattr(leaf, "size", 1) == 1:
+            out[prefix + jax.tree_util.keystr(path)] = float(leaf)
+    return out
+
+
+def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
+    # Same text as torchref.train.fit.
+    if nan_policy == "rollback":
+        return (
+            "nan_policy='rollback': rollbacks exhausted "
+            f"(max_rollbacks={max_rollbacks})"
+        )
+    return f"nan_policy={nan_policy!r}"
+
+
+def _raise_non_finite(
+    train_step,
+    rec,
+    consecutive,
+    batch,
+    state_out,
+    metrics,
+    history,
+    nan_policy="stop",
+    max_rollbacks=0,
+    location=None,
+):
+    # state_out is the failing step's own output: a non-finite step leaves
+    # params, opt_state and model_state as they were, but its loss scale has
+    # already backed off. Recompute at the scale the step USED, or an
+    # overflow of the scaled loss (not NaN data) would look all finite.
+    used = StaticLossScale(metrics["loss_scale"])
+    grads_fn = getattr(train_step, "grads", None)
+    report = (
+        non_finite_report(grads_fn(state_out.replace(loss_scale=used), batch))
+        if grads_fn is not None
+        else []
+    )
+    scale = f"{rec['loss_scale']:.6g}"
+    parts = [
+        f"{consecutive} non-finite step(s) in a row, the last at step "
+        f"{rec['step']}; loss={rec['loss']:.6g}, grad_norm={rec['grad_norm']:.6g}, "
+        f"loss_scale={scale} (the scale that step used); its update was skipped "
+        f"({_policy_note(nan_policy, max_rollbacks)}).",
+        f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
+    ]
+    if rec.get("skip_reason") == "non-finite update":
+        parts.insert(1, _UPDATE_NOTE)
+    batch_report = non_finite_report(batch)
+    if batch_report:
+        parts.append("non-finite batch inputs:\n" + format_report(batch_report))
+    # A plain pytree state (a pure step over a dict) has no .params.
+    param_report = non_finite_report(getattr(state_out, "params", state_out))
+    if param_report:
+        parts.append("non-finite parameters:\n" + format_report(param_report))
+    if "location" in rec:
+        parts.append("where (diagnostics.locate):\n" + format_location(location))
+    raise NonFiniteError(
+        "\n".join(parts),
+        step=rec["step"],
+        state=state_out,
+        report=report,
+        history=history,
+        location=location,
+    )
+
+
+def _locate_failed(train_step, state_out, metrics, batch, pipeline):
+    """`locate` of a non-finite step from its output state (params, optimizer
+    and model state unchanged by a skipped step) at the loss scale it used.
+    False when it cannot be located: not a `TrainStep`, or its input state
+    donated to the step already queued after it."""
+    if not isinstance(train_step, TrainStep) or not hasattr(train_step, "loss_fn"):
+        return False
+    leaves = jax.tree_util.tree_leaves(state_out)
+    if pipeline and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+        return False
+    used = StaticLossScale(metrics["loss_scale"])
+    return locate(train_step, state_out.replace(loss_scale=used), batch)

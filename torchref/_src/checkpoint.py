@@ -1,0 +1,616 @@
+"""Checkpoints of a `TrainStep`: one file per checkpoint, written durably.
+
+A checkpoint file is one JSON header line (format, the run's global step,
+data position, metrics, and the sha256 of the payload) followed by the
+payload, `torch.save` of ``step.state_dict()`` (model, optimizer,
+GradScaler ``state_dict()``, skip counters, steps done) plus the RNG states
+(torch CPU, CUDA when initialised, Python's `random`), the data position
+and the optimizer and scaler class names. It is written to a temporary
+file, flushed and fsynced, then renamed over the final name with
+`os.replace` (and the directory fsynced): a crash leaves the previous file
+intact. Files of the older format (a bare `torch.save` zip) are still read,
+without a checksum: telling them apart costs two bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from torchref._src.step import TrainStep, _scaler_kind
+
+__all__ = ["CheckpointManager", "load_checkpoint", "save_checkpoint"]
+
+_FORMAT = "torchref-checkpoint-1"
+# Key of the payload (not a state_dict key) naming the optimizer and scaler
+# classes: a StaticGradScaler's state has a plain GradScaler's keys, and two
+# optimizers can share their option names.
+_CLASSES_KEY = "classes"
+_STATE_KEYS = ("model", "optimizer", "scaler", "skip_state", "steps_done")
+# Keys of the payload besides the state dict's.
+_EXTRA_KEYS = (_CLASSES_KEY, "rng", "data_position")
+# Mismatch lines listed in one error; the rest are counted.
+_MAX_MISMATCH_LINES = 12
+# The largest header read; a header is ~200 bytes.
+_MAX_HEADER = 1 << 16
+_NAME = re.compile(r"^step_(\d{8,})\.pt$")
+
+
+class _CorruptCheckpoint(ValueError):
+    """A checkpoint that cannot be read back as saved (truncated, damaged)."""
+
+
+def _rng_states() -> dict[str, Any]:
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if cuda else [],
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_states(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    random.setstate(rng["python"])
+
+
+def _encode(step: Any, global_step: Any, data_position: Any, metrics: Any) -> bytes:
+    """Header line + payload of one checkpoint (the payload a deep copy)."""
+    state = dict(step.state_dict())
+    if isinstance(step, TrainStep):
+        state[_CLASSES_KEY] = _classes(step)
+    state["rng"] = _rng_states()
+    state["data_position"] = data_position
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    header = {
+        "format": _FORMAT,
+        "step": global_step,
+        "data_position": data_position,
+        "metrics": metrics,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    return json.dumps(header).encode() + b"\n" + payload
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """tmp file, flush, fsync, `os.replace`, fsync of the directory."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_header(path: Any) -> tuple[dict | None, bytes]:
+    """``(header, payload)``; header None for an older bare `torch.save` file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == b"PK":  # a zip: torch.save's own format, no header
+        return None, data
+    end = data.find(b"\n", 0, _MAX_HEADER)
+    try:
+        header = json.loads(data[:end]) if end > 0 else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} is damaged or not a checkpoint: "
+            f"no {_FORMAT} header ({len(data)} bytes)"
+        )
+    payload = data[end + 1 :]
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} is corrupt or truncated: its payload "
+            f"({len(payload)} bytes) does not match the sha256 saved with it"
+        )
+    return header, payload
+
+
+def _peek_header(path: str) -> dict:
+    """The header line alone ({} if unreadable): cheap, for the metrics."""
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.readline(_MAX_HEADER))
+    except (OSError, ValueError):
+        return {}
+    return header if isinstance(header, dict) else {}
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    step: TrainStep,
+    *,
+    data_position: int | None = None,
+) -> None:
+    """Writes ``step.state_dict()`` (model, optimizer, scaler, counters) durably.
+
+    The mirror of `jaxstable.train.save_checkpoint`. The file also holds the
+    RNG states, `data_position`, the optimizer and scaler class names (so
+    that `load_checkpoint` can refuse a checkpoint of another one by name)
+    and a sha256 of the payload (so that it refuses a damaged one). See the
+    module docstring for the layout; for a run, `CheckpointManager` keeps
+    several, by global step.
+
+    Args:
+      path: file to write.
+      step: the `TrainStep` (or any object with ``state_dict``) to save.
+      data_position: batches of the run consumed so far, or None.
+
+    Example:
+      >>> import os, tempfile, torch
+      >>> from torchref import train
+      >>> model = torch.nn.Linear(2, 1)
+      >>> step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+      ...                        lambda m, b: m(b).pow(2).mean())
+      >>> _ = step(torch.ones(4, 2))
+      >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+      >>> train.save_checkpoint(path, step, data_position=1)
+      >>> with open(path, "rb") as f:
+      ...     print(f.readline()[:40])
+      b'{"format": "torchref-checkpoint-1", "ste'
+    """
+    _write_durably(os.fspath(path), _encode(step, None, data_position, None))
+
+
+def load_checkpoint(
+    path: str | os.PathLike, step: TrainStep, *, restore_rng: bool = True
+) -> TrainStep:
+    """Loads a checkpoint written by `save_checkpoint` into `step` and returns it.
+
+    Nothing is loaded unless the file is intact (its sha256) and matches
+    `step` exactly: the same scaler class (a `DynamicGradScaler`'s floor
+    and hysteresis would be lost in a plain `GradScaler`), the same
+    optimizer class (an Adam state in an SGD fails one step later with
+    KeyError), the same parameter groups, and the same model state dict
+    keys, shapes and dtypes (torch would copy a float16 checkpoint into
+    float32 parameters without a word). The mirror of
+    `jaxstable.train.load_checkpoint`, with the same messages. The RNG
+    states saved with it are restored too (`restore_rng`), so that dropout
+    after a resume draws what it would have drawn.
+
+    A file written before `save_checkpoint` named the classes is checked by
+    its keys alone: another optimizer shows by its option names, a
+    DynamicGradScaler by its floor and hysteresis, but a StaticGradScaler's
+    state reads as a plain GradScaler's (the same keys).
+
+    Args:
+      path: file to read.
+      step: a `TrainStep` over a model and optimizer of the same structure.
+      restore_rng: also restore the saved RNG states (if the file has them).
+
+    Returns:
+      `step`, with its model, optimizer, scaler and counters restored.
+
+    Raises:
+      FileNotFoundError: no file at `path`.
+      ValueError: naming the file and the mismatch (a damaged or truncated
+        file; saved vs expected scaler or optimizer class; each model leaf
+        that is missing, extra, or of another shape or dtype, with its path;
+        other parameter groups), or a file that is not a TrainStep checkpoint.
+
+    Example:
+      >>> import os, tempfile, torch
+      >>> from torchref import train
+      >>> model = torch.nn.Linear(1, 1, bias=False)
+      >>> step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+      ...                        lambda m, b: m(b).sum())
+      >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+      >>> with torch.no_grad():
+      ...     _ = model.weight.fill_(3.0)
+      >>> train.save_checkpoint(path, step)
+      >>> with torch.no_grad():
+      ...     _ = model.weight.zero_()
+      >>> train.load_checkpoint(path, step).model.weight.item()
+      3.0
+      >>> wide = torch.nn.Linear(2, 1, bias=False)
+      >>> other = train.TrainStep(wide, torch.optim.SGD(wide.parameters(), lr=0.1),
+      ...                         lambda m, b: m(b).sum())
+      >>> try:
+      ...     train.load_checkpoint(path, other)
+      ... except ValueError as e:
+      ...     print(str(e).splitlines()[1])
+        model/weight: checkpoint (1, 1) float32, target (1, 2) float32
+    """
+    _load(path, step, restore_rng)
+    return step
+
+
+def _load(path: Any, step: Any, restore_rng: bool) -> dict:
+    """Loads `path` into `step`; returns its header (a synthesised one for an
+    older file)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file at {os.fspath(path)!r}")
+    header, payload = _read_header(path)
+    try:
+        # weights_only: a checkpoint holds tensors, numbers and dicts, nothing
+        # to run
+        state = torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as e:  # a bare old file can be truncated too
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} cannot be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+        ) from e
+    extras = {
+        k: state.pop(k) for k in _EXTRA_KEYS if isinstance(state, dict) and k in state
+    }
+    if isinstance(step, TrainStep):
+        _check_train_step(path, state, extras.get(_CLASSES_KEY) or {}, step)
+    step.load_state_dict(state)
+    if restore_rng and extras.get("rng") is not None:
+        _set_rng_states(extras["rng"])
+    if header is None:
+        header = {"step": None, "data_position": extras.get("data_position")}
+    return header
+
+
+def _check_train_step(path: Any, state: Any, saved: dict, step: TrainStep) -> None:
+    missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} is not a TrainStep checkpoint: it "
+            f"lacks {missing} (save_checkpoint writes {list(_STATE_KEYS)})"
+        )
+    _check_scaler_class(path, saved, state["scaler"], step)
+    _check_optimizer_class(path, saved, state["optimizer"], step.optimizer)
+    lines = _structure_mismatches(
+        {
+            **_leaf_specs(state["model"], "model"),
+            **_leaf_specs(state["skip_state"], "skip_state"),
+        },
+        {
+            **_leaf_specs(step.model.state_dict(), "model"),
+            **_leaf_specs(dataclasses.asdict(step.skip_state), "skip_state"),
+        },
+    )
+    lines += _param_group_mismatches(state["optimizer"], step.optimizer)
+    _raise_mismatches(path, lines)
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    """One validator for every int option: ``name must be [None or ]an int >= m``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = "None or " if optional else ""
+        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
+
+
+class CheckpointManager:
+    """The checkpoints of one run in a directory, named by the run's global step.
+
+    The mirror of `jaxstable.train.CheckpointManager`. Checkpoint n is the
+    file ``directory/step_{n:08d}.pt`` (n: steps of the run done, not steps
+    of one `fit` call), written as `save_checkpoint` does. It keeps the last
+    `max_to_keep` and, with `best_metric`, also the best one by that metric.
+    With `async_save` the state is serialised in memory at `save` (a copy:
+    training may go on) and written by a background thread (the next save,
+    `wait` or `close` waits for it). A crash mid-write leaves a
+    ``.tmp-<pid>`` file, which the next manager on the directory removes.
+
+    `restore` takes the latest intact checkpoint: a truncated or damaged
+    one (its sha256 differs) gives a `RuntimeWarning` naming it and the one
+    before it is tried. A checkpoint of another model, optimizer or loss
+    scale raises the `load_checkpoint` ValueError.
+
+    Args:
+      directory: the run's checkpoint directory (created if missing).
+      max_to_keep: int >= 1, how many of the latest checkpoints to keep.
+      best_metric: None, or the key of the ``metrics`` passed to `save`
+        (e.g. ``"eval['loss']"``) whose best checkpoint is kept too.
+      best_mode: ``"min"`` or ``"max"``: which value of `best_metric` is best.
+      async_save: write in a background thread.
+
+    Example:
+      >>> import tempfile, torch
+      >>> from torchref import train
+      >>> model = torch.nn.Linear(2, 1, bias=False)
+      >>> s = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+      ...                     lambda m, b: m(b).sum())
+      >>> with train.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2,
+      ...                              best_metric="loss") as mgr:
+      ...     for n, loss in [(10, 0.5), (20, 0.9), (30, 0.7)]:
+      ...         with torch.no_grad():
+      ...             _ = model.weight.fill_(float(n))
+      ...         mgr.save(n, s, metrics={"loss": loss})
+      ...     mgr.wait()
+      ...     restored, info = mgr.restore(s)
+      ...     print(mgr.steps(), mgr.best_step(), info, model.weight.tolist())
+      [10, 20, 30] 10 {'step': 30, 'data_position': 30} [[30.0, 30.0]]
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+    ) -> None:
+        _check_int("max_to_keep", max_to_keep, 1)
+        if best_metric is not None and not isinstance(best_metric, str):
+            raise TypeError(f"best_metric must be None or a str, got {best_metric!r}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        self.directory = os.path.abspath(directory)
+        self.max_to_keep = max_to_keep
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self.async_save = bool(async_save)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        os.makedirs(self.directory, exist_ok=True)
+        for name in os.listdir(self.directory):  # a killed run's half-written file
+            if re.match(r"^step_\d{8,}\.pt\.tmp-\d+$", name):
+                os.remove(os.path.join(self.directory, name))
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, f"step_{step:08d}.pt")
+
+    def steps(self) -> list[int]:
+        """The global steps of the checkpoints on disk, ascending."""
+        names = (_NAME.match(n) for n in os.listdir(self.directory))
+        return sorted(int(m.group(1)) for m in names if m)
+
+    def latest_step(self) -> int | None:
+        """The highest global step on disk, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The step of the best checkpoint by `best_metric` (None without one)."""
+        if self.best_metric is None:
+            return None
+        scored = []
+        for n in self.steps():
+            value = (_peek_header(self._path(n)).get("metrics") or {}).get(
+                self.best_metric
+            )
+            if value is not None:
+                scored.append((value if self.best_mode == "min" else -value, n))
+        return min(scored)[1] if scored else None
+
+    def save(
+        self,
+        step: int,
+        train_step: Any,
+        *,
+        data_position: int | None = None,
+        metrics: dict[str, Any] | None = None,
+    ) -> None:
+        """Saves `train_step`'s state as checkpoint `step` (replacing one of that step).
+
+        Args:
+          step: int >= 0, the run's global step.
+          train_step: the `TrainStep` (or object with ``state_dict``) to save.
+          data_position: batches of the run consumed (default: `step`).
+          metrics: a dict holding `best_metric` (other keys are ignored).
+        """
+        _check_int("step", step, 0)
+        self.wait()
+        kept = None
+        if self.best_metric is not None and metrics and self.best_metric in metrics:
+            kept = {self.best_metric: float(metrics[self.best_metric])}
+        position = step if data_position is None else int(data_position)
+        data = _encode(train_step, step, position, kept)
+
+        def write() -> None:
+            try:
+                _write_durably(self._path(step), data)
+                self._prune()
+            except BaseException as e:  # re-raised by wait()
+                self._error = e
+
+        if self.async_save:
+            self._thread = threading.Thread(target=write, daemon=True)
+            self._thread.start()
+        else:
+            write()
+            self._raise_error()
+
+    def _prune(self) -> None:
+        steps = self.steps()
+        keep = set(steps[-self.max_to_keep :]) | {self.best_step()}
+        for n in steps:
+            if n not in keep:
+                os.remove(self._path(n))
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def wait(self) -> None:
+        """Waits for a background save to finish (re-raising its error)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_error()
+
+    def restore(
+        self, train_step: Any, step: int | None = None, *, restore_rng: bool = True
+    ) -> tuple[Any, dict]:
+        """Loads the latest intact checkpoint (or checkpoint `step`) into `train_step`.
+
+        Returns:
+          ``(train_step, info)`` with ``info = {"step": n, "data_position": p}``.
+
+        Raises:
+          FileNotFoundError: no intact checkpoint (each damaged one warned of).
+          ValueError: the checkpoint does not match `train_step` (see
+            `load_checkpoint`), or `step` is given and damaged.
+        """
+        self.wait()
+        candidates = [step] if step is not None else self.steps()[::-1]
+        for n in candidates:
+            try:
+                header = _load(self._path(n), train_step, restore_rng)
+            except _CorruptCheckpoint as e:
+                if step is not None:
+                    raise
+                warnings.warn(
+                    f"{e}; trying the checkpoint before it", RuntimeWarning, 2
+                )
+                continue
+            position = header.get("data_position")
+            return train_step, {
+                "step": n,
+                "data_position": n if position is None else position,
+            }
+        raise FileNotFoundError(
+            f"no intact checkpoint in {self.directory!r} (steps on disk: "
+            f"{self.steps()})"
+        )
+
+    def close(self) -> None:
+        """Waits for a pending save."""
+        self.wait()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _classes(step: TrainStep) -> dict[str, str | None]:
+    """The class names `load_checkpoint` compares (scaler None: none enabled)."""
+    scaler = type(step.scaler).__name__ if step._scaler_enabled() else None
+    return {"optimizer": type(step.optimizer).__name__, "scaler": scaler}
+
+
+def _check_scaler_class(path: Any, classes: dict, saved: dict, step: TrainStep) -> None:
+    if "scaler" in classes:
+        have = _classes(step)["scaler"]
+        kinds = [
+            f"a {c}" if c else "no enabled scaler" for c in (classes["scaler"], have)
+        ]
+    else:  # an older file: only the keys tell, and Static reads as GradScaler
+        enabled = step._scaler_enabled()
+        kinds = [
+            _scaler_kind(saved),
+            _scaler_kind(step.scaler.state_dict() if enabled else {}),
+        ]
+    if kinds[0] != kinds[1]:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds {kinds[0]} but this TrainStep "
+            f"has {kinds[1]}: build it with the loss scale the checkpoint was "
+            "saved with"
+        )
+
+
+def _check_optimizer_class(
+    path: Any, classes: dict, saved: dict, optimizer: torch.optim.Optimizer
+) -> None:
+    have = type(optimizer).__name__
+    if "optimizer" in classes:
+        if classes["optimizer"] != have:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} holds the optimizer state of "
+                f"{classes['optimizer']} but this TrainStep's optimizer is {have}: "
+                "build it with the optimizer the checkpoint was saved with"
+            )
+        return
+    # An older file: torch's load_state_dict takes the saved groups' options
+    # as they are, so another optimizer's options surface as a KeyError later.
+    options = [sorted(set(g) - {"params"}) for g in saved.get("param_groups", [])]
+    expected = [sorted(set(g) - {"params"}) for g in optimizer.param_groups]
+    if options[:1] != expected[:1]:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds an optimizer state with options "
+            f"{options[0] if options else []} but this TrainStep's {have} has "
+            f"{expected[0]}: build it with the optimizer the checkpoint was saved with"
+        )
+
+
+def _param_group_mismatches(saved: dict, optimizer: torch.optim.Optimizer) -> list:
+    sizes = [len(g["params"]) for g in saved.get("param_groups", [])]
+    expected = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes == expected:
+        return []
+    return [
+        f"  optimizer/param_groups: checkpoint sizes {sizes}, target sizes {expected}"
+    ]
+
+
+def _leaf_specs(tree: Any, prefix: str = "") -> dict[str, tuple[tuple, str]]:
+    """``{path: (shape, dtype)}`` of every leaf of a (nested) state dict.
+
+    Paths join the keys with "/" (``model/0.weight``), dtypes are named as
+    in `jaxstable.train` ("float32", not "torch.float32"). A Python number
+    is ``((), "int")`` etc.; None and empty containers hold no leaf.
+    """
+    if tree is None:
+        return {}
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_leaf_specs(v, f"{prefix}/{k}" if prefix else str(k)))
+        return out
+    key = prefix or "<root>"  # as jaxstable's, for a single tensor
+    if isinstance(tree, torch.Tensor):
+        return {key: (tuple(tree.shape), str(tree.dtype).removeprefix("torch."))}
+    return {key: ((), type(tree).__name__)}
+
+
+def _structure_mismatches(saved: dict[str, tuple], expected: dict[str, tuple]):
+    """One line per leaf missing, extra, or of another shape or dtype.
+
+    ``saved`` and ``expected`` map a leaf path to ``(shape, dtype)`` (see
+    `_leaf_specs`): the check does not depend on the file format.
+    """
+    lines = []
+    # The target's order, then the checkpoint's extras.
+    for key in [*expected, *(k for k in saved if k not in expected)]:
+        s, e = saved.get(key), expected.get(key)
+        if s is None:
+            lines.append(f"  {key}: missing from the checkpoint (target {_spec(e)})")
+        elif e is None:
+            lines.append(f"  {key}: in the checkpoint ({_spec(s)}), not in the target")
+        elif s != e:
+            lines.append(f"  {key}: checkpoint {_spec(s)}, target {_spec(e)}")
+    return lines
+
+
+def _raise_mismatches(path: Any, lines: list[str]) -> None:
+    # Same text as jaxstable.train.load_checkpoint.
+    if not lines:
+        return
+    more = len(lines) - _MAX_MISMATCH_LINES
+    shown = lines[:_MAX_MISMATCH_LINES] + (
+        [f"  ... and {more} more"] if more > 0 else []
+    )
+    raise ValueError(
+        f"checkpoint {os.fspath(path)!r} does not match the target "
+        f"({len(lines)} leaf/leaves differ):\n" + "\n".join(shown) + "\nbuild the "
+        "target with the model, optimizer and dtypes the checkpoint was saved with"
+    )
+
+
+def _spec(spec: tuple) -> str:
+    shape, dtype = spec
+    return f"{shape} {dtype}"

@@ -1,0 +1,625 @@
+"""The fit loop: logging, progress, checkpoints and the NaN policy."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from torchref._src.checkpoint import CheckpointManager
+from torchref._src.diagnostics import (
+    format_location,
+    format_report,
+    locate,
+    non_finite_grad_report,
+    non_finite_report,
+)
+from torchref._src.step import TrainStep
+
+NAN_POLICIES = ("skip", "stop", "rollback")
+_ROLLBACK_TARGETS = ("memory", "disk")
+
+
+class NonFiniteError(FloatingPointError):
+    """Training stopped on non-finite gradients.
+
+    Raised by `fit` with ``nan_policy="stop"`` at the first run of
+    ``max_consecutive_nonfinite`` non-finite steps; with ``"rollback"`` once
+    ``max_rollbacks`` rollbacks have been used.
+
+    Attributes:
+        step: 0-based index (in the run, see `fit`) of the step that hit the
+            limit, as in `jaxstable.train.NonFiniteError`.
+        report: `non_finite_grad_report` of the model at that step (its
+            gradients at the loss scale that step used, unscaled).
+        history: the per-step records, ending with that step.
+        location: `torchref.diagnostics.locate` of that step (a
+            `NonFiniteLocation`), None when the re-run found it finite.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        report: list,
+        history: list | None = None,
+        location: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.report = report
+        self.history = [] if history is None else history
+        self.location = location
+
+
+_LOGGED = ("loss", "grad_norm", "loss_scale", "finite", "skipped_total")
+
+
+def _scalar_leaves(tree: Any, path: str = "") -> Iterable[tuple[str, float]]:
+    """``(path, value)`` of every scalar leaf, paths as jax's ``keystr``."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _scalar_leaves(v, f"{path}[{k!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _scalar_leaves(v, f"{path}[{i}]")
+    elif isinstance(tree, torch.Tensor):
+        if tree.numel() == 1:
+            yield path, float(tree.detach().float())
+    elif isinstance(tree, (int, float)):
+        yield path, float(tree)
+
+
+def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+    # Only a guarded step reports grads_finite (a plain step that does not
+    # skip has no reason to give); then its record tells why it skipped.
+    if grads_finite is None:
+        return
+    # Same keys as jaxstable.train.fit: a skipped step says why.
+    rec["grads_finite"] = bool(grads_finite)
+    if not rec["finite"]:
+        rec["skip_reason"] = (
+            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
+        )
+
+
+def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One history/JSONL record: the metrics and the scalar leaves of ``aux``
+    as ``aux[...]`` keys, the same record as `jaxstable.train.fit` writes."""
+    rec = {"step": index}
+    # Python numbers of the JAX record's types (a step callable may return
+    # 0-d tensors; a TrainStep already returns numbers).
+    for key, kind in zip(_LOGGED, (float, float, float, bool, int), strict=True):
+        value = metrics[key]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().float().item() if kind is not bool else value
+        rec[key] = kind(value)
+    _add_skip_reason(rec, metrics.get("grads_finite"))
+    if metrics.get("aux") is not None:
+        for path, value in _scalar_leaves(metrics["aux"]):
+            rec["aux" + path] = value
+    return rec
+
+
+def fit(
+    step: TrainStep,
+    batches: Iterable[Any],
+    *,
+    steps: int | None = None,
+    nan_policy: str = "skip",
+    max_consecutive_nonfinite: int = 5,
+    log_path: str | os.PathLike | None = None,
+    progress: bool = True,
+    checkpoint_dir: str | os.PathLike | CheckpointManager | None = None,
+    checkpoint_every: int | None = None,
+    rollback_every: int = 100,
+    max_rollbacks: int = 3,
+    locate_first: int = 1,
+    time_steps: bool = False,
+    eval_fn: Callable[[Any], Any] | None = None,
+    eval_every: int | None = None,
+    on_step: Callable[[dict[str, Any], Any], Any] | None = None,
+    stop_after_nonfinite: int | None = None,
+    resume: bool = False,
+    rollback_to: str = "memory",
+) -> list[dict[str, Any]]:
+    """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
+
+    Per batch: ``metrics = step(batch)``; the history entry (and JSONL line)
+    is ``{"step": i, loss, grad_norm, loss_scale, finite, skipped_total}``
+    plus one ``aux[...]`` key per scalar leaf of ``aux`` (i 0-based); with a
+    step that reports ``grads_finite`` (a `TrainStep`) that key too, and on a
+    skipped step ``skip_reason`` (``"non-finite gradients"`` or
+    ``"non-finite update"``): the same record as `jaxstable.train.fit`.
+    `log_path` is overwritten at the start of the call (unless it resumes,
+    see below) and gets one JSON line
+    per step with keys step, loss, grad_norm, loss_scale, finite,
+    skipped_total (python's json writes non-finite floats as NaN/Infinity,
+    which `json.loads` reads back). NaN policy:
+
+    * ``"skip"``: non-finite steps are skipped (by the step) and training
+      goes on.
+    * ``"stop"``: after `max_consecutive_nonfinite` non-finite steps in a
+      row, raise `NonFiniteError` naming the step, the loss scale it used,
+      the non-finite gradients (their report) and batch inputs. Nothing after
+      that step is run, logged or checkpointed.
+    * ``"rollback"``: keep a snapshot of the last state known good,
+      ``copy.deepcopy(step.state_dict())`` (model, optimizer, scaler,
+      counters), taken before the first step and after every step n (n steps
+      done in this call) with ``n % rollback_every == 0`` whose result was
+      finite. After `max_consecutive_nonfinite` non-finite steps in a row,
+      a deep copy of it is loaded with ``step.load_state_dict`` (a copy, as
+      the optimizer may keep the loaded tensors and update them in place),
+      the run counter restarts, that step's record gets
+      ``"rolled_back": True`` (the only record with that key) and training
+      goes on with the NEXT batch (the bad ones are not retried). The
+      trigger after `max_rollbacks` rollbacks raises `NonFiniteError` as
+      "stop" does, the message saying the rollbacks are exhausted. Same
+      semantics as `jaxstable.train.fit`.
+
+    Checkpoints and resume: with `checkpoint_dir` (a directory, or a
+    `CheckpointManager` for other retention, a best-by-metric checkpoint or
+    synchronous saves; by default the last 3 are kept and written by a
+    background thread) ``step.state_dict()``, the RNG states and the data
+    position are saved to ``checkpoint_dir/step_{n:08d}.pt`` (n: the run's
+    global step, batches of the run consumed) every `checkpoint_every` steps
+    of the run, and once more at the end (not when it raises);
+    `checkpoint_dir` alone writes only that final checkpoint. With
+    ``resume=True`` fit first loads the latest intact checkpoint there (a
+    damaged one is warned of and skipped) and goes on from its position:
+    record indices, `steps` and the position in `batches` count from the
+    start of the run (a sequence is indexed from there, an iterator has its
+    first batches dropped: pass it from the start), the JSONL log keeps its
+    lines before that position and is appended to, and the progress bar
+    starts there. So the very same call, re-run after a crash, finishes the
+    very same run; with no checkpoint yet it starts one. Without `resume`,
+    a directory that already holds checkpoints is refused (they would be
+    overwritten). With ``rollback_to="disk"``, "rollback" loads the last
+    intact checkpoint instead of the in-memory snapshot (one is written
+    before the first step if there is none), RNG states left as they are.
+    Same semantics as `jaxstable.train.fit`.
+
+    Steps: a `TrainStep`, or any callable ``step(batch) -> metrics`` whose
+    metrics hold ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
+    ``skipped_total`` (numbers or 0-d tensors; optionally ``aux``), e.g. a
+    hand-written baseline loop. "rollback" and checkpoints need its
+    ``state_dict`` / ``load_state_dict``; the error report names non-finite
+    gradients of its ``model`` if it has one.
+
+    Args:
+        step: a `TrainStep` or a step callable (see above).
+        batches: any iterable of batches.
+        steps: stop after this many steps (None: exhaust `batches`).
+        nan_policy: "skip", "stop" or "rollback".
+        max_consecutive_nonfinite: int >= 1, used by "stop" and "rollback".
+        log_path: JSONL file (overwritten, or trimmed and appended to on
+            resume) or None.
+        progress: show a tqdm bar (loss, grad_norm, loss_scale, skipped).
+        checkpoint_dir: None, a directory or a `CheckpointManager`.
+        checkpoint_every: int >= 1 or None; needs `checkpoint_dir`.
+        rollback_every: snapshot period in steps for "rollback", int >= 1
+            (accepted, unused, with the other policies).
+        max_rollbacks: rollbacks allowed in this call for "rollback",
+            int >= 1 (accepted, unused, with the other policies).
+        locate_first: the first this many non-finite steps of the call
+            (int >= 0) get ``"location"``: `torchref.diagnostics.locate` of
+            the step (at the loss scale it used) as a dict of
+            `NonFiniteLocation` fields, or None when the re-run is finite;
+            the step that makes "stop" raise or "rollback" roll back always
+            gets it (and the error its ``location``). Costs one re-run per
+            located step, only on non-finite steps. Same keys as
+            `jaxstable.train.fit`.
+        time_steps: add ``"time_s"`` to each record: the wall time of the
+            step call until its metrics are host numbers (a CUDA step has
+            synchronised by then). Off by default.
+        eval_fn: ``eval_fn(step) -> {name: scalar}``, e.g. a held-out
+            evaluation; called after every `eval_every`-th step (n steps
+            done in this call, ``n % eval_every == 0``), its scalars added to
+            that step's record as ``eval[...]`` keys (named as ``aux``'s).
+            Needs `eval_every`.
+        eval_every: int >= 1, the period of `eval_fn` (needs `eval_fn`).
+        on_step: ``on_step(record, step)``, called once per step with the
+            step's record (after it is logged); if it returns True, fit stops
+            after that step and returns normally.
+        resume: continue the run from the latest intact checkpoint in
+            `checkpoint_dir` (see above).
+        rollback_to: "memory" (the snapshot) or "disk" (the last intact
+            checkpoint; needs `checkpoint_dir`).
+        stop_after_nonfinite: None, or an int >= 0: fit returns normally
+            (nothing raised) this many steps after the first step of the call
+            whose record has ``finite == False`` (0: stop at that step); for
+            runs meant to fail, such as a naive low-precision baseline.
+        The same records and options as `jaxstable.train.fit`.
+
+    Returns:
+        The history: list of per-step dicts (a rollback step's also has
+        ``"rolled_back": True``).
+
+    Raises:
+        NonFiniteError: with ``nan_policy="stop"``, or "rollback" once the
+            rollbacks are used up.
+        ValueError: invalid options (listing the valid values).
+
+    Example:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                  lambda m, b: m(b).pow(2).mean())
+        >>> good, bad = torch.ones(4, 2), torch.full((4, 2), float("nan"))
+        >>> hist = fit(step, [good, bad, good], progress=False)
+        >>> [h["finite"] for h in hist], hist[-1]["skipped_total"]
+        ([True, False, True], 1)
+        >>> try:
+        ...     fit(step, [bad], nan_policy="stop", max_consecutive_nonfinite=1,
+        ...         progress=False)
+        ... except NonFiniteError as e:
+        ...     print(e.step, "|", str(e).split(";")[0])
+        0 | 1 non-finite step(s) in a row, the last at step 0
+        >>> before = step.steps_done
+        >>> hist = fit(step, [good, good, bad, good], nan_policy="rollback",
+        ...            max_consecutive_nonfinite=1, rollback_every=2, progress=False)
+        >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
+        >>> [h.get("rolled_back", False) for h in hist], step.steps_done - before
+        ([False, False, True, False], 3)
+        >>> w = model.weight
+        >>> hist = fit(step, [good, bad] + [good] * 5, progress=False, time_steps=True,
+        ...            eval_fn=lambda s: {"w0": w[0, 0]}, eval_every=2,
+        ...            stop_after_nonfinite=2)
+        >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stops 2 after 1
+        (4, ['skip_reason', "eval['w0']", 'location'])
+        >>> hist[3]["eval['w0']"] == float(w.detach()[0, 0]), hist[0]["time_s"] > 0
+        (True, True)
+    """
+    if not callable(step):
+        raise TypeError(
+            "step must be a torchref.train.TrainStep or a callable "
+            f"step(batch) -> metrics, got {type(step).__name__}"
+        )
+    _check_fit_args(
+        nan_policy, max_consecutive_nonfinite, rollback_every, max_rollbacks, steps,
+        locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
+        time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
+    )  # fmt: skip
+    stateful = hasattr(step, "state_dict") and hasattr(step, "load_state_dict")
+    if not stateful and (nan_policy == "rollback" or checkpoint_dir is not None):
+        raise TypeError(
+            "nan_policy='rollback' and checkpoint_dir need a step with "
+            f"state_dict() and load_state_dict(), got {type(step).__name__}"
+        )
+    mgr, own_mgr = _manager(checkpoint_dir)
+    try:
+        start = _resume(mgr, step, resume)
+        if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
+            mgr.save(start, step)  # what the first rollback goes back to
+        return _run(**locals())
+    finally:
+        if own_mgr:
+            mgr.close()  # waits for a background save
+        elif mgr is not None:
+            mgr.wait()
+
+
+def _run(
+    step, batches, steps, nan_policy, max_consecutive_nonfinite, log_path,
+    progress, checkpoint_every, rollback_every, max_rollbacks, locate_first,
+    time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite, rollback_to,
+    mgr, start, **_,
+):  # fmt: skip
+    """The loop of `fit` from global step `start` (its arguments checked)."""
+    from tqdm.auto import tqdm
+
+    total = steps
+    if total is None and hasattr(batches, "__len__"):
+        total = len(batches)
+    it = _batches_from(batches, start, steps)
+    log = _open_log(log_path, start if mgr is not None and start else None)
+    history: list[dict[str, Any]] = []
+    bar = tqdm(total=total, initial=start, disable=not progress, desc="fit")
+    done = start
+    saved_at = start if mgr is not None and mgr.latest_step() == start else None
+    policy = _NanPolicy(
+        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
+        stop_after_nonfinite,
+    )  # fmt: skip
+    in_memory = nan_policy == "rollback" and rollback_to == "memory"
+    # Deep copies: state_dict() holds references to the live tensors.
+    snapshot = copy.deepcopy(step.state_dict()) if in_memory else None
+    try:
+        for i, batch in enumerate(it, start):
+            t0 = time.perf_counter()
+            metrics = step(batch)
+            done = i + 1
+            entry = _host_record(i, metrics)
+            if time_steps:
+                entry["time_s"] = time.perf_counter() - t0
+            if eval_fn is not None and done % eval_every == 0:
+                for path, value in _scalar_leaves(eval_fn(step)):
+                    entry["eval" + path] = value
+            action = policy.observe(i, entry["finite"])
+            if action == "rollback":
+                entry["rolled_back"] = True
+            location = None
+            # A skipped step left model and optimizer as they were; only the
+            # scaler backed off: re-run at the scale the step used.
+            locatable = isinstance(step, TrainStep)  # as jaxstable's fit
+            if locatable and policy.wants_location(entry["finite"], action):
+                location = locate(step, batch, loss_scale=entry["loss_scale"])
+                policy.located += 1
+                entry["location"] = None if location is None else location._asdict()
+            history.append(entry)
+            if log is not None:
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+            _show(bar, entry)
+            wants_stop = on_step is not None and on_step(entry, step) is True
+            if action == "rollback" and in_memory:
+                # A copy again: the optimizer may keep the loaded tensors and
+                # update them in place, which must not reach the snapshot.
+                step.load_state_dict(copy.deepcopy(snapshot))
+            elif action == "rollback":  # the last good checkpoint on disk
+                mgr.restore(step, restore_rng=False)
+            elif action == "raise":
+                _raise_non_finite(
+                    step, entry, policy.run, batch, history, nan_policy,
+                    max_rollbacks, location,
+                )  # fmt: skip
+            elif in_memory and entry["finite"] and done % rollback_every == 0:
+                snapshot = copy.deepcopy(step.state_dict())
+            if (wants_stop or policy.stop_due(i)) and action != "rollback":
+                break
+            if checkpoint_every is not None and done % checkpoint_every == 0:
+                mgr.save(done, step, metrics=entry)
+                saved_at = done
+        if mgr is not None and saved_at != done:
+            mgr.save(done, step)  # the final checkpoint
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
+    return history
+
+
+def _show(bar, rec) -> None:
+    bar.set_postfix(
+        loss=f"{rec['loss']:.4g}",
+        grad_norm=f"{rec['grad_norm']:.3g}",
+        loss_scale=f"{rec['loss_scale']:.3g}",
+        skipped=rec["skipped_total"],
+        refresh=False,
+    )
+    bar.update(1)
+
+
+def _manager(checkpoint_dir):
+    """``(manager, owned)``: a `CheckpointManager` for `checkpoint_dir`."""
+    if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointManager):
+        return checkpoint_dir, False
+    return CheckpointManager(checkpoint_dir), True
+
+
+def _resume(mgr, step, resume) -> int:
+    """The data position of the latest intact checkpoint, loaded into `step`,
+    with `resume`; else 0 (refusing a directory that already holds a run:
+    its checkpoints would be overwritten)."""
+    latest = None if mgr is None else mgr.latest_step()
+    if latest is None:
+        return 0
+    if not resume:
+        raise ValueError(
+            f"checkpoint_dir {mgr.directory!r} already holds checkpoints (up to "
+            f"step {latest}): pass resume=True to continue that run, or another "
+            "directory to start a new one"
+        )
+    _, info = mgr.restore(step)
+    return int(info["data_position"])
+
+
+# Same in jaxstable.train.fit (the shared fit helpers below).
+class _NanPolicy:
+    """The NaN-policy bookkeeping of one `fit` call.
+
+    ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
+    ``located``: non-finite steps located; ``first_bad``: index of the
+    call's first non-finite step (for ``stop_after_nonfinite``).
+    """
+
+    def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
+        self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
+        self.locate_first, self.stop_after = locate_first, stop_after
+        self.run = self.rollbacks = self.located = 0
+        self.first_bad = None
+
+    def observe(self, index: int, finite: bool) -> str | None:
+        """What the step just recorded triggers: "rollback", "raise" or None."""
+        self.run = 0 if finite else self.run + 1
+        if not finite and self.first_bad is None:
+            self.first_bad = index
+        if self.policy == "skip" or self.run < self.limit:
+            return None
+        if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
+            self.rollbacks, self.run = self.rollbacks + 1, 0
+            return "rollback"
+        return "raise"
+
+    def wants_location(self, finite: bool, action: str | None) -> bool:
+        return not finite and (action is not None or self.located < self.locate_first)
+
+    def stop_due(self, index: int) -> bool:
+        if self.stop_after is None or self.first_bad is None:
+            return False
+        return index - self.first_bad >= self.stop_after
+
+
+def _batches_from(batches, position: int, steps: int | None):
+    """`batches` from the run's `position`, up to `steps` of the run in all.
+
+    A sequence (``__getitem__`` and ``__len__``) is indexed from `position`;
+    anything else is iterated and its first `position` batches dropped.
+    """
+    if position and hasattr(batches, "__getitem__") and hasattr(batches, "__len__"):
+        it = (batches[i] for i in range(position, len(batches)))
+    else:
+        it = itertools.islice(iter(batches), position, None)
+    return it if steps is None else itertools.islice(it, max(steps - position, 0))
+
+
+def _open_log(log_path, resumed_at: int | None):
+    """The JSONL log: overwritten, or on resume kept up to `resumed_at`
+    (lines of steps after the checkpoint are re-run, so dropped) and
+    appended to."""
+    if log_path is None:
+        return None
+    if resumed_at is None or not os.path.exists(log_path):
+        return open(log_path, "w", encoding="utf-8")
+    kept = []
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break  # a line torn by the crash: the rest is re-run
+            if not isinstance(rec, dict) or rec.get("step", resumed_at) >= resumed_at:
+                break
+            kept.append(line.rstrip("\n") + "\n")
+    tmp = f"{os.fspath(log_path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, log_path)
+    return open(log_path, "a", encoding="utf-8")
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    """One validator for every int option: ``name must be [None or ]an int >= m``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = "None or " if optional else ""
+        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
+
+
+def _check_callable(name: str, fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be None or a callable, got {fn!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_needs(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_fit_args(
+    nan_policy, max_consecutive, rollback_every, max_rollbacks, steps,
+    locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
+    time_steps, eval_fn, eval_every, on_step, stop_after,
+):  # fmt: skip
+    # Same checks and texts as jaxstable.train.fit.
+    _check_bool("time_steps", time_steps)
+    _check_bool("resume", resume)
+    _check_callable("eval_fn", eval_fn)
+    _check_callable("on_step", on_step)
+    _check_needs(
+        (eval_fn is None) == (eval_every is None),
+        "eval_fn and eval_every go together: pass both or neither, got "
+        f"eval_fn={eval_fn!r}, eval_every={eval_every!r}",
+    )
+    _check_int("eval_every", eval_every, 1, optional=True)
+    _check_int("stop_after_nonfinite", stop_after, 0, optional=True)
+    _check_choice("nan_policy", nan_policy, NAN_POLICIES)
+    _check_choice("rollback_to", rollback_to, _ROLLBACK_TARGETS)
+    _check_int("max_consecutive_nonfinite", max_consecutive, 1)
+    _check_int("rollback_every", rollback_every, 1)
+    _check_int("max_rollbacks", max_rollbacks, 1)
+    _check_int("steps", steps, 0, optional=True)
+    _check_int("locate_first", locate_first, 0)
+    _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
+    _check_needs(
+        checkpoint_every is None or checkpoint_dir is not None,
+        "checkpoint_every needs checkpoint_dir",
+    )
+    _check_needs(
+        not resume or checkpoint_dir is not None, "resume needs checkpoint_dir"
+    )
+    _check_needs(
+        rollback_to == "memory" or checkpoint_dir is not None,
+        "rollback_to='disk' needs checkpoint_dir",
+    )
+
+
+_UPDATE_NOTE = (
+    "its gradients were finite: the update it computed (new parameters or "
+    "optimizer state) was non-finite, e.g. float16 Adam state whose second "
+    "moment underflowed to 0 while eps is 0 in float16"
+)
+
+
+def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
+    # Same text as jaxstable.train.fit.
+    if nan_policy == "rollback":
+        return (
+            "nan_policy='rollback': rollbacks exhausted "
+            f"(max_rollbacks={max_rollbacks})"
+        )
+    return f"nan_policy={nan_policy!r}"
+
+
+def _raise_non_finite(
+    step: TrainStep,
+    entry: dict[str, Any],
+    run: int,
+    batch: Any,
+    history: list,
+    nan_policy: str = "stop",
+    max_rollbacks: int = 0,
+    location: Any = None,
+) -> None:
+    # The grads left by the step: computed at the scale it used, unscaled by
+    # GradScaler.unscale_ (not clipped on a non-finite step). Same message
+    # layout as jaxstable.train.fit.
+    # A plain step callable may have no model to report on.
+    model = getattr(step, "model", None)
+    report = non_finite_grad_report(model) if model is not None else []
+    scale = f"{entry['loss_scale']:.6g}"
+    parts = [
+        f"{run} non-finite step(s) in a row, the last at step {entry['step']}; "
+        f"loss={entry['loss']:.6g}, grad_norm={entry['grad_norm']:.6g}, "
+        f"loss_scale={scale} (the scale that step used); its update was skipped "
+        f"({_policy_note(nan_policy, max_rollbacks)}).",
+        f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
+    ]
+    if entry.get("skip_reason") == "non-finite update":
+        parts.insert(1, _UPDATE_NOTE)
+    batch_report = non_finite_report(batch)
+    if batch_report:
+        parts.append("non-finite batch inputs:\n" + format_report(batch_report))
+    param_report = non_finite_report(model) if model is not None else []
+    if param_report:
+        parts.append("non-finite parameters:\n" + format_report(param_report))
+    if "location" in entry:
+        parts.append("where (diagnostics.locate):\n" + format_location(location))
+    raise NonFiniteError(
+        "\n".join(parts),
+        step=entry["step"],
+        report=report,
+        history=history,
+        location=location,
+    )
