@@ -291,6 +291,29 @@ def test_box_loss_reductions(tol):
         _close(g2, ref[2], tol("float32"))
 
 
+def test_collinear_zero_area_giou_gradient_overflows_fp16_documented(tol):
+    """Kept from torchvision (documented): two collinear zero-area boxes have
+    an enclosing box of zero area, and GIoU's (area_c - union) / (area_c +
+    eps) a gradient of 2e7 here: equal to the reference in float32, inf once
+    cast back to fp16 boxes (fp16's max is 65504), in both frameworks; the
+    other kinds stay finite."""
+    b1, b2 = _boxes(4, "float16", 16.0)
+    b1[0], b2[0] = [0.0, 1.0, 4.0, 1.0], [1.0, 1.0, 3.0, 1.0]
+    cot = np.zeros((len(KINDS), N_BOXES), np.float32)
+    cot[KINDS.index("giou"), 0] = 1.0
+    _, ref_g1, _ = _ref_run(b1, b2, cot)
+    assert np.abs(ref_g1[0]).max() == pytest.approx(2e7, rel=1e-6)
+    for run in (_jax_run, _torch_run):
+        _, g1, _ = run(b1, b2, "float32", cot)
+        _close(g1, ref_g1, tol("float32"))
+        _, g1, _ = run(b1, b2, "float16", cot)
+        assert np.isinf(_np(g1)[0, [1, 3]]).all() and np.isfinite(_np(g1)[1:]).all()
+    other = np.ones((len(KINDS), N_BOXES), np.float32)
+    other[KINDS.index("giou")] = 0.0
+    for run in (_jax_run, _torch_run):
+        assert np.isfinite(_np(run(b1, b2, "float16", other)[1])).all()
+
+
 def test_empty_boxes_every_reduction():
     """Zero boxes: 'none' is empty, 'sum' and 'mean' are 0.0 (torchvision's
     mean of no boxes is 0.0 too), in both frameworks."""

@@ -1075,6 +1075,11 @@ def box_iou_loss(
     width and height) has a NaN CIoU in torchvision; here its aspect angle is
     0 (as a zero-width box), so the loss and gradient are finite. Coincident
     centres and zero-area unions are finite in both (the ``eps`` terms).
+    Kept from torchvision: the GIoU of two collinear zero-area boxes (an
+    enclosing box of zero area) has a gradient of the order of the
+    enclosing width / eps (2e7 for [0, 1, 4, 1] and [1, 1, 3, 1] at eps
+    1e-7): finite in float32, but above fp16's 65504, so for fp16 boxes it
+    comes back as inf (a skip guard skips the step).
 
     Bad boxes: ``x2 < x1`` or ``y2 < y1`` raises ``ValueError`` naming the
     first such box when the boxes are concrete; under ``jit`` or when

@@ -757,7 +757,10 @@ def box_iou_loss(
     NaN). ``x2 < x1`` or ``y2 < y1`` raises ``ValueError`` naming the first
     such box (reads the boxes on the host: one sync per call); a NaN or
     infinite coordinate makes that pair's loss and gradient NaN. A mean over
-    zero boxes is 0.0 (as torchvision).
+    zero boxes is 0.0 (as torchvision). Kept from torchvision: the GIoU
+    gradient of two collinear zero-area boxes is of the order of the
+    enclosing width / eps (2e7 for [0, 1, 4, 1] and [1, 1, 3, 1]), inf once
+    cast back to fp16 boxes (the skip guard skips the step).
 
     Args:
       boxes1: predicted boxes, floating tensor ``(..., 4)``.
