@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
@@ -47,7 +48,7 @@ DECAYS = ("linear", "cosine")
 def _check(name: str, value, low: float, high: float | None = None, *, open_low=False):
     """ValueError naming `name` unless low <= value (< low when open_low)
     and value <= high (a finite number)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     ok = ok and math.isfinite(value) and (value > low if open_low else value >= low)
     ok = ok and (high is None or value <= high)
     if not ok:
@@ -130,6 +131,7 @@ class Recipe:
 
     def table(self) -> np.ndarray:
         """float32 ``(steps + 1, 4)``: `hyperparameters` of steps 0..steps
-        (a step beyond ``steps`` uses the last row: the decay is held)."""
+        (a step beyond ``steps`` uses the last row: the decay is held).
+        16 bytes a step: 4.8 MB for 300 epochs of 1000 steps."""
         rows = [self.hyperparameters(s) for s in range(self.steps + 1)]
         return np.asarray(rows, np.float32)
