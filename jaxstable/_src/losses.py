@@ -1074,7 +1074,8 @@ def box_iou_loss(
     pi/2 is kept, its gradient is 0 * inf in torchvision). A point box (zero
     width and height) has a NaN CIoU in torchvision; here its aspect angle is
     0 (as a zero-width box), so the loss and gradient are finite. Coincident
-    centres and zero-area unions are finite in both (the ``eps`` terms).
+    centres and zero-area unions are finite in both (the ``eps`` terms),
+    except through CIoU's angle of a zero-height box (above).
     Kept from torchvision: the GIoU of two collinear zero-area boxes (an
     enclosing box of zero area) has a gradient of the order of the
     enclosing width / eps (2e7 for [0, 1, 4, 1] and [1, 1, 3, 1] at eps
