@@ -39,8 +39,12 @@ def param_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
       {'bias': 1, 'decay': 1, 'no_decay': 1}
     """
     groups: dict[str, list[nn.Parameter]] = {name: [] for name in GROUPS}
+    seen: set[int] = set()  # a shared parameter goes in once (SGD refuses twice)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             if name == "bias":
                 groups["bias"].append(param)
             elif isinstance(module, _NORMS):
