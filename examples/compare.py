@@ -36,6 +36,7 @@ from examples import harness  # noqa: E402
 TASKS = {
     "segmentation": "examples.segmentation.task",
     "ocr": "examples.ocr.task",
+    "contrastive": "examples.contrastive.task",
 }
 DEMO = "segmentation"  # `compare.py demo` (`make demo`): its defaults
 
