@@ -26,12 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from examples.contrastive.config import CHECKS, first_bad  # noqa: F401
 from jaxstable import losses
 
-# The check points a loss function marks, in the order the step computes
-# them; `gradients` and `parameters` (the other two of the report's six) are
-# the step's own `grad_norm` and `finite` metrics.
-CHECKS = ("inputs", "image_emb", "text_emb", "logits", "loss")
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp of exp(logit_scale)
 
 
@@ -50,21 +47,6 @@ def check_points(**values: jax.Array) -> dict[str, dict[str, jax.Array]]:
         big = jnp.max(jnp.where(ok, jnp.abs(x), 0)).astype(jnp.float32)
         out[name] = {"finite": jnp.all(ok), "max_abs": big}
     return out
-
-
-def first_bad(checks) -> str | None:
-    """The first check point of `CHECKS` (in order) that is not finite, or None.
-
-    Takes the ``aux["checks"]`` dict (device or host values).
-
-    Example:
-        >>> first_bad({"inputs": {"finite": True}, "logits": {"finite": False}})
-        'logits'
-    """
-    for name in CHECKS:
-        if name in checks and not bool(checks[name]["finite"]):
-            return name
-    return None
 
 
 def _normalize_no_eps(x):

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from examples.contrastive.config import CHECKS, first_bad  # noqa: F401
 from torchref import losses
 
-CHECKS = ("inputs", "image_emb", "text_emb", "logits", "loss")
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp of exp(logit_scale)
 
 
@@ -46,19 +46,6 @@ def check_points(**values: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         big = torch.where(ok, x.abs(), torch.zeros_like(x)).max().float()
         out[name] = {"finite": ok.all(), "max_abs": big}
     return out
-
-
-def first_bad(checks) -> str | None:
-    """The first check point of `CHECKS` (in order) that is not finite, or None.
-
-    Example:
-        >>> first_bad({"inputs": {"finite": True}, "logits": {"finite": False}})
-        'logits'
-    """
-    for name in CHECKS:
-        if name in checks and not bool(checks[name]["finite"]):
-            return name
-    return None
 
 
 def _normalize_no_eps(x):

@@ -18,7 +18,7 @@ The two modes, as the harness runs them:
   `info_nce` (eps-safe normalisation, logit scale clamped at 100), and the
   harness's guards (clip, skip non-finite; a loss scale for float16).
 
-Both losses return the check points of `loss_jax.CHECKS` (inputs,
+Both losses return the check points of `config.CHECKS` (inputs,
 embeddings, logits, loss) and the logit scale as ``aux``: `fit` logs them
 in every record (``aux['checks']['text_emb']['finite']``, ...), with the
 step's ``grad_norm`` and ``finite`` (gradients, parameters): the report's
@@ -41,7 +41,7 @@ import numpy as np
 
 from examples import harness
 from examples.contrastive import config as config_lib
-from examples.contrastive import data, loss_jax
+from examples.contrastive import data
 from examples.contrastive.metric import METRICS, recall_at_1
 
 
@@ -68,7 +68,7 @@ def cause_note(checks, bad_rows: int, empty: int, batch: int) -> str:
 
     Example:
         >>> c = {k: {"finite": k in ("inputs", "image_emb"), "max_abs": 1.0}
-        ...      for k in loss_jax.CHECKS}
+        ...      for k in config_lib.CHECKS}
         >>> print(cause_note(c, 1, 1, 32))  # doctest: +NORMALIZE_WHITESPACE
         Cause observed: check points of the step, in order: inputs finite
         (max|x| 1), image_emb finite (max|x| 1), text_emb NON-FINITE, logits
@@ -77,7 +77,7 @@ def cause_note(checks, bad_rows: int, empty: int, batch: int) -> str:
         0 / 0).
     """
     parts = []
-    for name in loss_jax.CHECKS:
+    for name in config_lib.CHECKS:
         c = checks[name]
         ok = bool(c["finite"])
         parts.append(
@@ -85,7 +85,7 @@ def cause_note(checks, bad_rows: int, empty: int, batch: int) -> str:
             if ok
             else f"{name} NON-FINITE"
         )
-    first = loss_jax.first_bad(checks)
+    first = config_lib.first_bad(checks)
     text = "Cause observed: check points of the step, in order: " + ", ".join(parts)
     if first is None:
         return text + "; all finite in the loss: the gradients or the update broke."
@@ -200,9 +200,10 @@ def torch_parts(config: config_lib.Config, weights) -> harness.TorchParts:
 
     def probe(m, batch):
         with torch.no_grad():
-            _, aux = loss_fn(m, batch)
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                _, txt = m(batch["image"], batch["tokens"], safe=False)
+                img, txt = m(batch["image"], batch["tokens"], safe=False)
+            img, txt = img.to(dtype), txt.to(dtype)
+            _, aux = loss_torch.naive_loss(img, txt, m.logit_scale, batch["image"])
         bad = int((~torch.isfinite(txt.float())).any(dim=1).sum())
         empty = _empty(batch["tokens"].numpy())
         return cause_note(aux["checks"], bad, empty, len(batch["tokens"]))
@@ -262,7 +263,7 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
     """
     import jax
 
-    from examples.contrastive import convert, model_jax
+    from examples.contrastive import convert, loss_jax, model_jax
     from jaxstable import diagnostics
 
     graphdef, params = model_jax.split(
@@ -293,11 +294,14 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
             return out, s
 
     def probe(p, s, batch):
-        (_, aux), _ = loss_fn(p, s, batch)
+        # one eager forward (off the hot path): the caption embeddings and
+        # the check points of the naive loss on them
         q = jax.tree.map(lambda x: x.astype(dtype), p)
-        _, txt, _ = model_jax.apply(
+        img, txt, log_scale = model_jax.apply(
             graphdef, q, batch["image"], batch["tokens"], safe=False
         )
+        img, txt = img.astype(dtype), txt.astype(dtype)
+        _, aux = loss_jax.naive_loss(img, txt, log_scale, batch["image"])
         bad = int((~np.isfinite(np.asarray(txt, np.float32))).any(axis=1).sum())
         empty = _empty(batch["tokens"])
         return cause_note(aux["checks"], bad, empty, len(batch["tokens"]))
@@ -316,15 +320,15 @@ TASK = types.SimpleNamespace(
     name="contrastive",
     help="image-text retrieval (CLIP-style InfoNCE on shape captions; recall@1)",
     metrics=METRICS,
-    # a smoke run (seconds): 16x16 images, width 4, 6 steps over 44 pairs
-    # (5 full batches of 8 and a partial one of 4: every pair, the empty
-    # caption included, is seen)
+    # a smoke run: 16x16 images, width 4, 6 steps of 8 over 48 pairs (one
+    # epoch: every pair, the empty caption included, is seen; no partial
+    # batch, whose new shape would cost each JAX run a second compile)
     quick=dict(
         image_size=16,
         batch_size=8,
         width=4,
         steps=6,
-        train_pairs=44,
+        train_pairs=48,
         eval_images=16,
         eval_batch_size=16,
     ),
