@@ -118,21 +118,28 @@ def test_float32_parity_of_the_converted_model(tol, inputs):
             )  # fmt: skip
 
 
-def test_jax_check_points_inside_the_jitted_naive_loss(inputs):
-    """The JAX naive loss, jitted as the harness's step runs it, on the batch
-    with the empty caption: the check points name the text embedding first;
-    the stable loss on the same batch is finite everywhere."""
+def test_jax_check_points_inside_the_jitted_steps(inputs):
+    """The harness's jitted naive JAX step carries the loss's check points in
+    its metrics: finite until the batch with the empty caption, where the
+    text embedding is the first non-finite point. The stable loss on that
+    batch is finite at every point."""
     import jax
 
     weights, batches, _ = inputs
-    step = _first_empty_step(batches)
-    batch = jax.tree.map(np.asarray, batches[step])
-    for mode, expected in (("naive", "text_emb"), ("stable", None)):
-        cfg = QUICK.replace(precision="bfloat16", mode=mode)
-        parts = TASK.jax_parts(cfg, weights)
-        (loss, aux), _ = jax.jit(parts.loss_fn)(parts.params, None, batch)
-        assert config_lib.first_bad(aux["checks"]) == expected, mode
-        assert bool(np.isfinite(float(loss))) == (mode == "stable")
+    at = _first_empty_step(batches)
+    naive = QUICK.replace(precision="bfloat16", mode="naive")
+    step, state = harness._jax_naive(naive, TASK.jax_parts(naive, weights))
+    for i in range(at + 1):
+        state, m = step(state, jax.tree.map(np.asarray, batches[i]))
+        bad = config_lib.first_bad(m["aux"]["checks"])
+        assert (bool(m["finite"]), bad) == (
+            (True, None) if i < at else (False, "text_emb")
+        )
+    stable = QUICK.replace(precision="bfloat16", mode="stable")
+    parts = TASK.jax_parts(stable, weights)
+    batch = jax.tree.map(np.asarray, batches[at])
+    (loss, aux), _ = jax.jit(parts.loss_fn)(parts.params, None, batch)
+    assert config_lib.first_bad(aux["checks"]) is None and np.isfinite(float(loss))
 
 
 def test_naive_bfloat16_breaks_at_the_empty_caption(runs, inputs):

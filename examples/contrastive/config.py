@@ -78,7 +78,7 @@ class Config(harness.BaseConfig):
       train_pairs: pairs in the train set (an epoch; the last batch of an
         epoch is partial when ``batch_size`` does not divide it).
       empty_rate: fraction of train captions that tokenise to nothing
-        (rounded up: at least one).
+        (rounded up: at least one when > 0; 0 turns them off).
 
     Example:
         >>> Config(image_size=20)

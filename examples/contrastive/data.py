@@ -15,8 +15,8 @@ The edge cases real caption data has are all there:
   32 is common), so a row of InfoNCE can have a false negative;
 * empty captions: a caption whose words are all outside the vocabulary
   ("a photo", "IMG_2041.jpg") tokenises to nothing, all padding. A
-  fraction ``empty_rate`` of the train pairs has one (at least one pair in
-  every train set: rounded up);
+  fraction ``empty_rate`` of the train pairs has one, rounded up (so at
+  least one pair of any train set when ``empty_rate > 0``; 0 turns them off);
 * a last partial batch: the train set is ``train_pairs`` pairs, reshuffled
   each epoch and cut into batches in order, so the last batch of an epoch
   holds ``train_pairs % batch_size`` pairs when that is not 0.
