@@ -305,6 +305,10 @@ class JaxParts:
         the task's failure mechanism on the batch of the first non-finite
         step, from the state before that step (``batch`` cast to the compute
         dtype). It goes into the report.
+      has_aux: ``loss_fn`` returns ``((loss, aux), new_model_state)``
+        (`make_train_step`'s ``has_aux``): ``aux`` (e.g. check points, a
+        logit scale) goes into every step's metrics, hence the `fit`
+        records and ``metrics.jsonl`` as ``aux[...]`` keys.
     """
 
     params: Any
@@ -312,6 +316,7 @@ class JaxParts:
     loss_fn: Callable[[Any, Any, Any], tuple[Any, Any]]
     evaluate: Callable[[Any, Any, Any], dict[str, float]]
     probe: Callable[[Any, Any, Any], str] | None = None
+    has_aux: bool = False
 
 
 @dataclasses.dataclass
@@ -324,8 +329,9 @@ class TorchParts:
         ``config.precision`` (``model.to(dtype)``: weights, buffers, hence
         the optimizer state) or float32 with ``loss_fn`` running the forward
         under autocast, as the task's users did.
-      loss_fn: ``loss_fn(model, batch) -> loss`` (0-d tensor), the
-        `torchref.train.TrainStep` contract; ``batch`` is
+      loss_fn: ``loss_fn(model, batch) -> loss`` (0-d tensor) or ``(loss,
+        aux)``, the `torchref.train.TrainStep` contract (``aux`` goes into
+        the records as `JaxParts.has_aux` says); ``batch`` is
         ``to_torch(numpy batch)``. Stable: the task's float32 loss (the
         harness runs it under autocast). Naive: the loss the users ran.
       to_torch: numpy batch -> what ``loss_fn`` reads (NCHW tensors); the
@@ -689,9 +695,13 @@ def _jax_naive(config, parts):
         batch = _jax_cast_floats(batch, dtype)
 
         def loss(p):
-            return parts.loss_fn(p, state["model_state"], batch)
+            out, new_ms = parts.loss_fn(p, state["model_state"], batch)
+            value, aux = out if parts.has_aux else (out, None)
+            return value, (aux, new_ms)
 
-        (value, new_ms), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        (value, (aux, new_ms)), grads = jax.value_and_grad(loss, has_aux=True)(
+            state["params"]
+        )
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {
@@ -701,6 +711,8 @@ def _jax_naive(config, parts):
             "finite": all_finite((value, grads, params)),
             "skipped_total": jnp.zeros([], jnp.int32),
         }
+        if parts.has_aux:
+            metrics["aux"] = aux
         new = {
             "params": params,
             "opt_state": opt_state,
@@ -751,7 +763,9 @@ def _jax_locate_naive(config, parts, before, batch) -> dict[str, Any] | None:
     """
     from jaxstable import diagnostics, train
 
-    step = train.make_train_step(parts.loss_fn, has_state=True, jit=False)
+    step = train.make_train_step(
+        parts.loss_fn, has_state=True, has_aux=parts.has_aux, jit=False
+    )
     state = train.TrainState.create(
         params=before["params"],
         optimizer=jax_optimizer(config),
@@ -777,7 +791,9 @@ def _jax_stable(config, parts):
         loss_scale=scale,
         model_state=parts.model_state,
     )
-    step = train.make_train_step(parts.loss_fn, has_state=True, policy=config.policy)
+    step = train.make_train_step(
+        parts.loss_fn, has_state=True, has_aux=parts.has_aux, policy=config.policy
+    )
     return step, state
 
 
@@ -961,7 +977,8 @@ def _torch_naive(config, parts):
         last["opt_before"] = copy.deepcopy(optimizer.state_dict())
         old = {n: last["model_before"][n] for n in named}
         optimizer.zero_grad(set_to_none=True)
-        loss = parts.loss_fn(model, batch)
+        out = parts.loss_fn(model, batch)
+        loss, aux = out if isinstance(out, tuple) else (out, None)
         loss.backward()
         grads = {
             n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -972,13 +989,16 @@ def _torch_naive(config, parts):
         last.update(grads=grads, old=old, new=new)
         loss_value = float(loss.detach().float())
         finite = all_finite(list(grads.values()) + list(new.values()))
-        return {
+        metrics = {
             "loss": loss_value,
             "grad_norm": float(global_norm(list(grads.values()))),
             "loss_scale": 1.0,
             "finite": bool(finite) and math.isfinite(loss_value),
             "skipped_total": 0,
         }
+        if aux is not None:
+            metrics["aux"] = aux
+        return metrics
 
     def report() -> str:
         grads, old, new = last["grads"], last["old"], last["new"]
