@@ -4,8 +4,9 @@ The PyTorch twin of `jaxstable.losses`: the same functions and semantics, built
 on what a careful PyTorch user already calls (`F.cross_entropy`,
 `F.binary_cross_entropy_with_logits`, `torch.sigmoid`) applied to float32
 upcasts of the inputs. Inside `torch.autocast` these functions are on the
-float32 list anyway; the explicit `.float()` also covers models cast with
-`.half()` and code outside autocast. Gradients flow back in the input dtype.
+float32 list anyway, except the matmul of `info_nce`, which runs with autocast
+turned off; the explicit `.float()` also covers models cast with `.half()` and
+code outside autocast. Gradients flow back in the input dtype.
 
 Every loss takes tensors or array-likes: a list or numpy array is converted
 with `torch.as_tensor` onto the device of the tensor inputs (as jaxstable
@@ -643,7 +644,11 @@ def info_nce(
         t = temperature.float().clamp(min=min_temperature)
     else:
         t = max(float(temperature), min_temperature)
-    sim = an @ bn.T / t
+    # matmul is on autocast's lower-precision list: inside
+    # torch.autocast(bfloat16) `an @ bn.T` would run in bf16 (38.2367 instead
+    # of 38.2670 for one similarity x 1/t seen in the contrastive example).
+    with torch.autocast(a.device.type, enabled=False):
+        sim = an @ bn.T / t
     target = torch.arange(a.shape[0], device=a.device)
     return 0.5 * (F.cross_entropy(sim, target) + F.cross_entropy(sim.T, target))
 

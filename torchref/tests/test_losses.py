@@ -151,3 +151,15 @@ def test_zero_class_weight_sum_is_nan_with_nan_gradient():
     out.backward()
     assert torch.isnan(out) and torch.isnan(x.grad).all()
     assert torch.isnan(F.cross_entropy(x.detach(), y, weight=torch.zeros(3)))
+
+
+def test_info_nce_is_float32_inside_autocast():
+    # matmul is on autocast's bf16 list; the loss must not follow it there.
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)
+    t = torch.tensor(0.01, requires_grad=True)
+    outside = losses.info_nce(a, b, temperature=t)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = losses.info_nce(a, b, temperature=t)
+    assert inside.dtype == torch.float32
+    assert torch.equal(inside, outside)
