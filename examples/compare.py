@@ -5,6 +5,7 @@
         --out runs/demo
     python examples/compare.py demo    # the same with the defaults (`make demo`)
     python examples/compare.py ocr --precision float16 --out runs/ocr
+    python examples/compare.py detection --precision float16 --out runs/detection
 
 For the task named, from the same initial weights (torch's seeded init,
 converted to Flax NNX) and the same batches, trains six runs: JAX naive, JAX
@@ -36,6 +37,7 @@ from examples import harness  # noqa: E402
 TASKS = {
     "segmentation": "examples.segmentation.task",
     "ocr": "examples.ocr.task",
+    "detection": "examples.detection.task",
 }
 DEMO = "segmentation"  # `compare.py demo` (`make demo`): its defaults
 
