@@ -89,7 +89,9 @@ class DetectionConfig:
       min_size, max_size: object side as a fraction of the canvas side.
       source_scale: canvas side / image side (>= 1); the crop window's side
         is drawn between ``min_crop`` times the canvas side and all of it.
-      min_crop: smallest crop window, as a fraction of the canvas side.
+      min_crop: smallest crop window, as a fraction of the canvas side
+        (0.5: up to 2x zoom on the canvas, 1.6x on the image; YOLO's default
+        scale gain is +-50%).
       clutter: line segments and blobs on the background, per image, in
         random colours.
       hue_jitter: standard deviation (in turns) of an object's hue around
@@ -109,7 +111,7 @@ class DetectionConfig:
     min_size: float = 0.18
     max_size: float = 0.4
     source_scale: float = 1.25
-    min_crop: float = 0.6
+    min_crop: float = 0.5
     clutter: int = 6
     hue_jitter: float = 0.08
     noise_std: float = 0.04
