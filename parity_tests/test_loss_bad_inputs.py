@@ -576,6 +576,202 @@ CASES += [
         ("raises", ValueError, DEVICES.format("temperature")),
     ),
 ]
+# ---------------------------------------------------------------------------
+# issue 10: detection losses (box_iou_loss, sigmoid_focal_loss)
+# ---------------------------------------------------------------------------
+
+BOX_A = np.array([[0.0, 0.0, 2.0, 2.0], [1.0, 1.0, 4.0, 3.0]], np.float32)
+BOX_B = np.array([[1.0, 1.0, 3.0, 3.0], [0.0, 1.0, 2.0, 5.0]], np.float32)
+BOX_INVERTED = BOX_A.copy()
+BOX_INVERTED[1] = [4.0, 1.0, 1.0, 3.0]  # x1 > x2
+BOX_INVERTED_Y = BOX_B.copy()
+BOX_INVERTED_Y[0] = [1.0, 3.0, 3.0, 1.0]  # y1 > y2
+BOX_NAN = BOX_A.copy()
+BOX_NAN[0, 3] = np.nan
+# IoU of the pairs: intersections 1 and 1 x 2, unions 4 + 4 - 1 and 6 + 8 - 2
+IOU_LOSS_SUM = (1.0 - 1.0 / 7.0) + (1.0 - 2.0 / 12.0)
+FOCAL_X = np.array([0.0, 2.0], np.float32)
+FOCAL_T = np.array([1.0, 0.0], np.float32)
+
+
+def _ref_focal_unweighted():
+    """gamma = 2, no alpha: x = 0, t = 1 gives 0.5**2 log 2; x = 2, t = 0
+    gives sigmoid(2)**2 softplus(2) (torchvision's formula, float64)."""
+    p = 1.0 / (1.0 + np.exp(-2.0))
+    return (0.25 * np.log(2.0) + p**2 * np.log1p(np.exp(2.0))) / 2
+
+
+CASES += [
+    (
+        "box_wrong_last_dim",
+        lambda: jl.box_iou_loss(j(BOX_A[:, :3]), j(BOX_B[:, :3])),
+        lambda: tl.box_iou_loss(t(BOX_A[:, :3]), t(BOX_B[:, :3])),
+        ("raises", ValueError, r"boxes1 must have shape \(\.\.\., 4\).*\(2, 3\)"),
+    ),
+    (
+        "box_scalar",
+        lambda: jl.box_iou_loss(j(1.0), j(1.0)),
+        lambda: tl.box_iou_loss(t(np.float32(1.0)), t(np.float32(1.0))),
+        ("raises", ValueError, r"boxes1 must have shape \(\.\.\., 4\).*got shape \(\)"),
+    ),
+    (
+        "box_integer_boxes",
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_B.astype(np.int32))),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_B.astype(np.int32))),
+        ("raises", TypeError, r"boxes2 must be a floating .*int32"),
+    ),
+    (
+        "box_shapes_differ",
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_B[:1])),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_B[:1])),
+        ("raises", ValueError, r"boxes1\.shape=\(2, 4\) and boxes2\.shape=\(1, 4\)"),
+    ),
+    (
+        "box_unknown_kind",
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_B), kind="eiou"),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_B), kind="eiou"),
+        (
+            "raises",
+            ValueError,
+            r"unknown kind 'eiou'; valid values: iou, giou, diou, ciou",
+        ),
+    ),
+    (
+        "box_unknown_reduction",
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_B), reduction="avg"),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_B), reduction="avg"),
+        (
+            "raises",
+            ValueError,
+            r"unknown reduction 'avg'; valid values: mean, sum, none",
+        ),
+    ),
+    (
+        "box_x2_below_x1",  # torchvision: a silent number from negative areas
+        lambda: jl.box_iou_loss(j(BOX_INVERTED), j(BOX_B)),
+        lambda: tl.box_iou_loss(t(BOX_INVERTED), t(BOX_B)),
+        (
+            "raises",
+            ValueError,
+            r"boxes1 must have x1 <= x2 and y1 <= y2.*1 box\(es\).*index \(1,\): "
+            r"\[4\.0, 1\.0, 1\.0, 3\.0\]",
+        ),
+    ),
+    (
+        "box_y2_below_y1_in_targets",
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_INVERTED_Y), kind="ciou"),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_INVERTED_Y), kind="ciou"),
+        ("raises", ValueError, r"boxes2 must have x1 <= x2.*index \(0,\)"),
+    ),
+    (
+        "box_nan_coordinate",
+        lambda: jl.box_iou_loss(j(BOX_NAN), j(BOX_B), kind="iou", reduction="mean"),
+        lambda: tl.box_iou_loss(t(BOX_NAN), t(BOX_B), kind="iou", reduction="mean"),
+        ("nan",),
+    ),
+    (
+        "box_empty_mean",  # as torchvision: 0.0
+        lambda: jl.box_iou_loss(j(BOX_A[:0]), j(BOX_B[:0]), reduction="mean"),
+        lambda: tl.box_iou_loss(t(BOX_A[:0]), t(BOX_B[:0]), reduction="mean"),
+        ("equals", 0.0),
+    ),
+    (
+        "box_eps_zero",  # a zero-area union would be 0 / 0
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_B), eps=0.0),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_B), eps=0.0),
+        ("raises", ValueError, r"eps must be > 0, got 0.0"),
+    ),
+    (
+        "box_list_inputs",
+        lambda: jl.box_iou_loss(
+            BOX_A.tolist(), BOX_B.tolist(), kind="iou", reduction="sum"
+        ),
+        lambda: tl.box_iou_loss(
+            BOX_A.tolist(), BOX_B.tolist(), kind="iou", reduction="sum"
+        ),
+        ("ref", lambda: IOU_LOSS_SUM),
+    ),
+    (
+        "focal_targets_wrong_shape",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T[:, :3])),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T[:, :3])),
+        ("raises", ValueError, r"logits\.shape=\(2, 4\) and targets\.shape=\(2, 3\)"),
+    ),
+    (
+        "focal_integer_logits",
+        lambda: jl.sigmoid_focal_loss(j(T.astype(np.int32)), j(T)),
+        lambda: tl.sigmoid_focal_loss(t(T.astype(np.int32)), t(T)),
+        ("raises", TypeError, r"logits must be a floating"),
+    ),
+    (
+        "focal_alpha_above_1",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T), alpha=1.5),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T), alpha=1.5),
+        (
+            "raises",
+            ValueError,
+            r"alpha must be a number in \[0, 1\], or None / -1 .*1.5",
+        ),
+    ),
+    (
+        "focal_alpha_negative_not_minus_1",  # torchvision: silently unweighted
+        lambda: jl.sigmoid_focal_loss(j(P), j(T), alpha=-0.25),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T), alpha=-0.25),
+        ("raises", ValueError, r"alpha must be a number in \[0, 1\].*-0.25"),
+    ),
+    (
+        "focal_alpha_minus_1_is_unweighted",  # torchvision's spelling
+        lambda: jl.sigmoid_focal_loss(
+            j(FOCAL_X), j(FOCAL_T), alpha=-1, reduction="mean"
+        ),
+        lambda: tl.sigmoid_focal_loss(
+            t(FOCAL_X), t(FOCAL_T), alpha=-1, reduction="mean"
+        ),
+        ("ref", _ref_focal_unweighted),
+    ),
+    (
+        "focal_gamma_negative",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T), gamma=-1.0),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T), gamma=-1.0),
+        ("raises", ValueError, r"gamma must be >= 0, got -1.0"),
+    ),
+    (
+        "focal_gamma_inf",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T), gamma=float("inf")),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T), gamma=float("inf")),
+        ("raises", ValueError, r"gamma must be a finite number >= 0, got inf"),
+    ),
+    (
+        "focal_targets_outside_0_1",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T * 2.0)),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T * 2.0)),
+        ("raises", ValueError, r"targets must be in \[0, 1\]; found \d+ value\(s\)"),
+    ),
+    (
+        "focal_nan_logits",
+        lambda: jl.sigmoid_focal_loss(j(P_NAN), j(T), reduction="sum"),
+        lambda: tl.sigmoid_focal_loss(t(P_NAN), t(T), reduction="sum"),
+        ("nan",),
+    ),
+    (
+        "focal_unknown_reduction",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T), reduction="batchmean"),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T), reduction="batchmean"),
+        ("raises", ValueError, r"unknown reduction 'batchmean'"),
+    ),
+    (
+        "box_inputs_on_two_devices",
+        None,
+        lambda: tl.box_iou_loss(t(BOX_A), _meta(BOX_B)),
+        ("raises", ValueError, DEVICES.format("boxes2")),
+    ),
+    (
+        "focal_inputs_on_two_devices",
+        None,
+        lambda: tl.sigmoid_focal_loss(t(P), _meta(T)),
+        ("raises", ValueError, DEVICES.format("targets")),
+    ),
+]
 IDS = [c[0] for c in CASES]
 MIN_CASES = 25  # per framework (issue 14)
 
@@ -679,6 +875,18 @@ JIT_CASES = [
         lambda x, m: jl.balanced_binary_cross_entropy(x, j(G_OHEM), m),
         j(L_FINITE),
         j(M_NAN),
+    ),
+    (
+        "box_x2_below_x1",  # traced boxes cannot raise
+        lambda b, g: jl.box_iou_loss(b, g, kind="ciou", reduction="mean"),
+        j(BOX_INVERTED),
+        j(BOX_B),
+    ),
+    (
+        "focal_targets_outside_0_1",
+        lambda x, y: jl.sigmoid_focal_loss(x, y, reduction="mean"),
+        j(P),
+        j(T * 2.0),
     ),
 ]
 

@@ -3,6 +3,7 @@
 from torchref._src.losses import (
     balanced_binary_cross_entropy as balanced_binary_cross_entropy,
 )
+from torchref._src.losses import box_iou_loss as box_iou_loss
 from torchref._src.losses import db_loss as db_loss
 from torchref._src.losses import db_step as db_step
 from torchref._src.losses import dice_loss as dice_loss
@@ -11,4 +12,5 @@ from torchref._src.losses import masked_l1_loss as masked_l1_loss
 from torchref._src.losses import (
     sigmoid_binary_cross_entropy as sigmoid_binary_cross_entropy,
 )
+from torchref._src.losses import sigmoid_focal_loss as sigmoid_focal_loss
 from torchref._src.losses import softmax_cross_entropy as softmax_cross_entropy

@@ -941,3 +941,279 @@ def info_nce(
     loss_ab = jnp.mean(jax.nn.logsumexp(sim, axis=1) - diag)
     loss_ba = jnp.mean(jax.nn.logsumexp(sim, axis=0) - diag)
     return 0.5 * (loss_ab + loss_ba)
+
+
+# ---------------------------------------------------------------------------
+# detection: box regression and dense classification
+# ---------------------------------------------------------------------------
+
+_BOX_KINDS = ("iou", "giou", "diou", "ciou")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _BOX_KINDS:
+        raise ValueError(
+            f"unknown kind {kind!r}; valid values: {', '.join(_BOX_KINDS)}"
+        )
+
+
+def _check_boxes(name: str, boxes) -> None:
+    """Floating (..., 4) boxes; concrete ones also need x1 <= x2, y1 <= y2."""
+    _check_float(name, boxes)
+    if boxes.ndim == 0 or boxes.shape[-1] != 4:
+        raise ValueError(
+            f"{name} must have shape (..., 4) as (x1, y1, x2, y2), got shape "
+            f"{boxes.shape}"
+        )
+    if _is_concrete(boxes):
+        _raise_inverted(name, np.asarray(boxes, np.float32).reshape(-1, 4), boxes)
+
+
+def _raise_inverted(name: str, flat: np.ndarray, boxes) -> None:
+    """ValueError naming the boxes with x2 < x1 or y2 < y1 (a NaN is not
+    inverted: it gives a NaN loss instead)."""
+    inverted = (flat[:, 2] < flat[:, 0]) | (flat[:, 3] < flat[:, 1])
+    if inverted.any():
+        first = int(np.argmax(inverted))
+        index = np.unravel_index(first, boxes.shape[:-1]) if boxes.ndim > 1 else ()
+        raise ValueError(
+            f"{name} must have x1 <= x2 and y1 <= y2 (x1, y1, x2, y2 format); "
+            f"{int(inverted.sum())} box(es) do not, the first at index "
+            f"{tuple(int(i) for i in index)}: {flat[first].tolist()}"
+        )
+
+
+def _aspect_angle(w, h):
+    """atan(w / h) in [0, pi/2] for w, h >= 0, with a finite gradient.
+
+    torchvision's ``atan(w / h)`` divides by h = 0 (a box of zero height:
+    the value pi/2 is right, the gradient 0 * inf = NaN) and is 0 / 0 = NaN
+    for a point box. Here the smaller side is divided by the larger, so the
+    ratio is in [0, 1]: the same angle (pi/2 - atan(h / w) when w > h), a
+    gradient of about 1 / max(w, h), and a point box gets the angle 0 (as a
+    zero-width box; ultralytics' ``atan(w / (h + eps))`` gives 0 too) with a
+    zero gradient.
+    """
+    tall = h >= w
+    big = jnp.where(tall, h, w)
+    small = jnp.where(tall, w, h)
+    point = big == 0
+    angle = jnp.arctan(small / jnp.where(point, 1.0, big))
+    return jnp.where(point, 0.0, jnp.where(tall, angle, jnp.pi / 2 - angle))
+
+
+def _box_terms(b1, b2, kind: str, eps: float):
+    """Per-box loss from float32 coordinate tuples, torchvision's formulas."""
+    x1, y1, x2, y2 = b1
+    x1g, y1g, x2g, y2g = b2
+    iw = jnp.minimum(x2, x2g) - jnp.maximum(x1, x1g)
+    ih = jnp.minimum(y2, y2g) - jnp.maximum(y1, y1g)
+    # torchvision's mask: no overlap (or a touching edge) is exactly 0 with a
+    # zero gradient, not a product of negative sides
+    inter = jnp.where((iw > 0) & (ih > 0), iw * ih, 0.0)
+    union = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - inter
+    iou = inter / (union + eps)
+    if kind == "iou":
+        return 1.0 - iou
+    cw = jnp.maximum(x2, x2g) - jnp.minimum(x1, x1g)  # enclosing box
+    ch = jnp.maximum(y2, y2g) - jnp.minimum(y1, y1g)
+    if kind == "giou":
+        area_c = cw * ch
+        return 1.0 - iou + (area_c - union) / (area_c + eps)
+    # DIoU: squared centre distance over the enclosing box's squared diagonal
+    # (both halved centres: (x1 + x2) / 2, as torchvision)
+    dx = (x2 + x1) / 2 - (x1g + x2g) / 2
+    dy = (y2 + y1) / 2 - (y1g + y2g) / 2
+    loss = 1.0 - iou + (dx * dx + dy * dy) / (cw * cw + ch * ch + eps)
+    if kind == "diou":
+        return loss
+    delta = _aspect_angle(x2g - x1g, y2g - y1g) - _aspect_angle(x2 - x1, y2 - y1)
+    v = (4 / jnp.pi**2) * delta * delta
+    # torchvision computes alpha under no_grad: no gradient through it
+    alpha = jax.lax.stop_gradient(v / (1.0 - iou + v + eps))
+    return loss + alpha * v
+
+
+def _reduce(loss, reduction: str):
+    """'none' as is; 'sum'; 'mean' with the mean of an empty array 0.0."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return jnp.sum(loss)
+    return jnp.sum(loss) / max(loss.size, 1)
+
+
+def box_iou_loss(
+    boxes1: Array,
+    boxes2: Array,
+    *,
+    kind: str = "giou",
+    reduction: str = "none",
+    eps: float = 1e-7,
+) -> jax.Array:
+    r"""IoU-family box regression loss in float32: torchvision's values.
+
+    Boxes are ``(..., 4)`` as ``(x1, y1, x2, y2)``; the loss of a pair, with
+    ``iou = inter / (union + eps)`` and ``C`` the smallest enclosing box::
+
+        iou:  1 - iou
+        giou: 1 - iou + (area(C) - union) / (area(C) + eps)
+        diou: 1 - iou + |centre1 - centre2|^2 / (diag(C)^2 + eps)
+        ciou: diou + alpha v,  v = 4 / pi^2 (atan(w2 / h2) - atan(w1 / h1))^2,
+              alpha = v / (1 - iou + v + eps), with no gradient (as torchvision)
+
+    the values of ``torchvision.ops.generalized_box_iou_loss``,
+    ``distance_box_iou_loss`` and ``complete_box_iou_loss`` (the loss is
+    symmetric in the two boxes). The coordinates are upcast to float32 inside
+    the computation, so fp16 boxes of a 640-pixel image do not overflow
+    (their areas reach 4e5, fp16's maximum is 65504); the gradient comes back
+    in the boxes' dtype.
+
+    Deviations from torchvision (documented, tested): where its CIoU gradient
+    is NaN, ours is finite: a box of zero height (``atan(w / 0)``: the value
+    pi/2 is kept, its gradient is 0 * inf in torchvision). A point box (zero
+    width and height) has a NaN CIoU in torchvision; here its aspect angle is
+    0 (as a zero-width box), so the loss and gradient are finite. Coincident
+    centres and zero-area unions are finite in both (the ``eps`` terms).
+
+    Bad boxes: ``x2 < x1`` or ``y2 < y1`` raises ``ValueError`` naming the
+    first such box when the boxes are concrete; under ``jit`` or when
+    differentiated (traced) that pair's loss and gradient are NaN instead, as
+    is any pair with a NaN or infinite coordinate, so a finiteness guard sees
+    it. A mean over zero boxes is 0.0 (as torchvision).
+
+    Args:
+      boxes1: predicted boxes, floating array ``(..., 4)`` (any float dtype).
+      boxes2: target boxes, same shape.
+      kind: "iou", "giou", "diou" or "ciou".
+      reduction: "none" (a loss per box, shape ``boxes1.shape[:-1]``),
+        "mean" or "sum".
+      eps: > 0, added to the union, the enclosing area and diagonal.
+
+    Returns:
+      float32 array of shape ``boxes1.shape[:-1]``, or a float32 scalar.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> pred = jnp.array([[0.0, 0.0, 2.0, 2.0], [0.0, 0.0, 4.0, 0.0]], jnp.float16)
+      >>> gt = jnp.array([[1.0, 1.0, 3.0, 3.0], [1.0, 0.0, 3.0, 2.0]], jnp.float16)
+      >>> loss = losses.box_iou_loss(pred, gt, kind="ciou")
+      >>> print(loss.dtype, [round(float(v), 4) for v in loss])
+      float32 [0.9683, 1.1]
+      >>> grad = jax.grad(lambda p: losses.box_iou_loss(p, gt, kind="ciou").sum())
+      >>> bool(jnp.isfinite(grad(pred)).all())  # zero height: torchvision NaN
+      True
+    """
+    _check_kind(kind)
+    _check_reduction(reduction)
+    _check_positive("eps", eps)
+    boxes1, boxes2 = _as_arrays(boxes1=boxes1, boxes2=boxes2)
+    _check_boxes("boxes1", boxes1)
+    _check_boxes("boxes2", boxes2)
+    _check_same_shape("boxes1", boxes1, "boxes2", boxes2)
+    b1 = tuple(boxes1[..., i].astype(_F32) for i in range(4))
+    b2 = tuple(boxes2[..., i].astype(_F32) for i in range(4))
+    loss = _box_terms(b1, b2, kind, float(eps))
+    # A traced bad box could not raise: its pair's loss and gradient are NaN.
+    bad = jnp.zeros(loss.shape, bool)
+    for x1, y1, x2, y2 in (b1, b2):
+        finite = jnp.isfinite(x1) & jnp.isfinite(y1) & jnp.isfinite(x2)
+        bad = bad | ~(finite & jnp.isfinite(y2)) | (x2 < x1) | (y2 < y1)
+    return _reduce(loss * _nan_if(bad), reduction)
+
+
+def _check_alpha(alpha) -> bool:
+    """True when alpha weights the classes: a number in [0, 1]; None or -1
+    (torchvision's 'ignore') turn the weighting off; anything else raises."""
+    if alpha is None or (np.ndim(alpha) == 0 and float(alpha) == -1.0):
+        return False
+    if np.ndim(alpha) != 0 or not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(
+            f"alpha must be a number in [0, 1], or None / -1 for no class "
+            f"weighting, got {alpha}"
+        )
+    return True
+
+
+def _check_unit_interval(name: str, x) -> None:
+    """ValueError if a concrete `x` holds a value outside [0, 1] (NaN passes:
+    it gives a NaN loss)."""
+    if not _is_concrete(x):
+        return
+    values = np.asarray(x, np.float32)
+    outside = (values < 0) | (values > 1)
+    if outside.any():
+        raise ValueError(
+            f"{name} must be in [0, 1]; found {int(outside.sum())} value(s) "
+            f"outside, e.g. {values[outside].flat[0]}"
+        )
+
+
+# float32's smallest normal number: a floor for the modulating base, so that
+# its power's gradient gamma * q**(gamma - 1) stays finite for gamma < 1
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def sigmoid_focal_loss(
+    logits: Array,
+    targets: Array,
+    *,
+    alpha: float | None = 0.25,
+    gamma: float = 2.0,
+    reduction: str = "none",
+) -> jax.Array:
+    r"""Sigmoid focal loss (RetinaNet) in float32: torchvision's values.
+
+    With ``p = sigmoid(x)`` and ``q = p (1 - t) + (1 - p) t`` (``1 - p_t``)::
+
+        l = alpha_t * q^gamma * bce_with_logits(x, t),
+        alpha_t = alpha t + (1 - alpha) (1 - t)
+
+    as ``torchvision.ops.sigmoid_focal_loss``. ``q`` is formed from
+    ``sigmoid(x)`` and ``sigmoid(-x)`` (both accurate) instead of ``1 - p_t``,
+    which rounds to 0 in float32 once ``|x| > 17``, and is floored at
+    float32's smallest normal number 1.2e-38: the gradient of ``q^gamma`` for
+    ``0 < gamma < 1`` stays finite (torchvision: NaN at a saturated logit).
+    The loss there is below 1e-38 either way. The BCE term is the stable
+    ``max(x, 0) - x t + log1p(exp(-|x|))``.
+
+    Deviation from torchvision: the mean of an empty array is 0.0 (theirs:
+    NaN), as for every loss here.
+
+    Args:
+      logits: floating array of any shape (any float dtype).
+      targets: same shape, in [0, 1] (0 or 1 for torchvision's definition).
+        A concrete value outside raises ``ValueError``; under ``jit`` that
+        element's loss and gradient are NaN.
+      alpha: weight of the positives in [0, 1] (negatives get ``1 - alpha``);
+        None or -1 (torchvision's "ignore") for no weighting.
+      gamma: focusing exponent, a finite number >= 0 (0: alpha-weighted BCE).
+      reduction: "none", "mean" or "sum".
+
+    Returns:
+      float32 array of ``logits.shape`` ("none"), or a float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstable import losses
+      >>> x = jnp.array([-3.0, 0.0, 3.0, 30.0], jnp.bfloat16)
+      >>> t = jnp.array([0.0, 1.0, 1.0, 0.0])
+      >>> loss = losses.sigmoid_focal_loss(x, t)
+      >>> print(loss.dtype, [round(float(v), 4) for v in loss])
+      float32 [0.0001, 0.0433, 0.0, 22.5]
+    """
+    _check_reduction(reduction)
+    weighted = _check_alpha(alpha)
+    _check_positive("gamma", gamma, allow_zero=True, finite=True)
+    logits, targets = _as_arrays(logits=logits, targets=targets)
+    _check_float("logits", logits)
+    _check_same_shape("logits", logits, "targets", targets)
+    _check_unit_interval("targets", targets)
+    x, t = logits.astype(_F32), targets.astype(_F32)
+    q = jax.nn.sigmoid(x) * (1.0 - t) + jax.nn.sigmoid(-x) * t
+    loss = _bce_with_logits(x, t) * jnp.where(q > _TINY, q, _TINY) ** gamma
+    if weighted:
+        loss = (alpha * t + (1.0 - alpha) * (1.0 - t)) * loss
+    # a traced target outside [0, 1] could not raise: NaN, not a finite loss
+    return _reduce(loss * _nan_if((t < 0) | (t > 1)), reduction)

@@ -646,3 +646,230 @@ def info_nce(
     sim = an @ bn.T / t
     target = torch.arange(a.shape[0], device=a.device)
     return 0.5 * (F.cross_entropy(sim, target) + F.cross_entropy(sim.T, target))
+
+
+# ---------------------------------------------------------------------------
+# detection: box regression and dense classification
+# ---------------------------------------------------------------------------
+
+_BOX_KINDS = ("iou", "giou", "diou", "ciou")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _BOX_KINDS:
+        raise ValueError(
+            f"unknown kind {kind!r}; valid values: {', '.join(_BOX_KINDS)}"
+        )
+
+
+def _check_boxes(name: str, boxes: torch.Tensor) -> None:
+    """Floating (..., 4) boxes with x1 <= x2 and y1 <= y2 (reads them on the
+    host: one sync)."""
+    _check_float(name, boxes)
+    if boxes.ndim == 0 or boxes.shape[-1] != 4:
+        raise ValueError(
+            f"{name} must have shape (..., 4) as (x1, y1, x2, y2), got shape "
+            f"{tuple(boxes.shape)}"
+        )
+    flat = boxes.detach().reshape(-1, 4).float()
+    inverted = (flat[:, 2] < flat[:, 0]) | (flat[:, 3] < flat[:, 1])
+    if bool(inverted.any()):  # a NaN is not inverted: it gives a NaN loss
+        first = int(inverted.int().argmax())
+        index = tuple(
+            int(i) for i in torch.unravel_index(torch.tensor(first), boxes.shape[:-1])
+        )
+        raise ValueError(
+            f"{name} must have x1 <= x2 and y1 <= y2 (x1, y1, x2, y2 format); "
+            f"{int(inverted.sum())} box(es) do not, the first at index "
+            f"{index}: {flat[first].tolist()}"
+        )
+
+
+def _aspect_angle(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """atan(w / h) in [0, pi/2] for w, h >= 0 with a finite gradient: the
+    smaller side over the larger, a point box gets 0 (jaxstable's twin)."""
+    tall = h >= w
+    big = torch.where(tall, h, w)
+    small = torch.where(tall, w, h)
+    point = big == 0
+    angle = torch.atan(small / torch.where(point, torch.ones_like(big), big))
+    zero = torch.zeros_like(angle)
+    return torch.where(point, zero, torch.where(tall, angle, math.pi / 2 - angle))
+
+
+def _box_terms(b1, b2, kind: str, eps: float) -> torch.Tensor:
+    """Per-box loss from float32 coordinate tuples, torchvision's formulas."""
+    x1, y1, x2, y2 = b1
+    x1g, y1g, x2g, y2g = b2
+    iw = torch.minimum(x2, x2g) - torch.maximum(x1, x1g)
+    ih = torch.minimum(y2, y2g) - torch.maximum(y1, y1g)
+    inter = torch.where((iw > 0) & (ih > 0), iw * ih, torch.zeros_like(iw))
+    union = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - inter
+    iou = inter / (union + eps)
+    if kind == "iou":
+        return 1.0 - iou
+    cw = torch.maximum(x2, x2g) - torch.minimum(x1, x1g)  # enclosing box
+    ch = torch.maximum(y2, y2g) - torch.minimum(y1, y1g)
+    if kind == "giou":
+        area_c = cw * ch
+        return 1.0 - iou + (area_c - union) / (area_c + eps)
+    dx = (x2 + x1) / 2 - (x1g + x2g) / 2
+    dy = (y2 + y1) / 2 - (y1g + y2g) / 2
+    loss = 1.0 - iou + (dx * dx + dy * dy) / (cw * cw + ch * ch + eps)
+    if kind == "diou":
+        return loss
+    delta = _aspect_angle(x2g - x1g, y2g - y1g) - _aspect_angle(x2 - x1, y2 - y1)
+    v = (4 / math.pi**2) * delta * delta
+    alpha = (v / (1.0 - iou + v + eps)).detach()  # torchvision: under no_grad
+    return loss + alpha * v
+
+
+def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    """'none' as is; 'sum'; 'mean' with the mean of an empty tensor 0.0."""
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / max(loss.numel(), 1)
+
+
+def box_iou_loss(
+    boxes1: torch.Tensor,
+    boxes2: torch.Tensor,
+    *,
+    kind: str = "giou",
+    reduction: str = "none",
+    eps: float = 1e-7,
+) -> torch.Tensor:
+    r"""IoU-family box loss in float32: torchvision's values, finite gradients.
+
+    ``(..., 4)`` boxes as ``(x1, y1, x2, y2)``; ``kind`` "iou" (``1 - iou``),
+    "giou", "diou" or "ciou" give the values of
+    ``torchvision.ops.generalized_box_iou_loss``, ``distance_box_iou_loss``
+    and ``complete_box_iou_loss`` (formulas: ``jaxstable.losses.box_iou_loss``),
+    computed on float32 upcasts (fp16 areas of a 640-pixel image reach 4e5,
+    above fp16's 65504); gradients flow back in the boxes' dtype.
+
+    Deviations from torchvision (documented, tested, as jaxstable): CIoU's
+    ``atan(w / h)`` is taken as the smaller side over the larger, so a box of
+    zero height keeps the value pi/2 with a finite gradient (torchvision:
+    NaN), and a point box gets the angle 0 and a finite loss (torchvision:
+    NaN). ``x2 < x1`` or ``y2 < y1`` raises ``ValueError`` naming the first
+    such box (reads the boxes on the host: one sync per call); a NaN or
+    infinite coordinate makes that pair's loss and gradient NaN. A mean over
+    zero boxes is 0.0 (as torchvision).
+
+    Args:
+      boxes1: predicted boxes, floating tensor ``(..., 4)``.
+      boxes2: target boxes, same shape.
+      kind: "iou", "giou", "diou" or "ciou".
+      reduction: "none" (shape ``boxes1.shape[:-1]``), "mean" or "sum".
+      eps: > 0.
+
+    Returns:
+      float32 tensor of shape ``boxes1.shape[:-1]``, or a float32 scalar.
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> pred = torch.tensor([[0.0, 0.0, 2.0, 2.0], [0.0, 0.0, 4.0, 0.0]]).half()
+      >>> gt = torch.tensor([[1.0, 1.0, 3.0, 3.0], [1.0, 0.0, 3.0, 2.0]]).half()
+      >>> loss = losses.box_iou_loss(pred.requires_grad_(), gt, kind="ciou")
+      >>> print(loss.dtype, [round(v, 4) for v in loss.tolist()])
+      torch.float32 [0.9683, 1.1]
+      >>> loss.sum().backward()
+      >>> bool(pred.grad.isfinite().all())  # zero height: torchvision NaN
+      True
+    """
+    _check_kind(kind)
+    _check_reduction(reduction)
+    _check_positive("eps", eps)
+    boxes1, boxes2 = _as_tensors(boxes1=boxes1, boxes2=boxes2)
+    _check_boxes("boxes1", boxes1)
+    _check_boxes("boxes2", boxes2)
+    _check_same_shape("boxes1", boxes1, "boxes2", boxes2)
+    b1 = tuple(c.float() for c in boxes1.unbind(-1))
+    b2 = tuple(c.float() for c in boxes2.unbind(-1))
+    loss = _box_terms(b1, b2, kind, float(eps))
+    finite = boxes1.isfinite().all(-1) & boxes2.isfinite().all(-1)
+    return _reduce(loss * _nan_if(~finite), reduction)
+
+
+def _check_alpha(alpha) -> bool:
+    """True when alpha weights the classes: a number in [0, 1]; None or -1
+    (torchvision's 'ignore') turn the weighting off; anything else raises."""
+    if alpha is None or (_shape_of(alpha) == () and float(alpha) == -1.0):
+        return False
+    if _shape_of(alpha) != () or not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(
+            f"alpha must be a number in [0, 1], or None / -1 for no class "
+            f"weighting, got {alpha}"
+        )
+    return True
+
+
+def _check_unit_interval(name: str, x: torch.Tensor) -> None:
+    """ValueError if `x` holds a value outside [0, 1] (one host sync; a NaN
+    passes: it gives a NaN loss)."""
+    outside = (x < 0) | (x > 1)
+    if bool(outside.any()):
+        raise ValueError(
+            f"{name} must be in [0, 1]; found {int(outside.sum())} value(s) "
+            f"outside, e.g. {x[outside].flatten()[0].item()}"
+        )
+
+
+# float32's smallest normal number: the floor of q (see sigmoid_focal_loss)
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def sigmoid_focal_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    alpha: float | None = 0.25,
+    gamma: float = 2.0,
+    reduction: str = "none",
+) -> torch.Tensor:
+    r"""Sigmoid focal loss in float32: ``torchvision.ops.sigmoid_focal_loss``'s values.
+
+    ``l = alpha_t q^gamma bce_with_logits(x, t)`` with ``q = 1 - p_t =
+    sigmoid(x) (1 - t) + sigmoid(-x) t`` (accurate where ``1 - p_t`` rounds
+    to 0, ``|x| > 17``) floored at float32's smallest normal 1.2e-38, so the
+    gradient stays finite for ``0 < gamma < 1`` (torchvision: NaN at a
+    saturated logit). The mean of an empty tensor is 0.0 (torchvision: NaN).
+
+    Args:
+      logits: floating tensor, any shape and float dtype.
+      targets: same shape, in [0, 1]; a value outside raises ``ValueError``
+        (one host sync).
+      alpha: positives' weight in [0, 1]; None or -1 for no weighting.
+      gamma: a finite number >= 0.
+      reduction: "none", "mean" or "sum".
+
+    Returns:
+      float32 tensor of ``logits.shape`` ("none"), or a float32 scalar.
+
+    Example:
+      >>> import torch
+      >>> from torchref import losses
+      >>> x = torch.tensor([-3.0, 0.0, 3.0, 30.0]).bfloat16()
+      >>> t = torch.tensor([0.0, 1.0, 1.0, 0.0])
+      >>> loss = losses.sigmoid_focal_loss(x, t)
+      >>> print(loss.dtype, [round(float(v), 4) for v in loss])
+      torch.float32 [0.0001, 0.0433, 0.0, 22.5]
+    """
+    _check_reduction(reduction)
+    weighted = _check_alpha(alpha)
+    _check_positive("gamma", gamma, allow_zero=True, finite=True)
+    logits, targets = _as_tensors(logits=logits, targets=targets)
+    _check_float("logits", logits)
+    _check_same_shape("logits", logits, "targets", targets)
+    _check_unit_interval("targets", targets)
+    x, t = logits.float(), targets.float()
+    q = torch.sigmoid(x) * (1.0 - t) + torch.sigmoid(-x) * t
+    bce = F.binary_cross_entropy_with_logits(x, t, reduction="none")
+    loss = bce * torch.where(q > _TINY, q, _TINY) ** gamma
+    if weighted:
+        loss = (alpha * t + (1.0 - alpha) * (1.0 - t)) * loss
+    return _reduce(loss, reduction)
