@@ -80,7 +80,8 @@ def test_summary_has_six_runs_with_map50(out):
             assert r["first_nonfinite_step"] == STEP, r
             assert r["final_loss"] is None and r["map50"] is None
             assert r["location"]["step"] == STEP
-            assert r["location"]["phase"] == "forward", r["location"]
+            # diagnostics.locate: 0/0 in the naive CIoU's atan(w / h)
+            assert (r["location"]["phase"], r["location"]["op"]) == ("loss", "div")
         if r["mode"] == "stable":
             assert r["first_nonfinite_step"] is None
             assert r["steps"] == TASK.quick["steps"] and r["final_loss"] > 0
