@@ -24,6 +24,7 @@ import numpy as np
 
 from examples import harness
 from examples.detection import data
+from examples.detection import recipe as recipe_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +35,23 @@ class Config(harness.BaseConfig):
     (``width`` is the channels of the detector's first level). Detection
     adds:
 
+    With ``optimizer="sgd"`` (the default) both modes train with the YOLO
+    recipe (`recipe.Recipe`: SGD with Nesterov momentum, Ultralytics' three
+    parameter groups, linear decay to ``final_lr_fraction``); the stable
+    run warms up over ``warmup_steps`` (bias LR falling from
+    ``warmup_bias_lr``, the others rising from 0, momentum rising from
+    ``warmup_momentum``) and clips at ``max_grad_norm`` = 10, the naive run
+    has no warmup, clip or skip. ``"adam"`` / ``"adamw"`` give the
+    harness's plain optimizer instead.
+
     Attributes:
       max_objects: objects per image at most (1 at least).
+      warmup_steps: the recipe's warmup (Ultralytics: ``max(3 epochs,
+        100)`` iterations; 100 of the 400 steps here).
+      momentum, warmup_momentum, warmup_bias_lr, final_lr_fraction,
+      lr_decay: the recipe's settings (`recipe.Recipe`: Ultralytics'
+        defaults ``momentum=0.937``, ``warmup_momentum=0.8``,
+        ``warmup_bias_lr=0.1``, ``lrf=0.01``, linear decay).
 
     Example:
         >>> Config(image_size=36)
@@ -53,7 +69,14 @@ class Config(harness.BaseConfig):
     max_grad_norm: float | None = 10.0
     eval_images: int = 256
     eval_batch_size: int = 64
+    weight_decay: float = 5e-4
     max_objects: int = 4
+    warmup_steps: int = 100
+    momentum: float = 0.937
+    warmup_momentum: float = 0.8
+    warmup_bias_lr: float = 0.1
+    final_lr_fraction: float = 0.01
+    lr_decay: str = "linear"
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,6 +85,42 @@ class Config(harness.BaseConfig):
                 f"image_size={self.image_size} must be a multiple of 8 and >= 16"
             )
         harness.check_int("max_objects", self.max_objects, 1)
+        self.recipe()  # its own validation, one place
+
+    def recipe(self) -> recipe_lib.Recipe:
+        """The YOLO recipe of this run: no warmup for ``mode="naive"``.
+
+        Example:
+            >>> cfg = get_config(steps=300)
+            >>> naive = cfg.replace(mode="naive")
+            >>> cfg.recipe().warmup_steps, naive.recipe().warmup_steps
+            (100, 0)
+        """
+        return recipe_lib.Recipe(
+            steps=max(self.steps, 1),
+            warmup_steps=self.warmup_steps if self.mode == "stable" else 0,
+            lr=self.learning_rate,
+            final_lr_fraction=self.final_lr_fraction,
+            momentum=self.momentum,
+            warmup_momentum=self.warmup_momentum,
+            warmup_bias_lr=self.warmup_bias_lr,
+            weight_decay=self.weight_decay,
+            decay=self.lr_decay,
+        )
+
+    def recipe_settings(self) -> dict[str, Any]:
+        """`recipe` as the keyword arguments of the ``yolo_optimizer`` s.
+
+        Example:
+            >>> sorted(get_config().recipe_settings())[:2]
+            ['decay', 'final_lr_fraction']
+        """
+        r = self.recipe()
+        return {
+            f.name: getattr(r, f.name)
+            for f in dataclasses.fields(r)
+            if f.name != "steps"
+        }
 
 
 def get_config(**overrides: Any) -> Config:

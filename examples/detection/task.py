@@ -43,6 +43,19 @@ METRICS = ("map50",)
 def _describe(c: config_lib.Config) -> str:
     d = config_lib.data_config(c)
     flat, points, total = config_lib.degenerate_counts(c)
+    from examples.detection.loss_jax import BOX_WEIGHT as loss_weight
+
+    r = c.recipe()
+    recipe = "the harness's plain optimizer"
+    if c.optimizer == "sgd":
+        recipe = (
+            f"YOLO recipe: SGD Nesterov momentum {r.momentum}, 3 parameter groups "
+            f"(weight decay {r.weight_decay:g} on conv weights), linear decay "
+            f"to {r.final_lr_fraction:g} x lr; stable: {c.warmup_steps} warmup "
+            f"steps (bias LR from {r.warmup_bias_lr:g}, momentum from "
+            f"{r.warmup_momentum}), clip {c.max_grad_norm:g}, skip; naive: no "
+            "warmup, clip or skip"
+        )
     return (
         f"synthetic scenes, {c.image_size}x{c.image_size} images (drawn on a "
         f"{d.canvas}x{d.canvas} canvas), 1-{c.max_objects} objects of "
@@ -50,7 +63,7 @@ def _describe(c: config_lib.Config) -> str:
         f"(random crop/scale, flip, HSV jitter): {flat} of the {total} train "
         f"boxes have zero width or height ({points} point boxes); anchor-free "
         f"detector width {c.width}, stride {data.STRIDE}, focal + "
-        f"{2:g} x CIoU loss; VOC mAP@0.5 (all-point)"
+        f"{loss_weight:g} x CIoU loss; VOC mAP@0.5 (all-point); {recipe}"
     )
 
 
@@ -234,12 +247,20 @@ def torch_parts(config: config_lib.Config, weights) -> harness.TorchParts:
             config.precision,
         )
 
+    def optimizer(m):
+        from examples.detection import recipe_torch
+
+        return recipe_torch.yolo_optimizer(
+            m, config.recipe().steps, **config.recipe_settings()
+        )
+
     return harness.TorchParts(
         model=model,
         loss_fn=loss_fn,
         to_torch=_to_torch,
         evaluate=lambda m, heldout: _torch_evaluate(m, heldout, config),
         probe=probe if config.mode == "naive" else None,
+        optimizer=optimizer if config.optimizer == "sgd" else None,
     )
 
 
@@ -334,12 +355,20 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
             config.precision,
         )
 
+    tx = None
+    if config.optimizer == "sgd":
+        from examples.detection import recipe_jax
+
+        tx = recipe_jax.yolo_optimizer(
+            config.recipe().steps, **config.recipe_settings()
+        )
     return harness.JaxParts(
         params=params,
         model_state=stats,
         loss_fn=loss_fn,
         evaluate=lambda p, s, heldout: _jax_evaluate(graphdef, p, s, heldout, config),
         probe=probe if config.mode == "naive" else None,
+        optimizer=tx,
     )
 
 
@@ -361,7 +390,7 @@ TASK = types.SimpleNamespace(
     heldout_set=config_lib.heldout_set,
     initial_weights=initial_weights,
     describe=_describe,
-    stable_loss="float32 focal and CIoU losses",
+    stable_loss="float32 focal and CIoU losses, the YOLO recipe with warmup",
     jax_parts=jax_parts,
     torch_parts=torch_parts,
 )
