@@ -43,7 +43,7 @@ def test_float32_parity_of_model_and_losses(tol):
         want = t_out[key].permute(0, 2, 3, 1).detach().numpy()
         np.testing.assert_allclose(got, want, rtol=t["rtol"], atol=t["atol"] * 10)
     lj = float(loss_jax.naive_loss(j_out, jb)[0])
-    lt = float(loss_torch.naive_loss(t_out, tb)[0])
+    lt = float(loss_torch.naive_loss(t_out, tb)[0].detach())
     assert lj == pytest.approx(lt, rel=t["rtol"] * 10)
 
 
