@@ -7,6 +7,7 @@
     python examples/compare.py ocr --precision float16 --out runs/ocr
     python examples/compare.py contrastive --precision bfloat16 \\
         --out runs/contrastive
+    python examples/compare.py detection --precision float16 --out runs/detection
 
 For the task named, from the same initial weights (torch's seeded init,
 converted to Flax NNX) and the same batches, trains six runs: JAX naive, JAX
@@ -39,6 +40,7 @@ TASKS = {
     "segmentation": "examples.segmentation.task",
     "ocr": "examples.ocr.task",
     "contrastive": "examples.contrastive.task",
+    "detection": "examples.detection.task",
 }
 DEMO = "segmentation"  # `compare.py demo` (`make demo`): its defaults
 

@@ -309,6 +309,11 @@ class JaxParts:
         (`make_train_step`'s ``has_aux``): ``aux`` (e.g. check points, a
         logit scale) goes into every step's metrics, hence the `fit`
         records and ``metrics.jsonl`` as ``aux[...]`` keys.
+      optimizer: optional, the run's optax transformation in place of
+        :func:`jax_optimizer` of the config (a task's own recipe: parameter
+        groups, schedules); the stable run wraps it in `stable_optimizer`
+        (whose skip keeps its state, schedule counts included, on a skipped
+        step), the naive run uses it as is.
     """
 
     params: Any
@@ -317,6 +322,7 @@ class JaxParts:
     evaluate: Callable[[Any, Any, Any], dict[str, float]]
     probe: Callable[[Any, Any, Any], str] | None = None
     has_aux: bool = False
+    optimizer: Any = None
 
 
 @dataclasses.dataclass
@@ -343,6 +349,11 @@ class TorchParts:
       probe: optional, naive runs: ``probe(model, batch) -> str`` as
         `JaxParts.probe`; ``model`` is a copy holding the parameters from
         before the first non-finite step, ``batch`` what that step read.
+      optimizer: optional, ``optimizer(model) -> (torch optimizer,
+        scheduler or None)`` in place of :func:`torch_optimizer` of the
+        config (the twin of `JaxParts.optimizer`); the harness calls
+        ``scheduler.step()`` after every step that was applied (a skipped
+        step leaves the schedule where it was, as on the JAX side).
     """
 
     model: Any
@@ -350,6 +361,7 @@ class TorchParts:
     to_torch: Callable[[Mapping[str, np.ndarray]], Any]
     evaluate: Callable[[Any, Any], dict[str, float]]
     probe: Callable[[Any, Any], str] | None = None
+    optimizer: Callable[[Any], tuple[Any, Any]] | None = None
 
 
 # --------------------------------------------------------------------------
@@ -674,6 +686,11 @@ def _jax_report(tree) -> str:
     )
 
 
+def _jax_tx(config, parts):
+    """The task's own optax optimizer if it has one, else the config's."""
+    return parts.optimizer if parts.optimizer is not None else jax_optimizer(config)
+
+
 def _jax_naive(config, parts):
     """The naive step: a pure ``(state, batch) -> (state, metrics)`` over a dict.
 
@@ -689,7 +706,7 @@ def _jax_naive(config, parts):
     from jaxstable.loss_scale import all_finite
 
     dtype = jax_dtype(config.precision)
-    tx = jax_optimizer(config)
+    tx = _jax_tx(config, parts)
 
     def step(state, batch):
         batch = _jax_cast_floats(batch, dtype)
@@ -768,7 +785,7 @@ def _jax_locate_naive(config, parts, before, batch) -> dict[str, Any] | None:
     )
     state = train.TrainState.create(
         params=before["params"],
-        optimizer=jax_optimizer(config),
+        optimizer=_jax_tx(config, parts),
         model_state=before["model_state"],
     ).replace(opt_state=before["opt_state"])
     loc = diagnostics.locate(step, state, batch)
@@ -780,7 +797,7 @@ def _jax_stable(config, parts):
     from jaxstable.loss_scale import DynamicLossScale, NoOpLossScale
 
     tx = transforms.stable_optimizer(
-        jax_optimizer(config), max_grad_norm=config.max_grad_norm
+        _jax_tx(config, parts), max_grad_norm=config.max_grad_norm
     )
     # float16 only: its smallest subnormal is 6e-8, where small gradients of a
     # mean over thousands of pixels vanish; bfloat16 reaches 1e-38 like float32
@@ -947,6 +964,13 @@ def _torch_report_text(tree) -> str:
     )
 
 
+def _torch_opt(config, parts, model) -> tuple[Any, Any]:
+    """(optimizer, scheduler or None): the task's own, else the config's."""
+    if parts.optimizer is not None:
+        return parts.optimizer(model)
+    return torch_optimizer(config, model.parameters()), None
+
+
 def _torch_naive(config, parts):
     """The naive step ``step(batch) -> metrics``: zero_grad, backward, step.
 
@@ -964,7 +988,7 @@ def _torch_naive(config, parts):
 
     dtype = torch_dtype(config.precision)
     model = parts.model
-    optimizer = torch_optimizer(config, model.parameters())
+    optimizer, scheduler = _torch_opt(config, parts, model)
     named = dict(model.named_parameters())
     last: dict[str, Any] = {}
 
@@ -985,6 +1009,8 @@ def _torch_naive(config, parts):
             for n, p in named.items()
         }
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         new = {n: p.detach() for n, p in named.items()}
         last.update(grads=grads, old=old, new=new)
         loss_value = float(loss.detach().float())
@@ -1027,7 +1053,7 @@ def _torch_naive(config, parts):
         from torchref import diagnostics, train
 
         before = model_before()
-        opt = torch_optimizer(config, before.parameters())
+        opt, _ = _torch_opt(config, parts, before)
         opt.load_state_dict(last["opt_before"])
         step = train.TrainStep(
             before, opt, parts.loss_fn, scaler=None, check_update=False
@@ -1044,9 +1070,10 @@ def _torch_stable(config, parts):
 
     low = config.precision != "float32"
     model = parts.model
+    optimizer, scheduler = _torch_opt(config, parts, model)
     step = train.TrainStep(
         model,
-        torch_optimizer(config, model.parameters()),
+        optimizer,
         lambda m, batch: parts.loss_fn(m, batch),
         max_grad_norm=config.max_grad_norm,
         # float16 only: bfloat16 has float32's exponent range, nothing
@@ -1054,7 +1081,7 @@ def _torch_stable(config, parts):
         scaler=DynamicLossScale() if config.precision == "float16" else None,
         autocast_dtype=torch_dtype(config.precision) if low else None,
     )
-    return step
+    return step, scheduler
 
 
 def _torch_finite_model(model) -> bool:
@@ -1133,7 +1160,7 @@ def _run_torch(task, config, weights, batches, heldout, progress, log) -> RunRes
         first_bad, text = box["first"], box["text"]
         located = (first_bad, box["location"])
     else:
-        step = _torch_stable(config, parts)
+        step, scheduler = _torch_stable(config, parts)
         model = parts.model
 
         def stable_report(record, _step):
@@ -1148,9 +1175,15 @@ def _run_torch(task, config, weights, batches, heldout, progress, log) -> RunRes
         watch = _Watch(
             config, lambda s: not _torch_finite_model(s.model), stable_report, log
         )
+
+        def on_step(record, st):
+            if scheduler is not None and record["finite"]:
+                scheduler.step()  # a skipped step keeps the schedule (as optax)
+            return watch(record, st)
+
         to_torch = parts.to_torch
         history = train.fit(
-            step, [to_torch(b) for b in batches], on_step=watch, **fit_args
+            step, [to_torch(b) for b in batches], on_step=on_step, **fit_args
         )
         first_bad, text = watch.first_bad, watch.text
         located = None  # fit located the first skipped step (its record)

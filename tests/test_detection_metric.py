@@ -1,0 +1,129 @@
+"""VOC mAP@0.5 of examples/detection/metric.py against the VOC definition.
+
+The reference below is written from the VOC definition independently of the
+module: all-point interpolated AP is the mean, over the ground-truth boxes,
+of the best precision reached at or after the rank where each one is found
+(``AP = 1/n_gt * sum over true positives k of max_{j >= k} precision(j)``),
+which is the area under the precision envelope as a step function of
+recall.
+"""
+
+import numpy as np
+import pytest
+
+from examples.detection import metric
+
+
+def _reference_ap(tp, num_gt):
+    tp = [int(t) for t in tp]
+    precision = [sum(tp[: k + 1]) / (k + 1) for k in range(len(tp))]
+    return sum(max(precision[k:]) for k in range(len(tp)) if tp[k]) / num_gt
+
+
+def _reference_map(dets, gt_boxes, gt_classes, num_classes):
+    aps = []
+    for cl in range(num_classes):
+        pairs = enumerate(zip(gt_boxes, gt_classes, strict=True))
+        gts = {i: [b for b, c in zip(bs, cs, strict=True) if c == cl]
+               for i, (bs, cs) in pairs}  # fmt: skip
+        n = sum(len(g) for g in gts.values())
+        if n == 0:
+            continue
+        found = [(s, i, b) for i, (bs, ss, cs) in enumerate(dets)
+                 for b, s, c in zip(bs, ss, cs, strict=True) if c == cl]  # fmt: skip
+        found.sort(key=lambda t: -t[0])
+        used, tp = set(), []
+        for _, i, b in found:
+            ious = [_iou(b, g) for g in gts[i]]
+            best = int(np.argmax(ious)) if ious else -1
+            hit = best >= 0 and ious[best] >= 0.5 and (i, best) not in used
+            used.add((i, best)) if hit else None
+            tp.append(hit)
+        aps.append(_reference_ap(tp, n))
+    return float(np.mean(aps))
+
+
+def _iou(a, b):
+    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - iw * ih
+    return iw * ih / union if union > 0 else 0.0
+
+
+@pytest.mark.parametrize(
+    "tp, num_gt, expected",
+    [
+        ([1, 0, 1], 2, 0.5 * 1 + 0.5 * 2 / 3),
+        ([1, 1, 1], 3, 1.0),
+        ([0, 0, 1], 1, 1 / 3),  # the one hit comes third
+        ([1, 0, 0, 1], 4, 0.25 * 1 + 0.25 * 0.5),  # recall stops at 0.5
+        ([0, 1, 0, 1], 2, 0.5 * 0.5 + 0.5 * 0.5),
+        ([], 2, 0.0),
+    ],
+)
+def test_average_precision_on_fixed_cases(tp, num_gt, expected, tol):
+    t = tol("float64")
+    got = metric.average_precision(np.array(tp), num_gt)
+    assert got == pytest.approx(expected, rel=t["rtol"], abs=t["atol"])
+    assert got == pytest.approx(_reference_ap(tp, num_gt), rel=t["rtol"], abs=t["atol"])
+
+
+def test_matching_follows_voc():
+    gt = [np.array([[0.0, 0, 10, 10], [20.0, 20, 30, 30]])]
+    cls = [np.array([0, 0])]
+    # a duplicate of a matched box is a false positive; IoU exactly 0.5 matches
+    boxes = np.array([[0.0, 0, 10, 10], [0.0, 0, 10, 10], [20.0, 20, 30, 40]])
+    det = [(boxes, np.array([0.9, 0.8, 0.7]), np.array([0, 0, 0]))]
+    value, aps = metric.mean_average_precision(det, gt, cls, 2)
+    assert aps[1] is None  # no ground truth of class 1
+    # ranks: TP, FP, TP -> 0.5 * 1 + 0.5 * 2/3
+    assert value == pytest.approx(0.5 + 1 / 3)
+    # a detection of the wrong class finds nothing
+    det = [(boxes[:1], np.array([0.9]), np.array([1]))]
+    assert metric.mean_average_precision(det, gt, cls, 2)[0] == 0.0
+
+
+def test_against_the_reference_on_random_cases(tol):
+    rng = np.random.default_rng(0)
+    t = tol("float64")
+    for _ in range(20):
+        n_img, n_cls = 4, 3
+        gt_boxes, gt_classes, dets = [], [], []
+        for _ in range(n_img):
+            k = rng.integers(0, 4)
+            xy = rng.uniform(0, 20, (k, 2))
+            gt = np.concatenate([xy, xy + rng.uniform(2, 10, (k, 2))], 1)
+            gt_boxes.append(gt)
+            gt_classes.append(rng.integers(0, n_cls, k))
+            # jittered copies of the truth and random boxes
+            m = rng.integers(0, 6)
+            src = gt[rng.integers(0, max(k, 1), m)] if k else np.zeros((m, 4)) + 5
+            boxes = src + rng.normal(0, 1.5, (m, 4))
+            boxes[:, 2:] = np.maximum(boxes[:, 2:], boxes[:, :2])
+            dets.append((boxes, rng.random(m), rng.integers(0, n_cls, m)))
+        if sum(len(c) for c in gt_classes) == 0:
+            continue
+        got, _ = metric.mean_average_precision(dets, gt_boxes, gt_classes, n_cls)
+        want = _reference_map(dets, gt_boxes, gt_classes, n_cls)
+        assert got == pytest.approx(want, rel=t["rtol"], abs=t["atol"])
+
+
+def test_evaluate_is_nan_on_non_finite_outputs_and_one_on_perfect_ones():
+    heldout = {
+        "boxes": np.array([[[2.0, 2, 10, 10]]]),
+        "classes": np.array([[2]]),
+        "box_mask": np.array([[True]]),
+    }
+    logits = np.full((1, 2, 2, 3), -9.0)
+    logits[0, 1, 1, 2] = 3.0
+    raw = np.zeros((1, 2, 2, 4))
+    assert metric.evaluate(logits, raw, heldout) == {"map50": 1.0}
+    raw[0, 0, 0, 0] = np.nan
+    assert np.isnan(metric.evaluate(logits, raw, heldout)["map50"])
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="num_gt must be >= 1"):
+        metric.average_precision(np.array([1]), 0)
+    with pytest.raises(ValueError, match="one entry per image"):
+        metric.mean_average_precision([], [np.zeros((0, 4))], [np.zeros(0)], 1)
