@@ -39,39 +39,6 @@ __all__ = ["TrainStep"]
 _AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class NonFiniteError(FloatingPointError):
-    """Training stopped on non-finite gradients.
-
-    Raised by `fit` with ``nan_policy="stop"`` at the first run of
-    ``max_consecutive_nonfinite`` non-finite steps; with ``"rollback"`` once
-    ``max_rollbacks`` rollbacks have been used.
-
-    Attributes:
-        step: 0-based index (within the `fit` call) of the step that hit the
-            limit, as in `jaxstable.train.NonFiniteError`.
-        report: `non_finite_grad_report` of the model at that step (its
-            gradients at the loss scale that step used, unscaled).
-        history: the per-step records, ending with that step.
-        location: `torchref.diagnostics.locate` of that step (a
-            `NonFiniteLocation`), None when the re-run found it finite.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        step: int,
-        report: list,
-        history: list | None = None,
-        location: Any = None,
-    ) -> None:
-        super().__init__(message)
-        self.step = step
-        self.report = report
-        self.history = [] if history is None else history
-        self.location = location
-
-
 def _make_scaler(scaler: Any, device_type: str) -> torch.amp.GradScaler | None:
     if scaler is None or isinstance(scaler, torch.amp.GradScaler):
         return scaler
