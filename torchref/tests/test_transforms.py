@@ -218,3 +218,22 @@ def test_update_check_reuses_its_copy_buffers_from_step_to_step():
     # 2 params + exp_avg, exp_avg_sq (and step) of each
     assert len(opt._undo._buffers) == 2 + 2 * 3
     assert opt.skip_state.skipped_total == 0
+
+
+def test_update_check_refuses_sharded_dtensor_params(tmp_path):
+    # Each rank would check only its own shard: the step must say so instead.
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(distribute_tensor(torch.ones(4), mesh, [Replicate()]))
+        opt = tr.SkipNonFinite(torch.optim.SGD([p], lr=0.1), max_consecutive=None)
+        p.grad = distribute_tensor(torch.ones(4), mesh, [Replicate()])
+        with pytest.raises(NotImplementedError, match="check_update=False"):
+            opt.step()
+    finally:
+        dist.destroy_process_group()
