@@ -206,3 +206,64 @@ def test_fit_extras_write_the_same_records(tol):
                 for h in (jhist, thist)]  # fmt: skip
     _assert_same_records(*timeless, tol)
     assert [list(r) for r in jhist] == [list(r) for r in thist]
+
+
+def test_fit_check_point_records_are_the_same(tmp_path, tol):
+    """A loss that marks check points: both fits write the same checks[...]
+    keys, in order, and name the same non-finite points (the first one
+    first) on the step whose batch holds a NaN; the JSONL lines too."""
+    from jaxstable import diagnostics as jdg
+    from torchref import diagnostics as tdg
+
+    batches = _rollback_batches({1}, 3)  # NaN in x[1, 2] at step 1
+
+    def jax_loss(params, x):
+        h = x @ params["w"]
+        loss = jnp.mean((h - 1.0) ** 2)
+        checks = jdg.check_points(weights=params["w"], inputs=x, hidden=h, loss=loss)
+        return loss, {"checks": checks, "h_max": jnp.max(jnp.abs(h))}
+
+    def torch_loss(m, x):
+        h = m(x)[:, 0]
+        loss = ((h - 1.0) ** 2).mean()
+        checks = tdg.check_points(weights=m.weight, inputs=x, hidden=h, loss=loss)
+        return loss, {"checks": checks, "h_max": h.abs().max()}
+
+    state = jtrain.TrainState.create(
+        params={"w": jnp.ones((3,))},
+        optimizer=transforms.stable_optimizer(optax.sgd(0.01)),
+    )
+    step = jtrain.make_train_step(jax_loss, has_aux=True)
+    _, jhist = jtrain.fit(
+        state, step, [jnp.asarray(b) for b in batches],
+        log_path=tmp_path / "jax.jsonl", progress=False, locate_first=0,
+    )  # fmt: skip
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    tstep = ttrain.TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), torch_loss
+    )
+    thist = ttrain.fit(
+        tstep, [torch.from_numpy(b) for b in batches],
+        log_path=tmp_path / "torch.jsonl", progress=False, locate_first=0,
+    )  # fmt: skip
+    names = ("weights", "inputs", "hidden", "loss")
+    checks = [f"checks[{n!r}][{f!r}]" for n in names for f in ("finite", "max_abs")]
+    expected = ["aux['h_max']", *checks, "non_finite_checks", "first_non_finite_check"]
+    for hist in (jhist, thist):
+        assert [list(r)[-len(expected) :] for r in hist] == [expected] * 3
+        assert [r["non_finite_checks"] for r in hist] == [
+            [],
+            ["inputs", "hidden", "loss"],
+            [],
+        ]
+        assert [r["first_non_finite_check"] for r in hist] == [None, "inputs", None]
+    _assert_same_records(jhist, thist, tol)
+    for key in checks[1::2]:  # max_abs: weights, inputs, hidden, loss
+        np.testing.assert_allclose(
+            [r[key] for r in jhist], [r[key] for r in thist], **tol("float32")
+        )
+    for name in ("jax", "torch"):
+        lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        assert [list(json.loads(x)) for x in lines] == [list(r) for r in jhist]

@@ -14,6 +14,9 @@ import jax.numpy as jnp
 
 from jaxstable._src.checkpoint import CheckpointManager
 from jaxstable._src.diagnostics import (
+    CheckPoints,
+    check_record,
+    format_checks,
     format_location,
     format_report,
     locate,
@@ -88,9 +91,10 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     _add_skip_reason(rec, m.get("grads_finite"))
     aux = m.get("aux")
     if aux is not None:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(aux)[0]:
-            if getattr(leaf, "size", 1) == 1:
-                rec["aux" + jax.tree_util.keystr(path)] = float(leaf)
+        rec.update(_scalar_record("aux", aux))
+        # The loss's check points (diagnostics.CheckPoints): checks[...] keys
+        # and the non-finite points in order, instead of aux[...] keys.
+        rec.update(check_record(aux))
     return rec
 
 
@@ -201,7 +205,10 @@ def fit(
         skipped_total`` and ``aux[...]`` scalars; with a step that reports
         ``grads_finite``, as `make_train_step`'s does, that key too, and a
         skipped step has ``skip_reason``: ``"non-finite gradients"`` or
-        ``"non-finite update"``).
+        ``"non-finite update"``; when ``aux`` holds a
+        `jaxstable.diagnostics.CheckPoints`, its ``checks[...]``,
+        ``non_finite_checks`` and ``first_non_finite_check`` keys, see
+        `jaxstable.diagnostics.check_record`).
       progress: show a tqdm progress bar with loss, grad_norm, loss_scale,
         skipped.
       checkpoint_dir: None, a directory or a `CheckpointManager` (see
@@ -629,7 +636,12 @@ _UPDATE_NOTE = (
 def _scalar_record(prefix: str, tree: Any) -> dict[str, float]:
     # prefix + keystr of every scalar leaf: the aux[...] naming of records.
     out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]:
+    leaves = jax.tree_util.tree_flatten_with_path(
+        jax.device_get(tree), is_leaf=lambda x: isinstance(x, CheckPoints)
+    )[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, CheckPoints):
+            continue  # written by check_record
         if getattr(leaf, "size", 1) == 1:
             out[prefix + jax.tree_util.keystr(path)] = float(leaf)
     return out
@@ -685,6 +697,8 @@ def _raise_non_finite(
     param_report = non_finite_report(getattr(state_out, "params", state_out))
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
+    if "first_non_finite_check" in rec:
+        parts.append("check points of the step, in order: " + format_checks(rec))
     if "location" in rec:
         parts.append("where (diagnostics.locate):\n" + format_location(location))
     raise NonFiniteError(

@@ -14,6 +14,8 @@ import torch
 
 from torchref._src.checkpoint import CheckpointManager
 from torchref._src.diagnostics import (
+    check_record,
+    format_checks,
     format_location,
     format_report,
     locate,
@@ -105,6 +107,9 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value
+        # The loss's check points (diagnostics.CheckPoints): checks[...] keys
+        # and the non-finite points in order, instead of aux[...] keys.
+        rec.update(check_record(metrics["aux"]))
     return rec
 
 
@@ -137,7 +142,11 @@ def fit(
     plus one ``aux[...]`` key per scalar leaf of ``aux`` (i 0-based); with a
     step that reports ``grads_finite`` (a `TrainStep`) that key too, and on a
     skipped step ``skip_reason`` (``"non-finite gradients"`` or
-    ``"non-finite update"``): the same record as `jaxstable.train.fit`.
+    ``"non-finite update"``); when ``aux`` holds a
+    `torchref.diagnostics.CheckPoints`, its ``checks[...]``,
+    ``non_finite_checks`` and ``first_non_finite_check`` keys (see
+    `torchref.diagnostics.check_record`): the same record as
+    `jaxstable.train.fit`.
     `log_path` is overwritten at the start of the call (unless it resumes,
     see below) and gets one JSON line
     per step with keys step, loss, grad_norm, loss_scale, finite,
@@ -614,6 +623,8 @@ def _raise_non_finite(
     param_report = non_finite_report(model) if model is not None else []
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
+    if "first_non_finite_check" in entry:
+        parts.append("check points of the step, in order: " + format_checks(entry))
     if "location" in entry:
         parts.append("where (diagnostics.locate):\n" + format_location(location))
     raise NonFiniteError(
