@@ -110,3 +110,119 @@ def test_check_params():
         FloatingPointError, match=r"1 of 9 leaves is not finite: 3\.bias"
     ):
         dg.check_params(m)
+
+
+# ------------------------------------------------------------ check points
+def _checked_loss(model, x):
+    """A loss that marks four points; an all-zero row of x makes log(|h|)
+    -inf (a real op on finite inputs), so the first bad point is 'log'."""
+    h = model(x)[:, 0]
+    log_h = h.abs().log()
+    loss = (log_h**2).mean()
+    checks = (
+        dg.CheckPoints()
+        .add("inputs", x)
+        .add("hidden", h)
+        .add("log", log_h)
+        .add("loss", loss)
+    )
+    return loss, {"checks": checks, "h_max": h.abs().max()}
+
+
+def _xs(zero_row: bool):
+    x = torch.tensor([[1.0, 2.0, 0.5], [0.3, -1.0, 2.0]])
+    if zero_row:
+        x[1] = 0.0  # model(x) == 0 whatever the weights are
+    return x
+
+
+def _checks_step():
+    from torchref import train
+
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    return train.TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), _checked_loss
+    )
+
+
+def test_check_points_values_order_and_dtypes():
+    nan, inf = float("nan"), float("inf")
+    c = dg.check_points(
+        f32=torch.tensor([1.0, nan, -4.0]),
+        bf16=torch.tensor([[-inf, 3.0]], dtype=torch.bfloat16),
+        ints=torch.tensor([-7, 2]),
+        scalar=2.5,
+        empty=torch.zeros(0, 3),
+        all_bad=torch.tensor([nan, inf]),
+    )
+    assert c.names == ("f32", "bf16", "ints", "scalar", "empty", "all_bad")
+    assert [bool(f) for f in c.finite] == [False, False, True, True, True, False]
+    got = [float(m) for m in c.max_abs]  # over the finite entries; none: nan
+    assert got[:4] == [4.0, 3.0, 7.0, 2.5] and all(map(math.isnan, got[4:]))
+    assert all(m.dtype == torch.float32 and m.ndim == 0 for m in c.max_abs)
+    assert c.non_finite() == ["f32", "bf16", "all_bad"]
+    more = c.add("z", torch.ones(1))  # functional: c is unchanged
+    assert len(c) == 6 and len(more) == 7 and more.names[-1] == "z"
+
+
+def test_check_points_refuse_bad_names_and_values():
+    c = dg.check_points(a=torch.ones(2))
+    with pytest.raises(ValueError, match=r"'a' is already used; .* \['a'\]"):
+        c.add("a", torch.ones(2))
+    with pytest.raises(ValueError, match="non-empty string"):
+        c.add("", torch.ones(2))
+    with pytest.raises(TypeError, match="must be a string, got 3"):
+        c.add(3, torch.ones(2))
+    with pytest.raises(TypeError, match=r"'m' must be a numeric array.*bool"):
+        c.add("m", torch.ones(2) > 0)
+    twice = {"x": c, "y": dg.check_points(a=torch.zeros(1))}
+    with pytest.raises(ValueError, match="'a' is already used"):
+        dg.check_record(twice)
+
+
+def test_check_points_read_nothing_on_the_host(monkeypatch):
+    """add() and the loss that calls it never read a tensor's value (no
+    .item(), bool(), float(), .tolist(): a host sync on a GPU); no gradient
+    flows through a check."""
+    w = torch.ones(3, requires_grad=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a check point read a value on the host")
+
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    h = _xs(True) @ w
+    checks = dg.check_points(inputs=_xs(True), hidden=h, log=h.abs().log())
+    monkeypatch.undo()
+    assert not any(t.requires_grad for t in checks.finite + checks.max_abs)
+    assert checks.non_finite() == ["log"]
+
+
+def test_fit_records_and_error_name_the_non_finite_points(tmp_path):
+    import json
+
+    from torchref import train
+
+    log = tmp_path / "log.jsonl"
+    with pytest.raises(train.NonFiniteError) as err:
+        train.fit(
+            _checks_step(), [_xs(False), _xs(True)], nan_policy="stop",
+            max_consecutive_nonfinite=1, progress=False, log_path=log,
+        )  # fmt: skip
+    first, last = err.value.history
+    assert (first["non_finite_checks"], first["first_non_finite_check"]) == ([], None)
+    assert last["non_finite_checks"] == ["log", "loss"]
+    assert last["first_non_finite_check"] == "log"
+    assert last["checks['inputs']['finite']"] is True
+    assert last["checks['inputs']['max_abs']"] == 2.0
+    assert "aux['h_max']" in last  # other aux scalars stay aux[...] keys
+    hidden = last["checks['hidden']['max_abs']"]
+    line = (
+        f"inputs finite (max|x| 2), hidden finite (max|x| {hidden:.3g}), "
+        "log NON-FINITE, loss NON-FINITE; first non-finite: log"
+    )
+    assert f"check points of the step, in order: {line}" in str(err.value)
+    back = [json.loads(x) for x in log.read_text().splitlines()]
+    assert dg.format_checks(last) == dg.format_checks(back[1]) == line
