@@ -507,7 +507,9 @@ def adam_underflow_note(
       eps: Adam's eps.
 
     Returns:
-      The sentence, or "" when no list is given.
+      The sentence, or "" when it would say nothing: no list given, or no
+      entry whose ``nu`` underflowed (a task whose failure is elsewhere,
+      e.g. float32 Adam state, gets no "nu == 0 for 0 of 0 entries" line).
 
     Example:
         >>> g = [np.array([1e-3, 0.5, 0.0])]
@@ -517,6 +519,8 @@ def adam_underflow_note(
         Adam state (float16): nu == 0 for 1 of 2 entries with a non-zero gradient
         >>> "eps=1e-08 is 0 in float16" in note, note.endswith("m / 0 = inf.")
         (True, True)
+        >>> adam_underflow_note(g, [np.array([1e-6, 2.5e-4, 0.0])], "float32", 1e-8)
+        ''
     """
     if not grads:
         return ""
@@ -531,6 +535,8 @@ def adam_underflow_note(
         total += int(nonzero.sum())
         if under.any():
             largest = max(largest, float(np.abs(g[under]).max()))
+    if not hit:
+        return ""
     import ml_dtypes  # numpy dtypes of bfloat16; installed with jax and torch users
 
     eps_in = float(
@@ -541,14 +547,10 @@ def adam_underflow_note(
     )
     text = (
         f"Adam state ({dtype_name}): nu == 0 for {hit} of {total} entries with a "
-        f"non-zero gradient"
+        f"non-zero gradient (the largest such |g| is {largest:.3g}: (1-b2)*g**2 "
+        f"underflowed to 0); eps={eps:g} is {eps_in:g} in {dtype_name}"
     )
-    if hit:
-        text += (
-            f" (the largest such |g| is {largest:.3g}: (1-b2)*g**2 underflowed to 0)"
-        )
-    text += f"; eps={eps:g} is {eps_in:g} in {dtype_name}"
-    if eps_in == 0 and hit:
+    if eps_in == 0:
         text += ", so m / (sqrt(nu) + eps) = m / 0 = inf"
     return text + "."
 
@@ -766,7 +768,8 @@ def _jax_naive_report(config, after) -> str:
         g = [as_np(x) for x in jax.tree_util.tree_leaves(grads)]
         nus = jax.tree_util.tree_leaves(adam[0].nu)
         nu = [as_np(x) for x in nus]
-        text += "\n" + adam_underflow_note(g, nu, str(nus[0].dtype), config.eps)
+        note = adam_underflow_note(g, nu, str(nus[0].dtype), config.eps)
+        text += "\n" + note if note else ""
     return text
 
 
@@ -1036,7 +1039,8 @@ def _torch_naive(config, parts):
             ]
             g = [grads[n].float().numpy() for n in named]
             dtype = str(next(iter(named.values())).dtype).replace("torch.", "")
-            text += "\n" + adam_underflow_note(g, nus, dtype, config.eps)
+            note = adam_underflow_note(g, nus, dtype, config.eps)
+            text += "\n" + note if note else ""
         if parts.probe is not None:
             text += "\n" + parts.probe(model_before(), last["batch"])
         return text
