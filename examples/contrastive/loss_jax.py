@@ -7,18 +7,21 @@
   ``x / ||x||`` without eps, ``exp(logit_scale)`` unclamped, the logits and
   the cross-entropy in bfloat16/float16.
 
-Both return ``(loss, aux)``: ``aux["checks"]`` holds, per check point of
-`CHECKS` (the loss function's part of the contrastive report's six checks),
-``finite`` (bool) and ``max_abs`` (max |x| over the finite entries), computed
-inside the jitted step: nothing is read on the host until `fit` logs the
-step. ``aux["logit_scale"]`` is the scale the logits used.
+Both return ``(loss, aux)``: ``aux["checks"]`` is a
+`jaxstable.diagnostics.CheckPoints` of the points of `config.CHECKS` (the
+loss function's part of the contrastive report's six checks: per point a
+finite flag and max |x| over the finite entries), computed inside the
+jitted step: nothing is read on the host until `fit` logs the step, as the
+record's ``checks[...]``, ``non_finite_checks`` and
+``first_non_finite_check`` keys. ``aux["logit_scale"]`` is the scale the
+logits used.
 
 Example:
     >>> import jax.numpy as jnp
     >>> img = jnp.eye(4, 8); txt = jnp.eye(4, 8).at[3].set(jnp.nan)
     >>> loss, aux = naive_loss(img, txt, jnp.asarray(2.0), jnp.zeros((4, 2)))
-    >>> first_bad(aux["checks"])
-    'text_emb'
+    >>> aux["checks"].non_finite()
+    ['text_emb', 'logits', 'loss']
 """
 
 from __future__ import annotations
@@ -26,27 +29,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from examples.contrastive.config import CHECKS, first_bad  # noqa: F401
-from jaxstable import losses
+from jaxstable import diagnostics, losses
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp of exp(logit_scale)
 
 
-def check_points(**values: jax.Array) -> dict[str, dict[str, jax.Array]]:
-    """``{name: {"finite": bool, "max_abs": float32}}`` of each value, no host sync.
-
-    Example:
-        >>> c = check_points(x=jnp.array([1.0, -3.0]), y=jnp.array([jnp.inf, 2.0]))
-        >>> bool(c["x"]["finite"]), float(c["x"]["max_abs"]), bool(c["y"]["finite"])
-        (True, 3.0, False)
-    """
-    out = {}
-    for name, x in values.items():
-        x = jnp.asarray(x)
-        ok = jnp.isfinite(x)
-        big = jnp.max(jnp.where(ok, jnp.abs(x), 0)).astype(jnp.float32)
-        out[name] = {"finite": jnp.all(ok), "max_abs": big}
-    return out
+def _checks(image, img, txt, logits, loss) -> diagnostics.CheckPoints:
+    # the points of config.CHECKS, in the order the step computes them
+    return diagnostics.check_points(
+        inputs=image, image_emb=img, text_emb=txt, logits=logits, loss=loss
+    )
 
 
 def _normalize_no_eps(x):
@@ -69,9 +61,7 @@ def naive_loss(img, txt, log_scale, image):
         return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
 
     loss = 0.5 * (ce(logits) + ce(logits.T))
-    checks = check_points(
-        inputs=image, image_emb=img, text_emb=txt, logits=logits, loss=loss
-    )
+    checks = _checks(image, img, txt, logits, loss)
     return loss, {"checks": checks, "logit_scale": scale.astype(jnp.float32)}
 
 
@@ -81,13 +71,15 @@ def _normalize(x, eps):
     return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), eps * eps))
 
 
-def stable_loss(img, txt, log_scale, image, *, eps: float = 1e-8):
+def stable_loss(img, txt, log_scale, image, *, eps: float = 1e-8, checks=True):
     """`jaxstable.losses.info_nce` in float32, the logit scale clamped at 100.
 
     The temperature ``exp(-log_scale)`` is floored at ``1 / 100`` by
     info_nce's ``min_temperature`` (zero gradient past the clamp, as CLIP's
     ``clamp``). The check point ``logits`` recomputes the float32
     similarities the loss uses (a (B, B) matrix: small next to the towers).
+    ``checks=False``: no check points, ``aux`` holds only the logit scale
+    (what `benchmarks/bench_checks.py` compares against).
 
     Example:
         >>> x = jnp.eye(3, 8, dtype=jnp.bfloat16)
@@ -101,8 +93,10 @@ def stable_loss(img, txt, log_scale, image, *, eps: float = 1e-8):
         img, txt, temperature=temperature, min_temperature=floor, eps=eps
     )
     scale = 1.0 / jnp.maximum(temperature, floor)
+    if not checks:
+        return loss, {"logit_scale": scale}
     logits = scale * (_normalize(img, eps) @ _normalize(txt, eps).T)
-    checks = check_points(
-        inputs=image, image_emb=img, text_emb=txt, logits=logits, loss=loss
-    )
-    return loss, {"checks": checks, "logit_scale": scale}
+    return loss, {
+        "checks": _checks(image, img, txt, logits, loss),
+        "logit_scale": scale,
+    }

@@ -6,17 +6,17 @@
 * `naive_loss`: a first attempt, all in the compute dtype (no eps, no
   clamp, the logits and the cross-entropy in bfloat16/float16).
 
-Both return ``(loss, aux)`` with ``aux["checks"]`` per check point of
-`CHECKS` (``finite`` and ``max_abs`` as 0-d tensors: nothing is read with
-``.item()`` in the step; `fit` converts them when it logs the step) and
-``aux["logit_scale"]``.
+Both return ``(loss, aux)``: ``aux["checks"]`` is a
+`torchref.diagnostics.CheckPoints` of the points of `config.CHECKS` (0-d
+tensors: nothing is read with ``.item()`` in the step; `fit` reads them
+when it logs the step), and ``aux["logit_scale"]``.
 
 Example:
     >>> import torch
     >>> img = torch.eye(4, 8); txt = torch.eye(4, 8); txt[3] = float("nan")
     >>> loss, aux = naive_loss(img, txt, torch.tensor(2.0), torch.zeros(4, 2))
-    >>> first_bad(aux["checks"])
-    'text_emb'
+    >>> aux["checks"].non_finite()
+    ['text_emb', 'logits', 'loss']
 """
 
 from __future__ import annotations
@@ -24,28 +24,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from examples.contrastive.config import CHECKS, first_bad  # noqa: F401
-from torchref import losses
+from torchref import diagnostics, losses
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp of exp(logit_scale)
 
 
-def check_points(**values: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
-    """``{name: {"finite": bool tensor, "max_abs": float32 tensor}}``, no sync.
-
-    Example:
-        >>> c = check_points(x=torch.tensor([1.0, -3.0]),
-        ...                  y=torch.tensor([float("inf"), 2.0]))
-        >>> bool(c["x"]["finite"]), float(c["x"]["max_abs"]), bool(c["y"]["finite"])
-        (True, 3.0, False)
-    """
-    out = {}
-    for name, x in values.items():
-        x = x.detach()
-        ok = torch.isfinite(x)
-        big = torch.where(ok, x.abs(), torch.zeros_like(x)).max().float()
-        out[name] = {"finite": ok.all(), "max_abs": big}
-    return out
+def _checks(image, img, txt, logits, loss) -> diagnostics.CheckPoints:
+    # the points of config.CHECKS, in the order the step computes them
+    return diagnostics.check_points(
+        inputs=image, image_emb=img, text_emb=txt, logits=logits, loss=loss
+    )
 
 
 def _normalize_no_eps(x):
@@ -58,14 +46,15 @@ def naive_loss(img, txt, log_scale, image):
     logits = scale * (_normalize_no_eps(img) @ _normalize_no_eps(txt).T)
     labels = torch.arange(logits.shape[0])
     loss = 0.5 * (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels))
-    checks = check_points(
-        inputs=image, image_emb=img, text_emb=txt, logits=logits, loss=loss
-    )
+    checks = _checks(image, img, txt, logits, loss)
     return loss, {"checks": checks, "logit_scale": scale.detach().float()}
 
 
-def stable_loss(img, txt, log_scale, image, *, eps: float = 1e-8):
+def stable_loss(img, txt, log_scale, image, *, eps: float = 1e-8, checks=True):
     """`torchref.losses.info_nce` in float32, the logit scale clamped at 100.
+
+    ``checks=False``: no check points, ``aux`` holds only the logit scale
+    (what `benchmarks/bench_checks.py` compares against).
 
     Example:
         >>> x = torch.eye(3, 8).bfloat16()
@@ -79,9 +68,9 @@ def stable_loss(img, txt, log_scale, image, *, eps: float = 1e-8):
         img, txt, temperature=temperature, min_temperature=floor, eps=eps
     )
     scale = 1.0 / temperature.detach().clamp(min=floor)
+    if not checks:
+        return loss, {"logit_scale": scale}
     a = F.normalize(img.detach().float(), dim=1, eps=eps)
     b = F.normalize(txt.detach().float(), dim=1, eps=eps)
-    checks = check_points(
-        inputs=image, image_emb=img, text_emb=txt, logits=scale * (a @ b.T), loss=loss
-    )
-    return loss, {"checks": checks, "logit_scale": scale}
+    marked = _checks(image, img, txt, scale * (a @ b.T), loss)
+    return loss, {"checks": marked, "logit_scale": scale}

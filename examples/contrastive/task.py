@@ -19,11 +19,13 @@ The two modes, as the harness runs them:
   harness's guards (clip, skip non-finite; a loss scale for float16).
 
 Both losses return the check points of `config.CHECKS` (inputs,
-embeddings, logits, loss) and the logit scale as ``aux``: `fit` logs them
-in every record (``aux['checks']['text_emb']['finite']``, ...), with the
-step's ``grad_norm`` and ``finite`` (gradients, parameters): the report's
-six checks. Before training, both frameworks' ``check_params`` run on the
-initial weights and every train batch is checked (`config.check_batch`).
+embeddings, logits, loss; a ``diagnostics.CheckPoints`` of the library)
+and the logit scale as ``aux``: `fit` logs them in every record
+(``checks['text_emb']['finite']``, ..., ``non_finite_checks``,
+``first_non_finite_check``), with the step's ``grad_norm`` and ``finite``
+(gradients, parameters): the report's six checks. Before training, both
+frameworks' ``check_params`` run on the initial weights and every train
+batch is checked (`config.check_batch`).
 
 Example:
     >>> TASK.name, TASK.metrics
@@ -57,45 +59,46 @@ def _describe(c: config_lib.Config) -> str:
     )
 
 
-def cause_note(checks, bad_rows: int, empty: int, batch: int) -> str:
+def cause_note(checks_line: str, first: str | None, bad_rows, empty, batch) -> str:
     """The check points of a naive run's first non-finite step, in one line.
 
     Args:
-      checks: ``aux["checks"]`` of the step (host or device values).
+      checks_line: the framework's ``diagnostics.format_checks`` of the
+        step's ``aux["checks"]`` (the same text in both).
+      first: the first non-finite point (``aux["checks"].non_finite()[0]``),
+        or None.
       bad_rows: caption embeddings of the batch with a non-finite entry.
       empty: captions of the batch with no token.
       batch: pairs in the batch.
 
     Example:
-        >>> c = {k: {"finite": k in ("inputs", "image_emb"), "max_abs": 1.0}
-        ...      for k in config_lib.CHECKS}
-        >>> print(cause_note(c, 1, 1, 32))  # doctest: +NORMALIZE_WHITESPACE
+        >>> line = ("inputs finite (max|x| 1), image_emb finite (max|x| 1), "
+        ...         "text_emb NON-FINITE, logits NON-FINITE, loss NON-FINITE; "
+        ...         "first non-finite: text_emb")
+        >>> print(cause_note(line, "text_emb", 1, 1, 32))
+        ... # doctest: +NORMALIZE_WHITESPACE
         Cause observed: check points of the step, in order: inputs finite
         (max|x| 1), image_emb finite (max|x| 1), text_emb NON-FINITE, logits
         NON-FINITE, loss NON-FINITE; first non-finite: text_emb (1 of 32 caption
         embeddings; 1 caption(s) of the batch have no token: the masked mean is
         0 / 0).
     """
-    parts = []
-    for name in config_lib.CHECKS:
-        c = checks[name]
-        ok = bool(c["finite"])
-        parts.append(
-            f"{name} finite (max|x| {float(c['max_abs']):.3g})"
-            if ok
-            else f"{name} NON-FINITE"
-        )
-    first = config_lib.first_bad(checks)
-    text = "Cause observed: check points of the step, in order: " + ", ".join(parts)
+    text = "Cause observed: check points of the step, in order: " + checks_line
     if first is None:
-        return text + "; all finite in the loss: the gradients or the update broke."
-    text += f"; first non-finite: {first}"
+        return text + " in the loss: the gradients or the update broke."
     if first == "text_emb":
         text += (
             f" ({bad_rows} of {batch} caption embeddings; {empty} caption(s) of the "
             "batch have no token: the masked mean is 0 / 0)"
         )
     return text + "."
+
+
+def _note(diagnostics, checks, bad_rows: int, empty: int, batch: int) -> str:
+    # `cause_note` of a CheckPoints, with its framework's diagnostics module
+    bad = checks.non_finite()
+    line = diagnostics.format_checks(checks)
+    return cause_note(line, bad[0] if bad else None, bad_rows, empty, batch)
 
 
 def _empty(tokens) -> int:
@@ -206,7 +209,7 @@ def torch_parts(config: config_lib.Config, weights) -> harness.TorchParts:
             _, aux = loss_torch.naive_loss(img, txt, m.logit_scale, batch["image"])
         bad = int((~torch.isfinite(txt.float())).any(dim=1).sum())
         empty = _empty(batch["tokens"].numpy())
-        return cause_note(aux["checks"], bad, empty, len(batch["tokens"]))
+        return _note(diagnostics, aux["checks"], bad, empty, len(batch["tokens"]))
 
     return harness.TorchParts(
         model=model,
@@ -304,7 +307,7 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
         _, aux = loss_jax.naive_loss(img, txt, log_scale, batch["image"])
         bad = int((~np.isfinite(np.asarray(txt, np.float32))).any(axis=1).sum())
         empty = _empty(batch["tokens"])
-        return cause_note(aux["checks"], bad, empty, len(batch["tokens"]))
+        return _note(diagnostics, aux["checks"], bad, empty, len(batch["tokens"]))
 
     return harness.JaxParts(
         params=params,

@@ -487,6 +487,29 @@ class CheckPoints:
         flags = _host_list(self.finite)
         return [n for n, ok in zip(self.names, flags, strict=True) if not ok]
 
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        """``{"finite": flag, "max_abs": value}`` of the point ``name``.
+
+        Raises:
+            KeyError: no point has that name (the message lists the names).
+
+        Example:
+            >>> import torch
+            >>> from torchref import diagnostics
+            >>> c = diagnostics.check_points(loss=torch.tensor(2.0))
+            >>> "loss" in c, float(c["loss"]["max_abs"])
+            (True, 2.0)
+        """
+        if name not in self.names:
+            raise KeyError(
+                f"no check point {name!r}; the points are {list(self.names)}"
+            )
+        i = self.names.index(name)
+        return {"finite": self.finite[i], "max_abs": self.max_abs[i]}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
     def __len__(self) -> int:
         return len(self.names)
 
