@@ -521,6 +521,9 @@ def check_points(**values: Any) -> CheckPoints:
     """A `CheckPoints` of the keyword values, in the order they are given.
 
     ``check_points(a=x, b=y)`` is ``CheckPoints().add("a", x).add("b", y)``.
+    Call it inside the loss (a traced Python call keeps the keyword order);
+    ``jax.jit(check_points)(**values)`` would get them as a dict, whose
+    pytree order is sorted.
 
     Example:
       >>> import jax.numpy as jnp

@@ -518,10 +518,12 @@ class CheckPoints:
 
 
 def _host_list(values: tuple[torch.Tensor, ...]) -> list[float]:
-    # One device-to-host copy for all the points, not one .item() each.
+    # Stacked where they are, then one device-to-host copy for all the
+    # points (not one .item() or .cpu() each: a sync per point on a GPU).
     if not values:
         return []
-    return torch.stack([v.float().cpu() for v in values]).tolist()
+    device = values[0].device
+    return torch.stack([v.float().to(device) for v in values]).tolist()
 
 
 def _check_name(name: Any, used: tuple[str, ...]) -> None:
