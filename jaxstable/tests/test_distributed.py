@@ -527,6 +527,27 @@ def test_fit_on_fsdp_state_with_checkpoint_resume(runs):
     assert bool(runs["fit/sharding_kept"])
 
 
+def test_fit_batch_transform_runs_after_the_resume_skip(tmp_path):
+    # Same test as torchref's: the transform sees only the batches it runs.
+    state = train.TrainState.create(params=jnp.zeros(2), optimizer=optax.sgd(0.1))
+    step = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
+    data = [np.full(2, float(i), np.float32) for i in range(4)]
+    seen = []
+
+    def transform(b):
+        seen.append(float(b[0]))
+        return jnp.asarray(b) * 2
+
+    kwargs = dict(checkpoint_dir=tmp_path, progress=False, batch_transform=transform)
+    _, hist = train.fit(state, step, data, steps=2, **kwargs)
+    train.fit(state, step, data, resume=True, **kwargs)
+    assert seen == [0.0, 1.0, 2.0, 3.0]
+    # The step trained on the transformed batches (2*i), not on data.
+    assert hist[0]["loss"] == 0.0 and hist[1]["loss"] == 8.0
+    with pytest.raises(TypeError, match="batch_transform must be None or a callable"):
+        train.fit(state, step, data, batch_transform=2, progress=False)
+
+
 def test_shard_batch_names_the_bad_leaf():
     mesh = distributed.make_mesh(1)
     with pytest.raises(ValueError, match=r"\['y'\] has shape \(\)"):

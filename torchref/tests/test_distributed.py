@@ -342,6 +342,33 @@ def test_fit_under_ddp_equals_one_process(ranks, single):
     assert "checkpoints" not in ranks[1]["fit"]
 
 
+def test_fit_batch_transform_runs_after_the_resume_skip(tmp_path):
+    # Same test as jaxstable's: the transform sees only the batches it runs.
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: (m(b[None]) - b.sum()).pow(2).mean(),
+    )
+    data = [torch.full((2,), float(i)) for i in range(4)]
+    seen = []
+
+    def transform(b):
+        seen.append(float(b[0]))
+        return b * 2
+
+    kwargs = dict(checkpoint_dir=tmp_path, progress=False, batch_transform=transform)
+    hist = train.fit(step, data, steps=2, **kwargs)
+    train.fit(step, data, resume=True, **kwargs)
+    assert seen == [0.0, 1.0, 2.0, 3.0]
+    # The step trained on the transformed batches (2*i), not on data: at
+    # w = 0 the loss of batch 1 is (0 - 4)**2 after one update from b = 0.
+    assert hist[0]["loss"] == 0.0 and hist[1]["loss"] == 16.0
+    with pytest.raises(TypeError, match="batch_transform must be None or a callable"):
+        train.fit(step, data, batch_transform=2, progress=False)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="init_process_group"):
         distributed.make_mesh()
