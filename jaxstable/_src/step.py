@@ -311,6 +311,22 @@ def make_train_step(
       >>> state, m = step(state, jnp.array([jnp.nan, 2.0]))
       >>> bool(m["finite"]), int(m["skipped_total"]), float(state.loss_scale.loss_scale)
       (False, 1, 32768.0)
+
+      Per device under `jax.shard_map` (here a 1-device mesh), state replicated:
+
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxstable import distributed
+      >>> mesh = distributed.make_mesh(1)
+      >>> dp = train.make_train_step(lambda p, b: jnp.mean((p - b) ** 2),
+      ...                            axis_name="data")
+      >>> dp = jax.jit(jax.shard_map(dp, mesh=mesh, in_specs=(P(), P("data")),
+      ...                            out_specs=P()))
+      >>> state = distributed.shard_state(state, mesh)
+      >>> batch = distributed.shard_batch(jnp.array([[1.0, 2.0]]), mesh)
+      >>> state, m = dp(state, batch)
+      >>> bool(m["finite"]), int(m["skipped_total"])
+      (True, 1)
     """
     for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
         if not isinstance(flag, bool):

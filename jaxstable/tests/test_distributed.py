@@ -548,6 +548,24 @@ def test_fit_batch_transform_runs_after_the_resume_skip(tmp_path):
         train.fit(state, step, data, batch_transform=2, progress=False)
 
 
+def test_axis_name_refuses_bad_input():
+    with pytest.raises(TypeError, match="axis_name must be None or a str"):
+        train.make_train_step(mlp_loss, axis_name=0)
+    # Params split over the axis (in_specs P("data") for the state): the
+    # step averages gradients of replicated params only, so it refuses.
+    mesh = distributed.make_mesh(1)
+    spec = jax.sharding.PartitionSpec
+    step = train.make_train_step(mlp_loss, axis_name=distributed.DATA_AXIS)
+    params, batches = problem()
+    state = distributed.shard_state(initial_state(params), mesh, "fsdp")
+    specs = jax.tree.map(lambda a: a.sharding.spec, state)
+    bad = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, spec("data")), out_specs=spec()
+    )
+    with pytest.raises(ValueError, match=r"params leaf \['b1'\] varies over 'data'"):
+        bad(state, distributed.shard_batch(batches[0], mesh))
+
+
 def test_shard_batch_names_the_bad_leaf():
     mesh = distributed.make_mesh(1)
     with pytest.raises(ValueError, match=r"\['y'\] has shape \(\)"):
