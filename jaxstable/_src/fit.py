@@ -128,6 +128,7 @@ def fit(
     stop_after_nonfinite: int | None = None,
     resume: bool = False,
     rollback_to: str = "memory",
+    batch_transform: Callable[[Any], Any] | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -246,6 +247,12 @@ def fit(
         ``checkpoint_dir`` (see above).
       rollback_to: ``"memory"`` (the in-memory snapshot) or ``"disk"`` (the
         last intact checkpoint; needs ``checkpoint_dir``).
+      batch_transform: None, or ``batch_transform(batch) -> batch`` applied
+        to each batch right before the step (after a resume's skip: skipped
+        batches are not transformed), e.g. placing a global batch on a mesh:
+        ``functools.partial(jaxstable.distributed.shard_batch, mesh=mesh)``
+        with a state placed by ``distributed.shard_state`` (checkpoints are
+        then written from, and restored onto, the sharded state).
       stop_after_nonfinite: None, or an int >= 0: fit returns normally
         (nothing raised) this many steps after the first step of the call
         whose record has ``finite == False`` (0: stop at that step). For runs
@@ -310,6 +317,7 @@ def fit(
         locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
         time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
     )  # fmt: skip
+    _check_callable("batch_transform", batch_transform)
     mgr, own_mgr = _manager(checkpoint_dir)
     try:
         state, start = _resume(mgr, state, resume)
@@ -327,7 +335,7 @@ def _run(
     state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
     log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
     locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
-    rollback_to, mgr, start, **_,
+    rollback_to, mgr, start, batch_transform, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
@@ -336,6 +344,8 @@ def _run(
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
     it = _batches_from(batches, start, steps)
+    if batch_transform is not None:
+        it = map(batch_transform, it)
     # The lookahead needs each step's output state to outlive the next
     # dispatch whenever fit reads it (policy, callback, eval, early stop):
     # only a step that does not donate its input keeps it.

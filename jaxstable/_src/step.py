@@ -105,6 +105,44 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
+def _as_varying(params: Any, axis_name: str) -> Any:
+    """``params`` marked as varying over ``axis_name`` inside `jax.shard_map`.
+
+    Under shard_map's default ``check_vma=True``, `jax.grad` of a replica's
+    loss with respect to REPLICATED params returns the SUM of the replicas'
+    gradients (the transpose of the implicit broadcast is a psum): a pmean
+    after it would give n times the gradient (measured: 4x on 4 devices).
+    Marked varying, they get each replica's own gradient, which the step then
+    averages, as under ``check_vma=False`` and `jax.pmap` (where this is a
+    no-op). Params that already vary over the axis (sharded in_specs) are
+    refused: the step averages gradients of replicated params only.
+    """
+
+    def mark(path, x):
+        kind = getattr(jax.typeof(x), "manual_axis_type", None)
+        if kind is not None and axis_name in kind.varying:
+            raise ValueError(
+                f"make_train_step(axis_name={axis_name!r}): params leaf "
+                f"{jax.tree_util.keystr(path)} varies over {axis_name!r}; the "
+                "state must be replicated over that axis (shard_map in_specs "
+                "P() for the state, P(axis_name) for the batch only)"
+            )
+        return jax.lax.pcast(x, axis_name, to="varying")
+
+    return jax.tree_util.tree_map_with_path(mark, params)
+
+
+def _pmean_floating(tree: Any, axis_name: str) -> Any:
+    """`lax.pmean` of the floating leaves of ``tree``; the others as they are."""
+
+    def mean(x):
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return jax.lax.pmean(x, axis_name)
+        return x
+
+    return jax.tree.map(mean, tree)
+
+
 _INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
@@ -185,6 +223,7 @@ def make_train_step(
     policy: Any = None,
     jit: bool = True,
     donate: bool = False,
+    axis_name: str | None = None,
 ) -> TrainStep:
     """Builds the guarded train step ``step(state, batch) -> (state, metrics)``.
 
@@ -235,6 +274,21 @@ def make_train_step(
       jit: jit the step.
       donate: donate the input state's buffers to the output (saves memory;
         the input state must not be used after the call).
+      axis_name: None, or the name of a mesh axis (flax ``DynamicScale``'s
+        and `optax`'s idiom) when the step runs inside `jax.shard_map` (or
+        `jax.pmap`) over it, each replica on its own rows of the batch and
+        the state replicated (``in_specs=(P(), P(axis))``,
+        ``out_specs=P()``). The gradients, the loss, the floating leaves of
+        ``aux`` and of the new model state are then `lax.pmean`-ed over the
+        axis, and the guard's flag is taken from the averaged gradients: it
+        reuses the gradient all-reduce (a NaN or inf on any replica makes
+        the mean non-finite on every replica, and an overflow of the sum is
+        seen by all), so every replica takes the same skip decision and the
+        same loss-scale update with NO collective of its own. This is what
+        torch's DDP does (GradScaler checks the all-reduced gradients) and
+        what flax's ``DynamicScale(axis_name=...)`` does. Not needed (leave
+        None) under plain `jax.jit` with shardings (`jaxstable.distributed`):
+        there XLA makes every reduction global itself.
 
     Returns:
       A `TrainStep`; calling it returns ``(new_state, metrics)`` where metrics
@@ -257,10 +311,28 @@ def make_train_step(
       >>> state, m = step(state, jnp.array([jnp.nan, 2.0]))
       >>> bool(m["finite"]), int(m["skipped_total"]), float(state.loss_scale.loss_scale)
       (False, 1, 32768.0)
+
+      Per device under `jax.shard_map` (here a 1-device mesh), state replicated:
+
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxstable import distributed
+      >>> mesh = distributed.make_mesh(1)
+      >>> dp = train.make_train_step(lambda p, b: jnp.mean((p - b) ** 2),
+      ...                            axis_name="data")
+      >>> dp = jax.jit(jax.shard_map(dp, mesh=mesh, in_specs=(P(), P("data")),
+      ...                            out_specs=P()))
+      >>> state = distributed.shard_state(state, mesh)
+      >>> batch = distributed.shard_batch(jnp.array([[1.0, 2.0]]), mesh)
+      >>> state, m = dp(state, batch)
+      >>> bool(m["finite"]), int(m["skipped_total"])
+      (True, 1)
     """
     for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be None or a str, got {axis_name!r}")
     pol = None if policy is None else get_policy(policy)
 
     def compute_loss(params, model_state, batch):
@@ -283,11 +355,22 @@ def make_train_step(
 
     grad_fn = scaled_value_and_grad(compute_loss, has_aux=True)
 
+    def reduced_grads(state: TrainState, batch: Any):
+        if axis_name is None:
+            return grad_fn(state.loss_scale, state.params, state.model_state, batch)
+        # Local gradients of the replica's rows, then their mean: the flag
+        # of scaled_value_and_grad (local) is dropped for one of the mean.
+        params = _as_varying(state.params, axis_name)
+        (loss, (aux, model_state)), grads, _ = grad_fn(
+            state.loss_scale, params, state.model_state, batch
+        )
+        grads = jax.lax.pmean(grads, axis_name)
+        out = _pmean_floating((loss, aux, model_state), axis_name)
+        return (out[0], out[1:]), grads, all_finite(grads)
+
     def step(state: TrainState, batch: Any):
         ls = state.loss_scale
-        (loss, (aux, new_model_state)), grads, finite = grad_fn(
-            ls, state.params, state.model_state, batch
-        )
+        (loss, (aux, new_model_state)), grads, finite = reduced_grads(state, batch)
         grad_norm = global_norm(grads)
         tx = state.tx
         if isinstance(tx, optax.GradientTransformationExtraArgs):
@@ -337,8 +420,7 @@ def make_train_step(
         return new_state, metrics
 
     def grads(state: TrainState, batch: Any):
-        _, g, _ = grad_fn(state.loss_scale, state.params, state.model_state, batch)
-        return g
+        return reduced_grads(state, batch)[1]
 
     out = TrainStep(step, grads, jit=jit, donate=donate)
     # What `diagnostics.locate` needs to re-run the loss op by op, off the

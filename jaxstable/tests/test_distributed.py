@@ -22,6 +22,7 @@ test_distributed.problem`, for the cross-framework parity test.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -34,7 +35,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import tolerance
+from conftest import has_conditional, tolerance
 from jaxstable import distributed, train, transforms
 from jaxstable import loss_scale as jls
 
@@ -72,7 +73,10 @@ def mlp_loss(p, batch):
     return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
 
 
+@functools.cache
 def optimizer():
+    # One object: every state then has the same (static) tx, so a step
+    # compiled for one run is reused for a state restored or re-created.
     return transforms.stable_optimizer(optax.adam(1e-2), max_grad_norm=1.0)
 
 
@@ -91,12 +95,34 @@ def _flat_params(params) -> np.ndarray:
     return np.concatenate([np.ravel(params[k]) for k in ("w1", "b1", "w2", "b2")])
 
 
+def shard_map_step(mesh, step, check_vma=True):
+    """``step`` run by `jax.shard_map`: each device its rows, state replicated."""
+    spec = jax.sharding.PartitionSpec
+    return jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(spec(), spec(distributed.DATA_AXIS)),
+            out_specs=spec(),
+            check_vma=check_vma,
+        )
+    )
+
+
 def run_trajectory(mesh, strategy, params, batches):
-    """Trains STEPS steps; returns per-step arrays and a few checks."""
+    """Trains STEPS steps; returns per-step arrays and a few checks.
+
+    ``strategy``: None (one device), one of `distributed.STRATEGIES`, or
+    "shard_map" (the state replicated, the step built with ``axis_name``).
+    """
     state = initial_state({k: jnp.asarray(v) for k, v in params.items()})
     step = train.make_train_step(mlp_loss)
+    if strategy == "shard_map":
+        axis = distributed.DATA_AXIS
+        step = shard_map_step(mesh, train.make_train_step(mlp_loss, axis_name=axis))
     if mesh is not None:
-        state = distributed.shard_state(state, mesh, strategy)
+        placement = "data_parallel" if strategy == "shard_map" else strategy
+        state = distributed.shard_state(state, mesh, placement)
         batches = [distributed.shard_batch(b, mesh) for b in batches]
     else:
         batches = [jax.device_put(b) for b in batches]
@@ -130,7 +156,7 @@ def run_trajectory(mesh, strategy, params, batches):
         out["specs"] = np.array(
             json.dumps(jax.tree.map(lambda a: str(a.sharding.spec), state.params))
         )
-    return out, step, state, batches[0]
+    return out, step, states, batches
 
 
 def _plain_step(params, opt_state, batch):
@@ -159,14 +185,20 @@ def _summary(compiled) -> dict:
 
 
 def collectives(mesh, strategy, step, state, batch):
-    guarded = _summary(step.lower(state, batch).compile())
+    lowered = step.lower(state, batch)
+    compiled = lowered.compile()
+    guarded = _summary(compiled)
+    guarded["has_conditional"] = has_conditional(lowered)
+    if strategy == "shard_map":
+        # No plain step compiled (a few seconds): the all-reduces' operand
+        # types say what they carry.
+        types = _all_reduce_types(compiled.as_text())
+        return {"guarded": guarded, "all_reduce_types": types}
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
     plain_state = train.TrainState.create(params=state.params, optimizer=tx)
     placed = distributed.shard_state(plain_state, mesh, strategy)
-    plain = _summary(
-        jax.jit(_plain_step).lower(placed.params, placed.opt_state, batch).compile()
-    )
-    return {"guarded": guarded, "plain": plain}
+    plain = jax.jit(_plain_step).lower(placed.params, placed.opt_state, batch)
+    return {"guarded": guarded, "plain": _summary(plain.compile())}
 
 
 def _checker_results():
@@ -206,6 +238,100 @@ def _local_shards_finite(params, batches) -> np.ndarray:
     return np.array([flags[d] for d in mesh.devices.flat])
 
 
+def _local_flag_step(state, batch):
+    """A naive shard_map port of the guard: the gradients are pmean-ed, but
+    the flag is each replica's test of its OWN gradients, never reduced."""
+    grad_fn = jls.scaled_value_and_grad(mlp_loss)
+    _, grads, local_finite = grad_fn(state.loss_scale, state.params, batch)
+    grads = jax.lax.pmean(grads, distributed.DATA_AXIS)
+    updates, opt_state = state.tx.update(
+        grads, state.opt_state, state.params, grads_finite=local_finite
+    )
+    return state.replace(
+        params=optax.apply_updates(state.params, updates),
+        opt_state=opt_state,
+        loss_scale=state.loss_scale.adjust(local_finite),
+    )
+
+
+def _local_flag_run(mesh, state, batch):
+    """One naive step (batch 20: NaN in device 2's rows only) from the state
+    the shard_map run had before it; check_vma=False lets each device return
+    its own copy of the "replicated" state."""
+    new = shard_map_step(mesh, _local_flag_step, check_vma=False)(state, batch)
+    copies = [float(s.data) for s in new.loss_scale.loss_scale.addressable_shards]
+    return {
+        "local_flag/scale_before": np.array(float(state.loss_scale.loss_scale)),
+        "local_flag/scale_copies": np.array(copies),
+        "local_flag/replicas_identical": np.array(distributed.replicas_identical(new)),
+    }
+
+
+CUT = 25  # checkpoint after this many steps: batches 33 and 45 are still ahead
+
+
+def _continue(step, state, batches):
+    params, scales, skipped = [], [], []
+    for b in batches:
+        state, _ = step(state, b)
+        host = jax.device_get(state)
+        params.append(_flat_params(host.params))
+        scales.append(float(host.loss_scale.loss_scale))
+        skipped.append(int(host.skipped_total))
+    return np.stack(params), np.array(scales), np.array(skipped)
+
+
+def _checkpoint_crossings(runs, tmp):
+    """Save at CUT from FSDP, restore onto one device and go on; and back."""
+    out = {}
+    for src, dst in (("fsdp", "one"), ("one", "fsdp")):
+        path = os.path.join(tmp, f"ckpt_{src}")
+        train.save_checkpoint(path, runs[src][1][CUT - 1])
+        # The target: a state of the other run (its first step's), so its
+        # values differ and its placement is the one that run's step takes.
+        target = runs[dst][1][0]
+        restored = train.load_checkpoint(path, target)
+        same = jax.tree.map(lambda a, t: a.sharding == t.sharding, restored, target)
+        out[f"{src}_to_{dst}/sharding_of_target"] = np.array(
+            all(jax.tree_util.tree_leaves(same))
+        )
+        step, _, placed = runs[dst]
+        p, scale, skipped = _continue(step, restored, placed[CUT:])
+        out[f"{src}_to_{dst}/params"] = p
+        out[f"{src}_to_{dst}/loss_scale"] = scale
+        out[f"{src}_to_{dst}/skipped_total"] = skipped
+    return out
+
+
+def _fit_resumed(mesh, params, batches, step, tmp):
+    """fit on an FSDP state, global batches placed by batch_transform: 30
+    steps with checkpoints, then the same call resumed to the end."""
+
+    def fresh():
+        state = initial_state({k: jnp.asarray(v) for k, v in params.items()})
+        return distributed.shard_state(state, mesh, "fsdp")
+
+    kwargs = dict(
+        checkpoint_dir=os.path.join(tmp, "fit"),
+        progress=False,
+        batch_transform=functools.partial(distributed.shard_batch, mesh=mesh),
+    )
+    _, first = train.fit(
+        fresh(), step, batches, steps=30, checkpoint_every=10, **kwargs
+    )
+    state, rest = train.fit(fresh(), step, batches, resume=True, **kwargs)
+    same = jax.tree.map(lambda a, t: a.sharding == t.sharding, state, fresh())
+    hist = first + rest
+    return {
+        "fit/step": np.array([h["step"] for h in hist]),
+        "fit/loss_scale": np.array([h["loss_scale"] for h in hist]),
+        "fit/finite": np.array([h["finite"] for h in hist]),
+        "fit/skipped_total": np.array([h["skipped_total"] for h in hist]),
+        "fit/final_params": _flat_params(jax.device_get(state.params)),
+        "fit/sharding_kept": np.array(all(jax.tree_util.tree_leaves(same))),
+    }
+
+
 def _worker(out_path: str) -> None:
     # One program in flight at a time: the forced host devices' threads meet
     # in each all-reduce, and queued steps only add contention on 2 cores.
@@ -213,15 +339,22 @@ def _worker(out_path: str) -> None:
     assert jax.device_count() == DEVICES, jax.devices()
     params, batches = problem()
     results = {}
-    ref, *_ = run_trajectory(None, None, params, batches)
+    ref, one_step, one_states, one_batches = run_trajectory(None, None, params, batches)
     results.update({f"one/{k}": v for k, v in ref.items()})
-    counts = {}
-    for strategy in distributed.STRATEGIES:
-        mesh = distributed.make_mesh(DEVICES)
-        res, step, state, batch = run_trajectory(mesh, strategy, params, batches)
+    counts, runs = {}, {}
+    mesh = distributed.make_mesh(DEVICES)
+    for strategy in (*distributed.STRATEGIES, "shard_map"):
+        res, step, states, placed = run_trajectory(mesh, strategy, params, batches)
         results.update({f"{strategy}/{k}": v for k, v in res.items()})
-        counts[strategy] = collectives(mesh, strategy, step, state, batch)
+        counts[strategy] = collectives(mesh, strategy, step, states[-1], placed[0])
+        runs[strategy] = (step, states, placed)
     results["collectives"] = np.array(json.dumps(counts))
+    step, states, placed = runs["shard_map"]
+    results.update(_local_flag_run(mesh, states[19], placed[20]))
+    runs["one"] = (one_step, one_states, one_batches)
+    tmp = os.path.dirname(out_path)
+    results.update(_checkpoint_crossings(runs, tmp))
+    results.update(_fit_resumed(mesh, params, batches, runs["fsdp"][0], tmp))
     results.update(_checker_results())
     results["fsdp_local_shards_finite_33"] = _local_shards_finite(params, batches)
     np.savez(out_path, **results)
@@ -257,7 +390,10 @@ def runs(tmp_path_factory):
         return {k: f[k] for k in f.files}
 
 
-@pytest.mark.parametrize("strategy", distributed.STRATEGIES)
+ALL_RUNS = (*distributed.STRATEGIES, "shard_map")
+
+
+@pytest.mark.parametrize("strategy", ALL_RUNS)
 def test_sharded_run_equals_one_device_run(runs, strategy):
     one = {k[4:]: v for k, v in runs.items() if k.startswith("one/")}
     got = {k[len(strategy) + 1 :]: v for k, v in runs.items() if k.startswith(strategy)}
@@ -285,7 +421,7 @@ def test_fsdp_shards_divisible_leaves_and_replicates_the_rest(runs):
     assert set(json.loads(str(runs["data_parallel/specs"])).values()) == {"P()"}
 
 
-@pytest.mark.parametrize("strategy", distributed.STRATEGIES)
+@pytest.mark.parametrize("strategy", ALL_RUNS)
 def test_one_poisoned_shard_every_replica_skips(runs, strategy):
     scale = runs[f"{strategy}/loss_scale"]
     skipped = runs[f"{strategy}/skipped_total"]
@@ -317,8 +453,16 @@ def test_compiled_step_collectives(runs):
     counts = json.loads(str(runs["collectives"]))
     for strategy, c in counts.items():
         assert "conditional" not in c["guarded"], (strategy, c)
-        assert c["plain"]["flag all-reduce"] == 0, (strategy, c)
-    dp, fsdp = counts["data_parallel"], counts["fsdp"]
+        assert not c["guarded"].pop("has_conditional"), strategy
+        if strategy != "shard_map":
+            assert c["plain"]["flag all-reduce"] == 0, (strategy, c)
+    dp, fsdp, smap = counts["data_parallel"], counts["fsdp"], counts["shard_map"]
+    # shard_map with axis_name: ONE all-reduce in all, of float32 operands
+    # only (the 4 gradient leaves and the loss, combined by XLA): the flag is
+    # taken from the averaged gradients and adds no collective.
+    assert smap["guarded"] == {"all-reduce": 1, "flag all-reduce": 0}, smap
+    [types] = smap["all_reduce_types"]
+    assert set(re.findall(r"(\w+)\[", types)) == {"f32"}, types
     # Data parallel: XLA combines the gradient all-reduces into one op; the
     # guard tests the already replicated gradients locally: no collective.
     assert dp["guarded"] == dp["plain"] == {"all-reduce": 1, "flag all-reduce": 0}
@@ -329,6 +473,97 @@ def test_compiled_step_collectives(runs):
     assert fsdp["guarded"]["flag all-reduce"] == 1, fsdp
     assert fsdp["guarded"]["all-gather"] == fsdp["plain"]["all-gather"], fsdp
     assert fsdp["guarded"]["all-reduce"] <= fsdp["plain"]["all-reduce"] + 1, fsdp
+
+
+def test_shard_map_flag_from_local_gradients_diverges(runs):
+    # The same shard_map step with the flag taken from each replica's own
+    # gradients (not from their mean): at batch 20 (NaN in device 2's rows)
+    # device 2 halves its scale, the others see finite local gradients and
+    # do not, so the "replicated" loss scale differs between devices. The
+    # update check keeps the params (the averaged update is NaN everywhere);
+    # the replicas still disagree, and replicas_identical says so.
+    before = float(runs["local_flag/scale_before"])
+    copies = runs["local_flag/scale_copies"].tolist()
+    assert copies[2] == before / 2, copies
+    assert all(c != before / 2 for i, c in enumerate(copies) if i != 2), copies
+    assert not runs["local_flag/replicas_identical"]
+    # With axis_name the flag comes from the averaged gradients: all halve.
+    assert runs["shard_map/loss_scale"][20] == runs["shard_map/loss_scale"][19] / 2
+
+
+@pytest.mark.parametrize(("src", "dst"), [("fsdp", "one"), ("one", "fsdp")])
+def test_checkpoint_restores_across_shardings(runs, src, dst):
+    # Saved after CUT steps of one run, restored onto a state of the other
+    # (placed as that one is), then trained on: the same trajectory as the
+    # uninterrupted source run, poisoned batches 33 and 45 included.
+    pre = f"{src}_to_{dst}"
+    assert bool(runs[f"{pre}/sharding_of_target"])
+    for key in ("loss_scale", "skipped_total"):
+        np.testing.assert_array_equal(
+            runs[f"{pre}/{key}"], runs[f"{src}/{key}"][CUT:], err_msg=key
+        )
+    np.testing.assert_allclose(
+        runs[f"{pre}/params"],
+        runs[f"{src}/params"][CUT:],
+        **tolerance("float32_trajectory"),
+    )
+
+
+def test_fit_on_fsdp_state_with_checkpoint_resume(runs):
+    # train.fit with an FSDP state and batch_transform=shard_batch: 30 steps
+    # with checkpoints, then the same call with resume=True to the end.
+    np.testing.assert_array_equal(runs["fit/step"], np.arange(STEPS))
+    np.testing.assert_array_equal(runs["fit/finite"], runs["fsdp/finite"])
+    np.testing.assert_array_equal(runs["fit/skipped_total"], runs["fsdp/skipped_total"])
+    # A record's loss_scale is the scale its step used: the one before it.
+    np.testing.assert_array_equal(
+        runs["fit/loss_scale"][1:], runs["fsdp/loss_scale"][:-1]
+    )
+    np.testing.assert_allclose(
+        runs["fit/final_params"],
+        runs["fsdp/params"][-1],
+        **tolerance("float32_trajectory"),
+    )
+    assert bool(runs["fit/sharding_kept"])
+
+
+def test_fit_batch_transform_runs_after_the_resume_skip(tmp_path):
+    # Same test as torchref's: the transform sees only the batches it runs.
+    state = train.TrainState.create(params=jnp.zeros(2), optimizer=optax.sgd(0.1))
+    step = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
+    data = [np.full(2, float(i), np.float32) for i in range(4)]
+    seen = []
+
+    def transform(b):
+        seen.append(float(b[0]))
+        return jnp.asarray(b) * 2
+
+    kwargs = dict(checkpoint_dir=tmp_path, progress=False, batch_transform=transform)
+    _, hist = train.fit(state, step, data, steps=2, **kwargs)
+    train.fit(state, step, data, resume=True, **kwargs)
+    assert seen == [0.0, 1.0, 2.0, 3.0]
+    # The step trained on the transformed batches (2*i), not on data.
+    assert hist[0]["loss"] == 0.0 and hist[1]["loss"] == 8.0
+    with pytest.raises(TypeError, match="batch_transform must be None or a callable"):
+        train.fit(state, step, data, batch_transform=2, progress=False)
+
+
+def test_axis_name_refuses_bad_input():
+    with pytest.raises(TypeError, match="axis_name must be None or a str"):
+        train.make_train_step(mlp_loss, axis_name=0)
+    # Params split over the axis (in_specs P("data") for the state): the
+    # step averages gradients of replicated params only, so it refuses.
+    mesh = distributed.make_mesh(1)
+    spec = jax.sharding.PartitionSpec
+    step = train.make_train_step(mlp_loss, axis_name=distributed.DATA_AXIS)
+    params, batches = problem()
+    state = distributed.shard_state(initial_state(params), mesh, "fsdp")
+    specs = jax.tree.map(lambda a: a.sharding.spec, state)
+    bad = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, spec("data")), out_specs=spec()
+    )
+    with pytest.raises(ValueError, match=r"params leaf \['b1'\] varies over 'data'"):
+        bad(state, distributed.shard_batch(batches[0], mesh))
 
 
 def test_shard_batch_names_the_bad_leaf():

@@ -134,6 +134,7 @@ def fit(
     stop_after_nonfinite: int | None = None,
     resume: bool = False,
     rollback_to: str = "memory",
+    batch_transform: Callable[[Any], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -245,6 +246,15 @@ def fit(
             (nothing raised) this many steps after the first step of the call
             whose record has ``finite == False`` (0: stop at that step); for
             runs meant to fail, such as a naive low-precision baseline.
+        batch_transform: None, or ``batch_transform(batch) -> batch`` applied
+            to each batch right before the step (after a resume's skip:
+            skipped batches are not transformed), e.g. this rank's rows of a
+            global batch under DDP:
+            ``lambda b: torchref.distributed.shard_batch(b, mesh)``. Under
+            DDP every rank runs fit on the same replicated state; give
+            ``log_path`` and ``checkpoint_dir`` on rank 0 only (two ranks
+            must not write one file) and, to resume, load rank 0's
+            checkpoint on every rank before the call (not done here).
         The same records and options as `jaxstable.train.fit`.
 
     Returns:
@@ -297,6 +307,7 @@ def fit(
         locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
         time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
     )  # fmt: skip
+    _check_callable("batch_transform", batch_transform)
     stateful = hasattr(step, "state_dict") and hasattr(step, "load_state_dict")
     if not stateful and (nan_policy == "rollback" or checkpoint_dir is not None):
         raise TypeError(
@@ -320,7 +331,7 @@ def _run(
     step, batches, steps, nan_policy, max_consecutive_nonfinite, log_path,
     progress, checkpoint_every, rollback_every, max_rollbacks, locate_first,
     time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite, rollback_to,
-    mgr, start, **_,
+    mgr, start, batch_transform, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm
@@ -329,6 +340,8 @@ def _run(
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
     it = _batches_from(batches, start, steps)
+    if batch_transform is not None:
+        it = map(batch_transform, it)
     log = _open_log(log_path, start if mgr is not None and start else None)
     history: list[dict[str, Any]] = []
     bar = tqdm(total=total, initial=start, disable=not progress, desc="fit")

@@ -202,9 +202,40 @@ def launch(fn, world: int, *args, timeout: float = TIMEOUT_S) -> list:
                 p.join(timeout=5)
 
 
-def _all_runs(params, batches):
+def _fit_ddp(params, batches, folder):
+    """`train.fit` under DDP: each rank its rows (``batch_transform``); rank 0
+    alone writes the JSONL log and the checkpoints (the usual idiom)."""
+    mesh = distributed.make_mesh()
+    model = distributed.shard_state(MLP(params), mesh, "data_parallel")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ls = DynamicLossScale(loss_scale=2.0**10, period=8)
+    step = train.TrainStep(model, opt, mse, max_grad_norm=1.0, scaler=ls)
+    rank0 = dist.get_rank() == 0
+    ckpt, log = os.path.join(folder, "ckpt"), os.path.join(folder, "log.jsonl")
+    hist = train.fit(
+        step,
+        [(torch.tensor(x), torch.tensor(y)) for x, y in batches],
+        progress=False,
+        batch_transform=lambda b: distributed.shard_batch(b, mesh),
+        checkpoint_dir=ckpt if rank0 else None,
+        checkpoint_every=20 if rank0 else None,
+        log_path=log if rank0 else None,
+    )
+    out = {k: np.array([h[k] for h in hist]) for k in ("loss_scale", "finite")}
+    out["skipped_total"] = np.array([h["skipped_total"] for h in hist])
+    names = ("w1", "b1", "w2", "b2")
+    out["params"] = np.concatenate([_full(getattr(model.module, n)) for n in names])
+    if rank0:
+        out["checkpoints"] = sorted(os.listdir(ckpt))
+        with open(log, encoding="utf-8") as f:
+            out["log_lines"] = len(f.readlines())
+    return out
+
+
+def _all_runs(params, batches, folder):
     """What each rank computes for the tests: one launch for all of them."""
     out = {s: run_trajectory(s, params, batches) for s in distributed.STRATEGIES}
+    out["fit"] = _fit_ddp(params, batches, folder)
     mesh = distributed.make_mesh()
     differs = torch.tensor([3.0 + dist.get_rank()])
     out["identical_on_differing"] = distributed.replicas_identical(differs)
@@ -221,9 +252,10 @@ def single():
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def ranks(tmp_path_factory):
     params, batches = problem()
-    return launch(_all_runs, WORLD, params, batches)
+    folder = str(tmp_path_factory.mktemp("ddp_fit"))
+    return launch(_all_runs, WORLD, params, batches, folder)
 
 
 @pytest.mark.parametrize("strategy", distributed.STRATEGIES)
@@ -283,6 +315,58 @@ def test_replicas_identical_and_shard_batch_across_ranks(ranks):
     assert not r0["identical_on_differing"] and not r1["identical_on_differing"]
     assert r0["identical_on_equal"] and r1["identical_on_equal"]
     assert (r0["batch_slice"], r1["batch_slice"]) == ([0.0, 1.0], [2.0, 3.0])
+
+
+def test_fit_under_ddp_equals_one_process(ranks, single):
+    from conftest import tolerance
+
+    for rank, out in enumerate(ranks):
+        got = out["fit"]
+        np.testing.assert_array_equal(got["finite"], single["finite"])
+        np.testing.assert_array_equal(got["skipped_total"], single["skipped_total"])
+        # A record's loss_scale is the scale its step used: the one before.
+        np.testing.assert_array_equal(got["loss_scale"][1:], single["loss_scale"][:-1])
+        np.testing.assert_allclose(
+            got["params"],
+            single["params"][-1],
+            **tolerance("float32_trajectory"),
+            err_msg=f"rank {rank}",
+        )
+    np.testing.assert_array_equal(ranks[0]["fit"]["params"], ranks[1]["fit"]["params"])
+    # Rank 0 wrote the log and the checkpoints (the last 3 kept), rank 1
+    # nothing (it was given no path).
+    assert ranks[0]["fit"]["log_lines"] == STEPS
+    assert ranks[0]["fit"]["checkpoints"] == [
+        f"step_{n:08d}.pt" for n in (20, 40, STEPS)
+    ]
+    assert "checkpoints" not in ranks[1]["fit"]
+
+
+def test_fit_batch_transform_runs_after_the_resume_skip(tmp_path):
+    # Same test as jaxstable's: the transform sees only the batches it runs.
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: (m(b[None]) - b.sum()).pow(2).mean(),
+    )
+    data = [torch.full((2,), float(i)) for i in range(4)]
+    seen = []
+
+    def transform(b):
+        seen.append(float(b[0]))
+        return b * 2
+
+    kwargs = dict(checkpoint_dir=tmp_path, progress=False, batch_transform=transform)
+    hist = train.fit(step, data, steps=2, **kwargs)
+    train.fit(step, data, resume=True, **kwargs)
+    assert seen == [0.0, 1.0, 2.0, 3.0]
+    # The step trained on the transformed batches (2*i), not on data: at
+    # w = 0 the loss of batch 1 is (0 - 4)**2 after one update from b = 0.
+    assert hist[0]["loss"] == 0.0 and hist[1]["loss"] == 16.0
+    with pytest.raises(TypeError, match="batch_transform must be None or a callable"):
+        train.fit(step, data, batch_transform=2, progress=False)
 
 
 def test_bad_arguments_are_refused():
