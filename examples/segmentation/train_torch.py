@@ -115,16 +115,25 @@ def evaluate(
     return miou
 
 
+def _labelled(y: torch.Tensor) -> torch.Tensor:
+    # Under DDP (`compare.py --devices N`) the ranks' slices hold different
+    # numbers of labelled pixels: `harness.global_mean` turns each rank's
+    # mean into its share of the global batch's mean (one process: as is).
+    return (y != config_lib.IGNORE_INDEX).sum()
+
+
 def _stable_loss(model, batch):
     x, y = batch
-    return losses.softmax_cross_entropy(
+    loss = losses.softmax_cross_entropy(
         model(x), y, dim=1, ignore_index=config_lib.IGNORE_INDEX
     )
+    return harness.global_mean(loss, _labelled(y))
 
 
 def _naive_loss(model, batch):
     x, y = batch
-    return F.cross_entropy(model(x), y, ignore_index=config_lib.IGNORE_INDEX)
+    loss = F.cross_entropy(model(x), y, ignore_index=config_lib.IGNORE_INDEX)
+    return harness.global_mean(loss, _labelled(y))
 
 
 def torch_parts(
