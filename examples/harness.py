@@ -48,6 +48,11 @@ an object with these attributes (see `examples/segmentation/task.py`):
     and ``config.precision``); see :class:`JaxParts`.
 ``torch_parts(config, weights) -> TorchParts``
     the same for torch; see :class:`TorchParts`.
+``multi_device: bool`` (optional, default False)
+    the task runs with ``--devices N``: its torch loss is a mean over the
+    GLOBAL batch under DDP (:func:`global_mean` where it averages over a
+    count that varies between ranks); batch norms are made global by the
+    harness.
 
 The harness builds everything else: the optimizer (:func:`jax_optimizer`,
 :func:`torch_optimizer`), the naive step (params, optimizer state and
@@ -2238,8 +2243,10 @@ def parse_args(
     """``TASK [options]``; ``demo`` (if given) is that task with its defaults.
 
     Returns the namespace with ``task`` (the TASK object), ``name``,
-    ``precision``, ``out``, ``quick``, ``no_progress`` and the config fields
-    of :data:`_OPTIONS` and ``optimizer``.
+    ``precision``, ``out``, ``quick``, ``no_progress``, ``devices``,
+    ``one_device_reference`` and the config fields of :data:`_OPTIONS` and
+    ``optimizer``. ``--devices`` > 1 is refused (exit 2, naming the tasks
+    that have it) for a task without ``multi_device = True``.
     """
     parser = argparse.ArgumentParser(
         prog="compare.py",
