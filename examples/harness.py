@@ -1688,8 +1688,8 @@ def devices_report(summary: dict[str, Any]) -> list[str]:
         f"## {n} devices",
         "",
         f"Every run is data parallel over {n} devices: JAX on a mesh of {n} "
-        f"devices (forced host CPU devices here), torch in {n} DDP processes "
-        "(gloo); each replica trains on its rows of the same global batches. "
+        f"devices (forced host CPU devices on a CPU machine), torch in {n} DDP "
+        "processes (gloo); each replica trains on its rows of the same global batches. "
         "A replica check per run: every rank took the same skip decisions "
         "(finite, skipped_total, loss scale at every step) and every copy of "
         "the final model is bitwise identical.",
