@@ -21,7 +21,7 @@ folder holds only what is specific to it).
 
 ``--devices N`` (segmentation) trains every run data parallel: JAX on N
 devices (N forced host CPU devices, set in ``XLA_FLAGS`` by
-`examples.harness.force_host_devices` after parsing and before JAX starts;
+`examples.devices.force_host_devices` after parsing and before JAX starts;
 on GPUs the first N of them), torch in N DDP processes; see the README.
 
 Nothing is injected: a naive run fails only if its arithmetic really

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from examples import compare, harness
+from examples import compare, devices, harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     code = (
-        "from examples import harness; harness.force_host_devices(2); "
+        "from examples import devices; devices.force_host_devices(2); "
         "from tests.test_compare_devices import _runs; import sys; _runs(sys.argv[1])"
     )
     # start_new_session: on a timeout the whole group (the torch ranks
@@ -111,7 +111,7 @@ def test_two_devices_equal_one_device(runs, fw, tol):
     np.testing.assert_allclose(
         two.scores["miou"], one.scores["miou"], **tol("float32_trajectory")
     )
-    row = harness.one_device_agreement([two], [one])[0]
+    row = devices.one_device_agreement([two], [one])[0]
     assert row["same_decisions"]
     assert row["max_rel_loss_diff"] <= tol("float32_trajectory")["rtol"]
 
@@ -121,11 +121,11 @@ def test_report_names_the_device_count(runs):
     summary = {
         "config": two[0].config.as_dict(),
         "runs": [r.summary() for r in two],
-        "one_device": harness.one_device_agreement(
+        "one_device": devices.one_device_agreement(
             two, [runs["jax", 1], runs["torch", 1]]
         ),
     }
-    text = "\n".join(harness.devices_report(summary))
+    text = "\n".join(devices.devices_report(summary))
     assert text.startswith("## 2 devices")
     assert "| jax float32 stable | True | True |" in text
     assert "| torch float32 stable | True | True |" in text
@@ -150,4 +150,4 @@ def test_force_host_devices_refuses_a_started_backend(monkeypatch):
     monkeypatch.setenv("PJRT_NPROC", "2")
     have = jax.device_count()  # this process's backend has started
     with pytest.raises(RuntimeError, match="XLA_FLAGS is read once per process"):
-        harness.force_host_devices(have + 1)
+        devices.force_host_devices(have + 1)
