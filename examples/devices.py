@@ -476,7 +476,14 @@ def _rel_loss_diff(a: list[float], b: list[float]) -> float:
 
 
 def devices_report(summary: dict[str, Any]) -> list[str]:
-    """The "Devices" section of ``report.md`` (nothing on one device)."""
+    """The "N devices" section of ``report.md`` (nothing on one device).
+
+    Example:
+        >>> devices_report({"config": {"devices": 1}, "runs": []})
+        []
+        >>> devices_report({"config": {"devices": 2}, "runs": []})[0]
+        '## 2 devices'
+    """
     n = summary["config"].get("devices", 1)
     if n <= 1:
         return []
