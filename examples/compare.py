@@ -8,6 +8,7 @@
     python examples/compare.py contrastive --precision bfloat16 \\
         --out runs/contrastive
     python examples/compare.py detection --precision float16 --out runs/detection
+    python examples/compare.py segmentation --devices 2 --one-device-reference
 
 For the task named, from the same initial weights (torch's seeded init,
 converted to Flax NNX) and the same batches, trains six runs: JAX naive, JAX
@@ -17,6 +18,11 @@ is the stable run itself: four runs), each on the library's own ``fit``.
 Writes ``metrics.jsonl``, ``summary.json``, ``curves.png`` and ``report.md``
 into ``--out`` (see `examples/harness.py`, which holds all of it; a task
 folder holds only what is specific to it).
+
+``--devices N`` (segmentation) trains every run data parallel: JAX on N
+devices (N forced host CPU devices, set in ``XLA_FLAGS`` by
+`examples.devices.force_host_devices` after parsing and before JAX starts;
+on GPUs the first N of them), torch in N DDP processes; see the README.
 
 Nothing is injected: a naive run fails only if its arithmetic really
 overflows or underflows.

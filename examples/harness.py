@@ -48,6 +48,11 @@ an object with these attributes (see `examples/segmentation/task.py`):
     and ``config.precision``); see :class:`JaxParts`.
 ``torch_parts(config, weights) -> TorchParts``
     the same for torch; see :class:`TorchParts`.
+``multi_device: bool`` (optional, default False)
+    the task runs with ``--devices N``: its torch loss is a mean over the
+    GLOBAL batch under DDP (`examples.devices.global_mean` where it averages over a
+    count that varies between ranks); batch norms are made global by the
+    harness.
 
 The harness builds everything else: the optimizer (:func:`jax_optimizer`,
 :func:`torch_optimizer`), the naive step (params, optimizer state and
@@ -161,6 +166,10 @@ class BaseConfig:
       eval_every: None, or evaluate on the held-out set every this many
         steps as well (`fit`'s ``eval_fn``/``eval_every``): the records and
         ``metrics.jsonl`` then carry ``eval['<metric>']`` at those steps.
+      devices: data-parallel width (``--devices``): JAX runs on a mesh of
+        this many devices, torch in this many DDP processes; each gets
+        ``batch_size / devices`` rows of the same global batch (see
+        `examples.devices.force_host_devices`).
 
     Example:
         >>> BaseConfig(optimizer="rmsprop")
@@ -188,6 +197,7 @@ class BaseConfig:
     stop_after_nonfinite: int = 5
     torch_threads: int = 1
     eval_every: int | None = None
+    devices: int = 1
 
     def __post_init__(self):
         check_choice("precision", self.precision, PRECISIONS)
@@ -203,8 +213,14 @@ class BaseConfig:
             ("eval_batch_size", 1),
             ("stop_after_nonfinite", 0),
             ("torch_threads", 1),
+            ("devices", 1),
         ):
             check_int(name, getattr(self, name), minimum)
+        if self.batch_size % self.devices:
+            raise ValueError(
+                f"batch_size must be a multiple of devices (each device gets "
+                f"batch_size / devices rows), got {self.batch_size} and {self.devices}"
+            )
         if self.eval_every is not None:
             check_int("eval_every", self.eval_every, 1)
         check_positive("learning_rate", self.learning_rate)
@@ -425,6 +441,8 @@ class RunResult:
         the state before it; for stable runs the first step the guards
         skipped (`fit` records it).
       location_step: the step ``location`` is about; None if none was located.
+      replicas: ``config.devices > 1`` only: ``{"devices", "replicas_identical",
+        "ranks_agree"}`` (see `examples.devices.replica_check`); None on one device.
 
     Example:
         >>> r = RunResult("jax", BaseConfig(), [], None, float("nan"), 0,
@@ -445,6 +463,7 @@ class RunResult:
     stopped_early: bool = False
     location: dict[str, Any] | None = None
     location_step: int | None = None
+    replicas: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -464,6 +483,8 @@ class RunResult:
             **{k: json_float(v) for k, v in self.scores.items()},
             "steps_per_s": json_float(self.steps_per_s),
             "location": self.location_summary(),
+            # one device: no key, the summary of a plain run is unchanged
+            **({} if self.replicas is None else {"replicas": self.replicas}),
         }
 
     def location_summary(self) -> dict[str, Any] | None:
@@ -829,6 +850,7 @@ def run_jax(
     """
     import jax
 
+    from examples import devices
     from jaxstable import train
     from jaxstable.loss_scale import all_finite
 
@@ -849,6 +871,7 @@ def run_jax(
         fit_args.update(eval_fn=eval_fn, eval_every=config.eval_every)
     if config.mode == "naive":
         step, state = _jax_naive(config, parts)
+        state, batches = devices.jax_distribute(config, state, batches)
         # `before`: the state the next step starts from (no copy: jax arrays
         # are immutable and the naive step donates nothing)
         box = {"first": None, "text": "", "before": state, "location": None}
@@ -880,6 +903,7 @@ def run_jax(
         params, model_state = state["params"], state["model_state"]
     else:
         step, state = _jax_stable(config, parts)
+        state, batches = devices.jax_distribute(config, state, batches)
         finite = jax.jit(all_finite)
 
         def report(record, st):
@@ -897,7 +921,13 @@ def run_jax(
         located = None  # fit located the first skipped step (its record)
         params, model_state = state.params, state.model_state
     scores = parts.evaluate(_jax_cast_floats(params, dtype), model_state, heldout)
-    return _result("jax", config, history, first_bad, text, scores, located)
+    result = _result("jax", config, history, first_bad, text, scores, located)
+    if config.devices > 1:
+        from jaxstable import distributed
+
+        identical = distributed.replicas_identical(state)
+        result.replicas = devices.replica_check(config.devices, identical, [history])
+    return result
 
 
 # --------------------------------------------------------------------------
@@ -1124,6 +1154,12 @@ def run_torch(
     """
     import torch
 
+    if config.devices > 1:  # N DDP processes (this process waits for them)
+        from examples import devices
+
+        return devices.torch_multiprocess(
+            task, config, weights, batches, heldout, progress, log
+        )
     threads = torch.get_num_threads()
     torch.set_num_threads(config.torch_threads)
     try:
@@ -1132,10 +1168,16 @@ def run_torch(
         torch.set_num_threads(threads)  # leave no global state behind
 
 
-def _run_torch(task, config, weights, batches, heldout, progress, log) -> RunResult:
+def _run_torch(
+    task, config, weights, batches, heldout, progress, log, wrap=None
+) -> RunResult:
+    """One torch run in this process; ``wrap(parts) -> parts`` (a DDP rank of
+    `examples.devices.torch_multiprocess`) rewires the task's parts first."""
     from torchref import train
 
     parts = task.torch_parts(config, weights)
+    if wrap is not None:
+        parts = wrap(parts)
     batches = batches[: config.steps]
     fit_args = dict(progress=progress, time_steps=True)
     if config.eval_every is not None:
@@ -1556,6 +1598,8 @@ def write_report(
     task: Any, out: str, runs: list[RunResult], summary: dict[str, Any], command: str
 ) -> str:
     """Writes ``report.md`` (table, plot, explanation, first bad step's report)."""
+    from examples import devices
+
     agreement = fp32_agreement(runs)  # NaN (not null) when undefined: said so
     c = runs[0].config
     text = [
@@ -1577,6 +1621,7 @@ def write_report(
         "",
         explain(task, runs, agreement),
     ]
+    text += devices.devices_report(summary)
     for r in runs:
         if r.non_finite_report:
             text += [
@@ -1623,7 +1668,8 @@ def train_and_evaluate(
 
 
 def compare(task: Any, base: BaseConfig, precision: str, out: str, *,
-            command: str = "", progress: bool = True) -> dict[str, Any]:  # fmt: skip
+            command: str = "", progress: bool = True,
+            one_device_reference: bool = False) -> dict[str, Any]:  # fmt: skip
     """Runs the plan of `task`, writes the four outputs, returns the summary.
 
     Writes into `out`:
@@ -1636,11 +1682,17 @@ def compare(task: Any, base: BaseConfig, precision: str, out: str, *,
       held-out metrics and ``location``: ``{"step", "phase", "path", "op",
       "detail"}`` of what ``diagnostics.locate`` found for its first
       non-finite step (naive) or first skipped step (stable), else None;
+      with ``base.devices > 1`` each run also carries ``replicas``
+      (`examples.devices.replica_check`), and with ``one_device_reference`` the plan
+      runs again on one device and ``"one_device"`` holds
+      `examples.devices.one_device_agreement`;
     * ``curves.png``: loss, loss scale and gradient norm per step;
     * ``report.md``: the table, the plot, what failed where and why, and for
       each run that went non-finite what ``diagnostics.locate`` found, above
       the diagnostics table of its first non-finite step.
     """
+    from examples import devices
+
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     batches = task.train_batches(base)
@@ -1672,6 +1724,14 @@ def compare(task: Any, base: BaseConfig, precision: str, out: str, *,
         "fp32_agreement": None if agreement is None else json_float(agreement),
         "config": base.as_dict(),
     }
+    if one_device_reference and base.devices > 1:
+        refs = [
+            train_and_evaluate(task, fw, base.replace(precision=p, mode=mode,
+                               devices=1), weights=weights, batches=batches,
+                               heldout=heldout, progress=progress)
+            for fw, p, mode in run_plan(precision)
+        ]  # fmt: skip
+        summary["one_device"] = devices.one_device_agreement(runs, refs)
     plot_curves(runs, os.path.join(out, "curves.png"))
     summary["wall_time_s"] = time.perf_counter() - t0
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
@@ -1701,8 +1761,10 @@ def parse_args(
     """``TASK [options]``; ``demo`` (if given) is that task with its defaults.
 
     Returns the namespace with ``task`` (the TASK object), ``name``,
-    ``precision``, ``out``, ``quick``, ``no_progress`` and the config fields
-    of :data:`_OPTIONS` and ``optimizer``.
+    ``precision``, ``out``, ``quick``, ``no_progress``, ``devices``,
+    ``one_device_reference`` and the config fields of :data:`_OPTIONS` and
+    ``optimizer``. ``--devices`` > 1 is refused (exit 2, naming the tasks
+    that have it) for a task without ``multi_device = True``.
     """
     parser = argparse.ArgumentParser(
         prog="compare.py",
@@ -1749,8 +1811,35 @@ def parse_args(
             help="also evaluate on the held-out set every K steps (metrics.jsonl)",
         )
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        _add_device_options(p)
         p.set_defaults(task=task)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.devices > 1 and not getattr(args.task, "multi_device", False):
+        supported = [n for n, t in tasks.items() if getattr(t, "multi_device", False)]
+        parser.error(
+            f"--devices {args.devices}: task {args.name!r} runs on one device "
+            f"only; --devices > 1 is supported for {supported}"
+        )
+    return args
+
+
+def _add_device_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data parallel over N devices: JAX on N devices (N forced host "
+        "CPU devices on a CPU machine, the first N accelerators otherwise), "
+        "torch in N DDP processes (gloo); the batch size must be a multiple "
+        "of N",
+    )
+    p.add_argument(
+        "--one-device-reference",
+        action="store_true",
+        help="with --devices N: run the plan on one device too and report "
+        "the agreement of every run with it",
+    )
 
 
 def base_config(args: argparse.Namespace) -> BaseConfig:
@@ -1758,6 +1847,7 @@ def base_config(args: argparse.Namespace) -> BaseConfig:
     settings = {field: getattr(args, field) for _, field, _ in _OPTIONS}
     settings["optimizer"] = args.optimizer
     settings["eval_every"] = args.eval_every
+    settings["devices"] = args.devices
     if args.quick:
         settings.update(args.task.quick)
     return args.task.get_config(**settings)
@@ -1769,18 +1859,23 @@ def main(
     """Entry point of ``compare.py``; prints the table and where the report is."""
     import sys
 
+    from examples import devices
+
     args = parse_args(tasks, argv, demo)
     command = "python examples/compare.py " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     task = args.task
+    base = base_config(args)  # validated before JAX starts
+    devices.force_host_devices(base.devices)
     summary = compare(
         task,
-        base_config(args),
+        base,
         args.precision,
         args.out,
         command=command,
         progress=not args.no_progress,
+        one_device_reference=args.one_device_reference,
     )
     print(f"\nwall time {summary['wall_time_s']:.0f} s")
     for r in summary["runs"]:
@@ -1791,5 +1886,10 @@ def main(
             f"final loss {fmt(r['final_loss'], '.4f')}  {scores}"
         )
     print(f"fp32_agreement {summary['fp32_agreement']}")
+    for a in summary.get("one_device", []):
+        print(
+            f"  vs 1 device: {a['run']:<22} max rel loss diff "
+            f"{fmt(a['max_rel_loss_diff'], '.2e')}  same skips {a['same_decisions']}"
+        )
     print(f"report: {summary['report']}")
     return 0

@@ -66,4 +66,7 @@ TASK = types.SimpleNamespace(
     stable_loss="float32 cross-entropy",
     jax_parts=_jax_parts,
     torch_parts=_torch_parts,
+    # `compare.py --devices N`: the torch loss is a mean over the global
+    # batch under DDP (train_torch._labelled); the JAX side needs nothing
+    multi_device=True,
 )

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from examples import harness
+from examples import devices, harness
 from examples.segmentation import config as config_lib
 from examples.segmentation import data, model_torch
 from torchref import losses
@@ -115,16 +115,25 @@ def evaluate(
     return miou
 
 
+def _labelled(y: torch.Tensor) -> torch.Tensor:
+    # Under DDP (`compare.py --devices N`) the ranks' slices hold different
+    # numbers of labelled pixels: `examples.devices.global_mean` turns each rank's
+    # mean into its share of the global batch's mean (one process: as is).
+    return (y != config_lib.IGNORE_INDEX).sum()
+
+
 def _stable_loss(model, batch):
     x, y = batch
-    return losses.softmax_cross_entropy(
+    loss = losses.softmax_cross_entropy(
         model(x), y, dim=1, ignore_index=config_lib.IGNORE_INDEX
     )
+    return devices.global_mean(loss, _labelled(y))
 
 
 def _naive_loss(model, batch):
     x, y = batch
-    return F.cross_entropy(model(x), y, ignore_index=config_lib.IGNORE_INDEX)
+    loss = F.cross_entropy(model(x), y, ignore_index=config_lib.IGNORE_INDEX)
+    return devices.global_mean(loss, _labelled(y))
 
 
 def torch_parts(
