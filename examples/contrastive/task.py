@@ -266,7 +266,7 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
     """
     import jax
 
-    from examples.contrastive import convert, loss_jax, model_jax
+    from examples.contrastive import convert, loss_jax, model_jax, optim_jax
     from jaxstable import diagnostics
 
     graphdef, params = model_jax.split(
@@ -316,6 +316,7 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
         evaluate=lambda p, s, heldout: _jax_evaluate(graphdef, p, heldout, config),
         probe=probe if config.mode == "naive" else None,
         has_aux=True,
+        optimizer=optim_jax.for_config(config),  # torch's Adam bias corrections
     )
 
 
