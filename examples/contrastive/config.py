@@ -31,38 +31,6 @@ from examples.contrastive import data
 CHECKS = ("inputs", "image_emb", "text_emb", "logits", "loss")
 
 
-def first_bad(checks) -> str | None:
-    """The first check point of `CHECKS` (in order) that is not finite, or None.
-
-    Takes a loss's ``aux["checks"]`` (device or host values, either framework).
-
-    Example:
-        >>> first_bad({"inputs": {"finite": True}, "logits": {"finite": False}})
-        'logits'
-    """
-    for name in CHECKS:
-        if name in checks and not bool(checks[name]["finite"]):
-            return name
-    return None
-
-
-def record_checks(record: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """The check points of one `fit` record (its ``aux['checks'][...]`` keys).
-
-    Example:
-        >>> rec = {"aux['checks']['loss']['finite']": 0.0,
-        ...        "aux['checks']['loss']['max_abs']": 0.0}
-        >>> record_checks(rec), first_bad(record_checks(rec))
-        ({'loss': {'finite': 0.0, 'max_abs': 0.0}}, 'loss')
-    """
-    out: dict[str, dict[str, float]] = {}
-    for name in CHECKS:
-        keys = {f: f"aux['checks']['{name}']['{f}']" for f in ("finite", "max_abs")}
-        if keys["finite"] in record:
-            out[name] = {f: record[k] for f, k in keys.items()}
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Config(harness.BaseConfig):
     """Every setting of one contrastive run (frozen; build with :func:`get_config`).
