@@ -339,6 +339,14 @@ class JaxParts:
     probe: Callable[[Any, Any, Any], str] | None = None
     has_aux: bool = False
     optimizer: Any = None
+    # optional: (params, opt_state) -> the params to evaluate, e.g. a weight
+    # EMA that `optimizer` keeps in its state (detection); None: the params
+    eval_params: Callable[[Any, Any], Any] | None = None
+
+
+def _jax_eval_params(parts: JaxParts, params: Any, opt_state: Any) -> Any:
+    """The params a JAX run is evaluated with (`JaxParts.eval_params`)."""
+    return params if parts.eval_params is None else parts.eval_params(params, opt_state)
 
 
 @dataclasses.dataclass
@@ -861,11 +869,12 @@ def run_jax(
     if config.eval_every is not None:
 
         def eval_fn(state):
-            params, model_state = (
-                (state["params"], state["model_state"])
+            params, model_state, opt_state = (
+                (state["params"], state["model_state"], state["opt_state"])
                 if isinstance(state, dict)
-                else (state.params, state.model_state)
+                else (state.params, state.model_state, state.opt_state)
             )
+            params = _jax_eval_params(parts, params, opt_state)
             return parts.evaluate(_jax_cast_floats(params, dtype), model_state, heldout)
 
         fit_args.update(eval_fn=eval_fn, eval_every=config.eval_every)
@@ -901,6 +910,7 @@ def run_jax(
         first_bad, text = box["first"], box["text"]
         located = (first_bad, box["location"])
         params, model_state = state["params"], state["model_state"]
+        params = _jax_eval_params(parts, params, state["opt_state"])
     else:
         step, state = _jax_stable(config, parts)
         state, batches = devices.jax_distribute(config, state, batches)
@@ -920,6 +930,7 @@ def run_jax(
         first_bad, text = watch.first_bad, watch.text
         located = None  # fit located the first skipped step (its record)
         params, model_state = state.params, state.model_state
+        params = _jax_eval_params(parts, params, state.opt_state)
     scores = parts.evaluate(_jax_cast_floats(params, dtype), model_state, heldout)
     result = _result("jax", config, history, first_bad, text, scores, located)
     if config.devices > 1:

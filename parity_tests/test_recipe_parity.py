@@ -5,9 +5,10 @@ decay, batch-norm weight without, batch-norm and linear biases in the bias
 group) starts from the same weights in both frameworks and is trained with
 the recipe under the guards (clip at 10, skip non-finite) through warmup and
 decay, one batch carrying an inf input (a real non-finite gradient). After
-every step: each group's LR and the momentum, every parameter and every
-momentum buffer agree (float32_trajectory tolerance); the bad step is skipped
-on both sides and does not advance either schedule.
+every step: each group's LR and the momentum, every parameter, every
+momentum buffer and the weight EMA (Ultralytics' ModelEMA) agree
+(float32_trajectory tolerance); the bad step is skipped on both sides and
+advances neither schedule nor EMA.
 """
 
 from __future__ import annotations
@@ -125,8 +126,12 @@ def test_recipe_trajectory_matches_torch(one_torch_thread):
     for (a, b), (n, f) in NAMES.items():
         params[a][b] = jnp.asarray(f(named[n].detach().numpy()))
 
+    ema_settings = dict(decay=0.99, tau=20.0)  # ramps within the 150 steps
     tx = jtf.stable_optimizer(
-        recipe_jax.yolo_optimizer(STEPS, **SETTINGS), max_grad_norm=10.0
+        recipe_jax.with_ema(
+            recipe_jax.yolo_optimizer(STEPS, **SETTINGS), STEPS, **ema_settings
+        ),
+        max_grad_norm=10.0,
     )
 
     @jax.jit
@@ -137,6 +142,7 @@ def test_recipe_trajectory_matches_torch(one_torch_thread):
 
     opt, sched = recipe_torch.yolo_optimizer(model, STEPS, **SETTINGS)
     guarded = ttf.stable_optimizer(opt, max_grad_norm=10.0)
+    ema = recipe_torch.WeightEma(model, STEPS, **ema_settings)
     state, tol = tx.init(params), tolerance("float32_trajectory")
     clipped = applied = 0
     for step, x, y in _batches():
@@ -150,6 +156,7 @@ def test_recipe_trajectory_matches_torch(one_torch_thread):
         assert guarded.skip_state.last_finite == (step != BAD_STEP), step
         if guarded.skip_state.last_finite:
             sched.step()
+            ema.update(model)  # after applied steps only, as with_ema's skip
             applied += 1
             clipped += float(norm) > 10.0
             hp = recipe_jax.group_hyperparams(state)  # of the step just taken
@@ -158,12 +165,17 @@ def test_recipe_trajectory_matches_torch(one_torch_thread):
                 assert hp[name]["momentum"] == momentum, (name, step)
         # a skipped step advanced neither schedule
         assert sched.last_epoch == applied == _jax_count(state), step
-        buffers = _jax_buffers(state)
+        buffers, averaged = _jax_buffers(state), recipe_jax.ema_weights(state)
+        assert ema.updates == applied
         for (a, b), (n, f) in NAMES.items():
             p = named[n]
             np.testing.assert_allclose(
                 params[a][b], f(p.detach().numpy()), **tol, err_msg=f"{n} @ {step}"
             )
+            np.testing.assert_allclose(
+                averaged[a][b], f(ema.ema[n].numpy()), **tol,
+                err_msg=f"weight EMA of {n} @ {step}",
+            )  # fmt: skip
             np.testing.assert_allclose(
                 buffers[(a, b)], f(opt.state[p]["momentum_buffer"].numpy()), **tol,
                 err_msg=f"momentum buffer of {n} @ {step}",
@@ -245,6 +257,20 @@ def test_bad_settings_raise(side, settings, message):
             recipe_jax.yolo_optimizer(10, **settings)
         else:
             recipe_torch.yolo_optimizer(Tiny(), 10, **settings)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(decay=1.5, tau=10.0), r"decay must be a number >= 0.0 and <= 1.0"),
+        (dict(decay=0.9, tau=0.0), r"tau must be a number > 0.0, got 0.0"),
+    ],
+)
+def test_bad_ema_settings_raise(settings, message):
+    with pytest.raises(ValueError, match=message):
+        recipe_jax.with_ema(optax.sgd(0.1), 10, **settings)
+    with pytest.raises(ValueError, match=message):
+        recipe_torch.WeightEma(Tiny(), 10, **settings)
 
 
 @pytest.mark.parametrize("module", ["recipe", "recipe_jax", "recipe_torch"])

@@ -40,7 +40,8 @@ def test_crop_keeps_touching_boxes_with_zero_width():
 
 def test_augmentation_produces_degenerate_boxes_heldout_none():
     cfg = data.DetectionConfig()
-    found = [d for b in data.batches(cfg, "train", 8, num_batches=12)
+    # 7 batches: the train stream of seed 0 has its first one in batch 6
+    found = [d for b in data.batches(cfg, "train", 8, num_batches=7)
              for d in data.degenerate_boxes(b)]  # fmt: skip
     assert found, "the crop should leave zero-width/height boxes at its border"
     heldout = data.make_dataset(cfg, "heldout", 16)

@@ -135,3 +135,27 @@ class Recipe:
         16 bytes a step: 4.8 MB for 300 epochs of 1000 steps."""
         rows = [self.hyperparameters(s) for s in range(self.steps + 1)]
         return np.asarray(rows, np.float32)
+
+
+def ema_decays(steps: int, decay: float = 0.9999, tau: float = 2000.0) -> np.ndarray:
+    """float32 ``(steps + 1,)``: the weight EMA's decay after update ``u``.
+
+    Ultralytics' ``ModelEMA``: ``d(u) = decay * (1 - exp(-u / tau))``, and
+    after each applied optimizer step ``ema = d * ema + (1 - d) * weights``
+    (``u`` counts the updates, 1 at the first; row 0 is ``d(0) = 0``). The
+    ramp keeps the average from being dominated by the initial weights
+    early on; an update beyond ``steps`` uses the last row. Computed in
+    float64 and rounded once, so both frameworks average with the same
+    numbers.
+
+    Example:
+      >>> [round(float(d), 4) for d in ema_decays(400, 0.99, 50)[[0, 50, 400]]]
+      [0.0, 0.6258, 0.9897]
+    """
+    _check("decay", decay, 0.0, 1.0)
+    _check("tau", tau, 0.0, open_low=True)
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise ValueError(f"steps must be an int, got {steps!r}")
+    _check("steps", steps, 0, open_low=True)
+    u = np.arange(steps + 1, dtype=np.float64)
+    return (decay * (1.0 - np.exp(-u / tau))).astype(np.float32)

@@ -21,13 +21,13 @@ does not advance on it (the torch loop skips ``scheduler.step()`` likewise).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from examples.detection.recipe import GROUPS, Recipe
+from examples.detection.recipe import GROUPS, Recipe, ema_decays
 
 
 def param_group(path: tuple, leaf: Any = None) -> str:
@@ -153,3 +153,65 @@ def group_hyperparams(opt_state: Any) -> dict[str, dict[str, float]]:
         hp = masked.inner_state.hyperparams
         out[name] = {k: float(v) for k, v in hp.items()}
     return out
+
+
+class EmaState(NamedTuple):
+    """`with_ema`'s state: the inner optimizer's, the update count, the EMA."""
+
+    inner: Any
+    count: jax.Array
+    ema: Any
+
+
+def with_ema(
+    tx: optax.GradientTransformation, steps: int, *, decay: float, tau: float
+) -> optax.GradientTransformation:
+    """`tx` that also keeps Ultralytics' weight EMA in its state (`ema_weights`).
+
+    After each update the EMA moves towards the new params (``params +
+    updates``) by ``1 - d(count)`` (`recipe.ema_decays`); the updates are
+    `tx`'s, unchanged. Under ``stable_optimizer`` a skipped step keeps the
+    whole state, so the EMA and its count skip it too (the torch twin,
+    `recipe_torch.WeightEma`, is updated after applied steps only).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tx = with_ema(optax.sgd(1.0), 10, decay=0.5, tau=1e-9)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": -jnp.ones(2)}, state, params)
+      >>> ema_weights(state)["w"].tolist()  # 0.5 * 0 + 0.5 * (0 + 1)
+      [0.5, 0.5]
+    """
+    table = jnp.asarray(ema_decays(steps, decay, tau))
+
+    def init(params):
+        ema = jax.tree.map(jnp.asarray, params)
+        return EmaState(tx.init(params), jnp.zeros([], jnp.int32), ema)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("with_ema needs params: call tx.update(g, state, params)")
+        updates, inner = tx.update(updates, state.inner, params)
+        count = optax.safe_int32_increment(state.count)
+        d = table[jnp.minimum(count, steps)]
+        new = optax.apply_updates(params, updates)
+        ema = jax.tree.map(lambda e, p: d * e + (1 - d) * p, state.ema, new)
+        return updates, EmaState(inner, count, ema)
+
+    return optax.GradientTransformation(init, update)
+
+
+def ema_weights(opt_state: Any) -> Any:
+    """The weight EMA held anywhere inside `opt_state` (see `with_ema`).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tx = with_ema(optax.sgd(0.1), 5, decay=0.9, tau=2.0)
+      >>> ema_weights((tx.init({"w": jnp.ones(1)}),))["w"].tolist()
+      [1.0]
+    """
+    found = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, EmaState)
+    )
+    return next(x for x in found if isinstance(x, EmaState)).ema

@@ -17,12 +17,13 @@ and `YoloScheduler`, which sets every group's LR and the momentum from
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-from examples.detection.recipe import GROUPS, Recipe
+from examples.detection.recipe import GROUPS, Recipe, ema_decays
 
 # Ultralytics: `tuple(v for k, v in nn.__dict__.items() if "Norm" in k)`
 _NORMS = tuple(v for k, v in vars(nn).items() if "Norm" in k and isinstance(v, type))
@@ -127,3 +128,61 @@ def yolo_optimizer(
         nesterov=True,
     )
     return optimizer, YoloScheduler(optimizer, recipe)
+
+
+class WeightEma:
+    """Ultralytics' ``ModelEMA`` of a model's parameters (twin of
+    `recipe_jax.with_ema`): call `update` after each applied optimizer step.
+
+    ``ema = d * ema + (1 - d) * param`` with ``d`` from
+    `examples.detection.recipe.ema_decays` (float32, the numbers the JAX
+    side uses); `averaged` gives a copy of the model holding the EMA.
+
+    Example:
+      >>> m = nn.Linear(1, 1, bias=False)
+      >>> _ = nn.init.zeros_(m.weight)
+      >>> ema = WeightEma(m, 10, decay=0.5, tau=1e-9)
+      >>> _ = nn.init.ones_(m.weight)  # the optimizer's step, say
+      >>> ema.update(m); ema.averaged(m).weight.item()  # from 0 halfway to 1
+      0.5
+    """
+
+    def __init__(self, model: nn.Module, steps: int, *, decay: float, tau: float):
+        self.decays = ema_decays(steps, decay, tau).tolist()
+        self.updates = 0
+        self.ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        d = self.decays[min(self.updates, len(self.decays) - 1)]
+        for name, p in model.named_parameters():
+            self.ema[name].mul_(d).add_(p.detach(), alpha=1.0 - d)
+
+    def averaged(self, model: nn.Module) -> nn.Module:
+        """A deep copy of `model` (its buffers, its mode) with the EMA weights."""
+        out = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, p in out.named_parameters():
+                p.copy_(self.ema[name])
+        return out
+
+
+class StepHooks:
+    """What to run after each applied step, as one ``step()`` (the harness's
+    scheduler slot): the recipe's scheduler, then the weight EMA.
+
+    Example:
+      >>> m = nn.Linear(1, 1)
+      >>> opt, sched = yolo_optimizer(m, 10, warmup_steps=2)
+      >>> hooks = StepHooks(sched, WeightEma(m, 10, decay=0.9, tau=1.0), m)
+      >>> opt.step(); hooks.step(); hooks.ema.updates, sched.last_epoch
+      (1, 1)
+    """
+
+    def __init__(self, scheduler: Any, ema: WeightEma, model: nn.Module):
+        self.scheduler, self.ema, self.model = scheduler, ema, model
+
+    def step(self) -> None:
+        self.scheduler.step()
+        self.ema.update(self.model)
