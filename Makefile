@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml Makefile
 
 # pytest-xdist workers (one per core here); a file's tests stay on one worker
 # (--dist loadfile), so each module-scoped fixture is built once. 0: serial.
-# On a 6-file subset (221 tests, loaded machine) 2 workers took 95 s against
-# 239 s serial; capping each worker's torch/XLA threads at 1 was slower (112 s).
+# A 6-file subset (221 tests) on a machine loaded by other jobs: serial 239 s
+# wall / 128 s CPU, 2 workers 95 s / 117 s CPU (no CPU lost to the split);
+# capping each worker's torch/XLA threads at 1 was slower: 112 s / 133 s CPU.
 TEST_WORKERS ?= 2
 
 test: venv
