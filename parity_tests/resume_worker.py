@@ -8,13 +8,16 @@ command, re-run after a kill, finishes the very same runs (one process for
 both configs: a JAX process takes ~5 s to start). `--hang-in-save` makes the first
 checkpoint of this process hang just before it is committed (before the
 rename of orbax's temporary directory, or the `os.replace` of torch's
-temporary file), after writing DIR/in_save, so that a kill lands mid-write.
+temporary file), after writing DIR/in_save (the two paths, JSON), so that a
+kill lands mid-write.
 The test also calls `run_all` in-process for the uninterrupted reference.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 import time
 
@@ -45,7 +48,7 @@ def run_all(framework: str, folder: str, hang_in_save: bool = False) -> dict:
     """Runs (or resumes) each config in ``folder/CONFIG``; returns
     ``{config: final state (JAX) or TrainStep (torch)}``."""
     if hang_in_save:
-        _hang_in_first_save(framework, os.path.join(folder, "in_save"))
+        _hang_in_first_save(os.path.join(folder, "in_save"))
     fit = _jax_run if framework == "jax" else _torch_run
     out = {}
     for config in CONFIGS:
@@ -143,41 +146,34 @@ def _torch_run(config, folder, train):
     return step
 
 
-def _hang_in_first_save(framework: str, marker: str) -> None:
-    """Patches the commit of a checkpoint (the real write code runs up to it)."""
+def _hang_in_first_save(marker: str) -> None:
+    """Hangs in the commit of this process's first checkpoint: the rename of
+    the complete temporary write onto ``ck/step_NNNNNNNN[.pt]``.
 
-    def hang() -> None:
-        with open(marker, "w") as f:
-            f.write("in save\n")
-        time.sleep(600)  # the test kills the process here
+    Patched at `os.rename`/`os.replace`, where every local commit by rename
+    ends (orbax through etils' `epath`, torch's checkpoint through
+    `os.replace`), not at an orbax internal: a patch of orbax 0.12.8's
+    `async_path.rename` did not land in the commit on a newer orbax (GPU
+    image, jax 0.11.2). Only a rename ONTO a step name directly under a
+    ``ck`` folder hangs, not one of a file inside a step. The marker holds
+    both paths, so the test can check what was on disk at the kill.
+    """
+    commit = re.compile(r"step_\d{8}(\.pt)?")
+    replace = os.replace  # the real one: the marker appears whole, at once
 
-    if framework == "jax":
-        from orbax.checkpoint._src.path import async_path
+    def hook(real):
+        def rename(src, dst, *args, **kwargs):
+            dst_name, parent = os.path.basename(dst), os.path.dirname(dst)
+            if commit.fullmatch(dst_name) and os.path.basename(parent) == "ck":
+                with open(f"{marker}.part", "w") as f:
+                    json.dump({"src": os.fspath(src), "dst": os.fspath(dst)}, f)
+                replace(f"{marker}.part", marker)
+                time.sleep(600)  # the test kills the process here
+            return real(src, dst, *args, **kwargs)
 
-        rename = async_path.rename
+        return rename
 
-        async def slow_rename(src, dst):
-            if "step_" in str(dst):
-                hang()
-            return await rename(src, dst)
-
-        async_path.rename = slow_rename
-    else:
-        from torchref._src import checkpoint
-
-        replace = os.replace
-
-        class _Os:  # the checkpoint module's `os`, with a hanging replace
-            def __getattr__(self, name):
-                return getattr(os, name)
-
-            @staticmethod
-            def replace(src, dst):
-                if os.path.basename(str(dst)).startswith("step_"):
-                    hang()
-                return replace(src, dst)
-
-        checkpoint.os = _Os()
+    os.rename, os.replace = hook(os.rename), hook(os.replace)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ a checkpoint every 4); the uninterrupted reference runs in this process.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import signal
@@ -66,8 +67,9 @@ def _kill_when(proc, ready) -> bool:
         proc.wait(TIMEOUT_S)
 
 
-def _interrupted_run(framework, folder: Path) -> int:
-    """Runs the worker to the end with the KILLS; returns how many landed."""
+def _interrupted_run(framework, folder: Path) -> tuple[int, dict]:
+    """Runs the worker to the end with the KILLS; returns how many landed and
+    the paths of the killed commit (``src`` renamed onto ``dst``)."""
     marker = folder / "in_save"
     landed = 0
     for kind, seed in KILLS:
@@ -79,15 +81,15 @@ def _interrupted_run(framework, folder: Path) -> int:
             marker.unlink(missing_ok=True)
             proc = _start(framework, folder, hang=True)
             landed += _kill_when(proc, marker.exists)
-            # Killed mid-write: orbax's temporary directory or the .tmp file.
-            files = [
-                p.name for c in worker.CONFIGS for p in (folder / c / "ck").glob("*")
-            ]
-            assert any("tmp" in name for name in files), files
+            # Killed mid-commit: the complete write lies under its temporary
+            # name (orbax's directory, torch's file), the step is not there.
+            killed = json.loads(marker.read_text())
+            assert Path(killed["src"]).exists(), killed
+            assert not Path(killed["dst"]).exists(), killed
     proc = _start(framework, folder)
     _, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, err.decode()[-3000:]
-    return landed
+    return landed, killed
 
 
 def _final(framework, folder: Path, template):
@@ -133,8 +135,10 @@ def test_killed_runs_resume_bitwise(tmp_path, framework):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     references = worker.run_all(framework, str(ref_dir))
     run_dir.mkdir()
-    landed = _interrupted_run(framework, run_dir)
+    landed, killed = _interrupted_run(framework, run_dir)
     assert landed == len(KILLS), "a kill came after the runs ended"
+    # The resumed runs removed the killed write (they redid that step).
+    assert not Path(killed["src"]).exists(), killed
     for config in worker.CONFIGS:
         _check_same_run(
             framework, config, references[config], ref_dir / config, run_dir / config
