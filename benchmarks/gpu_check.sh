@@ -54,9 +54,10 @@ bench_rc=0
 if [ "$PARTS" != bench ]; then
 # pytest-xdist, where the machine has it, spreads the suite over its cores
 # (XLA_PYTHON_CLIENT_PREALLOCATE=false, set by conftest.py, lets the workers
-# share the GPU's memory).
+# share the GPU's memory); --dist loadfile keeps a file on one worker, so its
+# module-scoped runs are built once (as in `make test`).
 xdist=()
-"$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_CHECK_WORKERS:-8}")
+"$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_CHECK_WORKERS:-8}" --dist loadfile)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 log=$(mktemp)
 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" 2>&1 | tee "$log"
