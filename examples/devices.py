@@ -484,7 +484,7 @@ def devices_report(summary: dict[str, Any]) -> list[str]:
         >>> devices_report({"config": {"devices": 2}, "runs": []})[0]
         '## 2 devices'
     """
-    n = summary["config"].get("devices", 1)
+    n = summary.get("config", {}).get("devices", 1)  # a summary may omit config
     if n <= 1:
         return []
     lines = [
