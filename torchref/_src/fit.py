@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchref._src.checkpoint import CheckpointManager
+from torchref._src.checkpoint import CheckpointManager, _check_int
 from torchref._src.diagnostics import (
     check_record,
     format_checks,
@@ -518,15 +518,6 @@ def _open_log(log_path, resumed_at: int | None):
         os.fsync(f.fileno())
     os.replace(tmp, log_path)
     return open(log_path, "a", encoding="utf-8")
-
-
-def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
-    """One validator for every int option: ``name must be [None or ]an int >= m``."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = "None or " if optional else ""
-        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
 
 
 def _check_callable(name: str, fn: Any) -> None:
