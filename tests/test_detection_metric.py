@@ -127,3 +127,39 @@ def test_bad_inputs_are_refused():
         metric.average_precision(np.array([1]), 0)
     with pytest.raises(ValueError, match="one entry per image"):
         metric.mean_average_precision([], [np.zeros((0, 4))], [np.zeros(0)], 1)
+
+
+def _reference_detect(cls_logits, box_raw, score_thresh=0.05, nms_iou=0.5, max_det=20):
+    # per image and class: greedy NMS (metric.nms, one box at a time) on the
+    # candidates above the threshold, then the classes merged by score
+    out = []
+    for logits, raw in zip(cls_logits, box_raw, strict=True):
+        scores = 1 / (1 + np.exp(-logits.reshape(-1, logits.shape[-1])))
+        boxes = metric.decode_grid(raw)
+        picks = []
+        for cl in range(scores.shape[1]):
+            cand = np.nonzero(scores[:, cl] > score_thresh)[0]
+            for i in cand[metric.nms(boxes[cand], scores[cand, cl], nms_iou)]:
+                picks.append((scores[i, cl], i, cl))
+        picks.sort(key=lambda t: -t[0])  # stable: class, then NMS order on ties
+        picks = picks[:max_det]
+        out.append(([boxes[i] for _, i, _ in picks], [s for s, _, _ in picks],
+                    [c for _, _, c in picks]))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_detect_equals_per_class_nms(ties):
+    rng = np.random.default_rng(1 + ties)
+    logits = rng.normal(-1.5, 2.0, (16, 8, 8, 3))
+    raw = rng.normal(0.5, 0.4, (16, 8, 8, 4))
+    if ties:  # few distinct scores and boxes: equal scores and IoUs everywhere
+        logits = np.round(logits)
+        raw = np.round(raw * 2) / 2
+    got = metric.detect(logits, raw)
+    want = _reference_detect(logits, raw)
+    assert sum(len(s) for _, s, _ in got) > 100  # enough detections to compare
+    for (gb, gs, gc), (wb, ws, wc) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(gb, np.array(wb).reshape(-1, 4))
+        np.testing.assert_array_equal(gs, ws)
+        np.testing.assert_array_equal(gc, wc)

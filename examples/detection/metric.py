@@ -90,6 +90,12 @@ def detect(
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per image ``(boxes (M, 4), scores (M,), classes (M,))`` from NHWC maps.
 
+    The result of running :func:`nms` per image and class on the candidates
+    above `score_thresh`, merging the classes by score (ties: lower class,
+    then NMS order) and keeping ``max_det``; computed for all images and
+    classes at once (one IoU matrix per image, since every class decodes the
+    same boxes, and greedy suppression stepped over the score ranks).
+
     Args:
       cls_logits: (N, G, G, C) class logits.
       box_raw: (N, G, G, 4) raw box distances.
@@ -100,24 +106,43 @@ def detect(
         >>> boxes.tolist(), scores.round(3).tolist(), classes.tolist()
         ([[2.0, 2.0, 10.0, 10.0]], [0.881], [0])
     """
+    logits = np.asarray(cls_logits, np.float64)
+    n, g, _, c = logits.shape
+    p = g * g
+    scores = 1 / (1 + np.exp(-logits.reshape(n, p, c)))
+    boxes = np.stack([decode_grid(raw) for raw in box_raw])  # (N, P, 4)
+    lo = np.maximum(boxes[:, :, None, :2], boxes[:, None, :, :2])
+    hi = np.minimum(boxes[:, :, None, 2:], boxes[:, None, :, 2:])
+    inter = np.prod(np.clip(hi - lo, 0, None), axis=-1)
+    area = np.prod(np.clip(boxes[..., 2:] - boxes[..., :2], 0, None), axis=-1)
+    union = area[:, :, None] + area[:, None, :] - inter
+    overlaps = np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
+    # greedy NMS for every (image, class) at once, rank by rank
+    per_class = scores.transpose(0, 2, 1)  # (N, C, P)
+    order = np.argsort(-per_class, axis=-1, kind="stable")
+    rows = np.arange(n)[:, None]
+    suppressed = np.zeros((n, c, p), bool)
+    kept = np.zeros((n, c, p), bool)
+    nms_rank = np.zeros((n, c, p), np.int64)
+    for k in range(p):
+        i = order[:, :, k]  # (N, C): the k-th best cell of each image and class
+        alive = (
+            np.take_along_axis(per_class, i[..., None], -1)[..., 0] > score_thresh
+        ) & ~np.take_along_axis(suppressed, i[..., None], -1)[..., 0]
+        np.put_along_axis(kept, i[..., None], alive[..., None], -1)
+        np.put_along_axis(nms_rank, i[..., None], np.full((n, c, 1), k), -1)
+        # `not <=` as nms keeps `iou <= nms_iou`: a NaN overlap suppresses there too
+        suppressed |= alive[..., None] & ~(overlaps[rows, i] <= nms_iou)
     out = []
-    for logits, raw in zip(cls_logits, box_raw, strict=True):
-        scores = 1 / (
-            1 + np.exp(-np.asarray(logits, np.float64).reshape(-1, logits.shape[-1]))
-        )
-        boxes = decode_grid(raw)
-        picks = []
-        for cl in range(scores.shape[1]):
-            cand = np.nonzero(scores[:, cl] > score_thresh)[0]
-            kept = cand[nms(boxes[cand], scores[cand, cl], nms_iou)]
-            picks += [(scores[i, cl], i, cl) for i in kept]
-        picks.sort(key=lambda t: -t[0])
-        picks = picks[:max_det]
+    for b in range(n):
+        cl, cell = np.nonzero(kept[b])
+        score = per_class[b, cl, cell]
+        pick = np.lexsort((nms_rank[b, cl, cell], cl, -score))[:max_det]
         out.append(
             (
-                np.array([boxes[i] for _, i, _ in picks]).reshape(-1, 4),
-                np.array([s for s, _, _ in picks], np.float64),
-                np.array([c for _, _, c in picks], np.int64),
+                boxes[b, cell[pick]].reshape(-1, 4),
+                score[pick].astype(np.float64),
+                cl[pick].astype(np.int64),
             )
         )
     return out
@@ -181,22 +206,21 @@ def mean_average_precision(
         if num_gt == 0:
             aps.append(None)
             continue
-        dets = [
-            (s, i, b)
-            for i, (boxes, scores, classes) in enumerate(detections)
-            for b, s, c in zip(boxes, scores, classes, strict=True)
-            if c == cl
-        ]
+        dets = []  # (score, image, row of that image's IoU table)
+        ious = []  # per image: IoU of its class-`cl` detections with its gts
+        for i, (boxes, scores, classes) in enumerate(detections):
+            mine = np.asarray(classes) == cl
+            ious.append(box_iou(np.asarray(boxes).reshape(-1, 4)[mine], gts[i]))
+            dets += [(s, i, r) for r, s in enumerate(np.asarray(scores)[mine])]
         order = sorted(range(len(dets)), key=lambda j: -dets[j][0])
         taken = [np.zeros(len(g), bool) for g in gts]
         tp = np.zeros(len(dets))
         for rank, j in enumerate(order):
-            _, i, box = dets[j]
+            _, i, row = dets[j]
             if len(gts[i]) == 0:
                 continue
-            ious = box_iou(box, gts[i])[0]
-            best = int(np.argmax(ious))
-            if ious[best] >= iou_thresh and not taken[i][best]:
+            best = int(np.argmax(ious[i][row]))
+            if ious[i][row, best] >= iou_thresh and not taken[i][best]:
                 taken[i][best] = True
                 tp[rank] = 1
         aps.append(average_precision(tp, num_gt))
