@@ -117,9 +117,27 @@ def test_evaluate_is_nan_on_non_finite_outputs_and_one_on_perfect_ones():
     logits = np.full((1, 2, 2, 3), -9.0)
     logits[0, 1, 1, 2] = 3.0
     raw = np.zeros((1, 2, 2, 4))
-    assert metric.evaluate(logits, raw, heldout) == {"map50": 1.0}
+    scores = metric.evaluate(logits, raw, heldout)
+    assert scores["map50"] == scores["ap50_triangle"] == scores["ap50_any_class"] == 1
+    assert np.isnan(scores["ap50_rectangle"]) and np.isnan(scores["ap50_disc"])
     raw[0, 0, 0, 0] = np.nan
-    assert np.isnan(metric.evaluate(logits, raw, heldout)["map50"])
+    assert all(np.isnan(v) for v in metric.evaluate(logits, raw, heldout).values())
+
+
+def test_confused_classes_keep_the_class_free_ap():
+    # two objects found where they are, each called by the other's class
+    heldout = {
+        "boxes": np.array([[[2.0, 2, 10, 10], [10.0, 10, 18, 18]]]),
+        "classes": np.array([[0, 1]]),
+        "box_mask": np.array([[True, True]]),
+    }
+    logits = np.full((1, 4, 4, 3), -9.0)
+    logits[0, 1, 1, 1] = 2.0  # the rectangle's cell says disc
+    logits[0, 3, 3, 0] = 2.0  # the disc's cell says rectangle
+    raw = np.zeros((1, 4, 4, 4))
+    scores = metric.evaluate(logits, raw, heldout)
+    assert scores["map50"] == scores["ap50_rectangle"] == scores["ap50_disc"] == 0
+    assert scores["ap50_any_class"] == 1
 
 
 def test_bad_inputs_are_refused():

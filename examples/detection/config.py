@@ -47,7 +47,7 @@ class Config(harness.BaseConfig):
     Attributes:
       max_objects: objects per image at most (1 at least).
       warmup_steps: the recipe's warmup (Ultralytics: ``max(3 epochs,
-        100)`` iterations; 100 of the 400 steps here).
+        100)`` iterations; 100 of the 1000 steps here).
       momentum, warmup_momentum, warmup_bias_lr, final_lr_fraction,
       lr_decay: the recipe's settings (`recipe.Recipe`: Ultralytics'
         defaults ``momentum=0.937``, ``warmup_momentum=0.8``,
@@ -55,7 +55,7 @@ class Config(harness.BaseConfig):
         warmup bias LR are halved, see the field comment).
       ema_decay, ema_tau: the weight EMA every run is evaluated with
         (`recipe.ema_decays`, Ultralytics' ``ModelEMA``: 0.9999 and 2000
-        there, for runs of 10^4-10^5 steps; 0.99 and 50 here for 400; 0
+        there, for runs of 10^4-10^5 steps; 0.99 and 50 here for 1000; 0
         turns it off).
 
     Example:
@@ -68,7 +68,7 @@ class Config(harness.BaseConfig):
     image_size: int = 32
     batch_size: int = 8
     width: int = 8
-    steps: int = 400
+    steps: int = 1000
     optimizer: str = "sgd"
     # lr and warmup bias LR at half Ultralytics' 0.01 / 0.1: at those the two
     # float32 runs drift apart after ~30 steps (rounding differences amplified

@@ -231,21 +231,41 @@ def mean_average_precision(
 def evaluate(
     cls_logits: np.ndarray, box_raw: np.ndarray, heldout: dict
 ) -> dict[str, float]:
-    """``{"map50": mAP@0.5}`` of NHWC output maps on the held-out set; nan if
-    any output is non-finite.
+    """mAP@0.5 of NHWC output maps on the held-out set, and where it is lost.
+
+    Returns ``{"map50", "ap50_<class>" for each class in `data.CLASSES`,
+    "ap50_any_class"}``: the mAP, each class's AP (nan for a class without
+    ground truth), and the AP@0.5 of the boxes with the class ignored (each
+    cell scored by its best class, every ground-truth box matchable). A
+    model that finds the objects but confuses two classes keeps a high
+    ``ap50_any_class`` while their APs drop. Every value is nan if an output
+    is non-finite.
 
     Example:
         >>> h = {"boxes": np.array([[[2.0, 2, 10, 10]]]), "classes": np.array([[0]]),
         ...      "box_mask": np.array([[True]])}
-        >>> logits = np.full((1, 2, 2, 3), -9.0); logits[0, 1, 1, 0] = 2.0
-        >>> evaluate(logits, np.zeros((1, 2, 2, 4)), h)
-        {'map50': 1.0}
+        >>> logits = np.full((1, 2, 2, 3), -9.0); logits[0, 1, 1, 1] = 2.0
+        >>> out = evaluate(logits, np.zeros((1, 2, 2, 4)), h)  # found, wrong class
+        >>> out["map50"], out["ap50_rectangle"], out["ap50_disc"], out["ap50_any_class"]
+        (0.0, 0.0, nan, 1.0)
     """
+    num_classes = cls_logits.shape[-1]
+    names = [f"ap50_{c}" for c in data.CLASSES[:num_classes]]
+    names += [f"ap50_class{k}" for k in range(len(names), num_classes)]
     if not (np.isfinite(cls_logits).all() and np.isfinite(box_raw).all()):
-        return {"map50": math.nan}
+        return dict.fromkeys(["map50", *names, "ap50_any_class"], math.nan)
     used = np.asarray(heldout["box_mask"], bool)
     gt_boxes = [b[m] for b, m in zip(heldout["boxes"], used, strict=True)]
     gt_classes = [c[m] for c, m in zip(heldout["classes"], used, strict=True)]
     dets = detect(cls_logits, box_raw)
-    value, _ = mean_average_precision(dets, gt_boxes, gt_classes, cls_logits.shape[-1])
-    return {"map50": value}
+    value, aps = mean_average_precision(dets, gt_boxes, gt_classes, num_classes)
+    any_class, _ = mean_average_precision(
+        detect(np.max(cls_logits, axis=-1, keepdims=True), box_raw),
+        gt_boxes,
+        [np.zeros(len(c), np.int64) for c in gt_classes],
+        1,
+    )
+    per_class = {
+        n: math.nan if a is None else a for n, a in zip(names, aps, strict=True)
+    }
+    return {"map50": value, **per_class, "ap50_any_class": any_class}
