@@ -25,6 +25,7 @@ from examples.detection.task import TASK
 RUN_KEYS = {
     "framework", "precision", "mode", "steps", "first_nonfinite_step",
     "final_loss", "skipped_total", "map50", "steps_per_s", "location",
+    "ap50_rectangle", "ap50_disc", "ap50_triangle", "ap50_any_class",
 }  # fmt: skip
 
 

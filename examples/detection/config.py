@@ -68,6 +68,9 @@ class Config(harness.BaseConfig):
     image_size: int = 32
     batch_size: int = 8
     width: int = 8
+    # 1000: runs that should agree end within a few mAP@0.5 points of each
+    # other only once they have learnt to separate the classes; at 400 and
+    # 700 steps they differed by up to 10 and 12 (examples/detection/README.md)
     steps: int = 1000
     optimizer: str = "sgd"
     # lr and warmup bias LR at half Ultralytics' 0.01 / 0.1: at those the two
