@@ -62,43 +62,80 @@ def relative_differences(a: list[float], b: list[float]) -> np.ndarray:
     return np.abs(a - b) / np.abs(b)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    loss_jax.BOX_WEIGHT = loss_torch.BOX_WEIGHT = args.box_weight
-    # the default run's schedule (its `steps`), trained for args.steps batches
-    cfg = TASK.get_config(seed=args.seed)
-    weights = TASK.initial_weights(cfg)
+def float32_losses(
+    steps: int,
+    *,
+    runs: tuple[str, ...] = ("jax", "jax_nudged", "torch"),
+    box_weight: float = loss_jax.BOX_WEIGHT,
+    rel: float = 1e-7,
+    seed: int = 0,
+    eval_images: int = 4,
+) -> dict[str, list[float]]:
+    """Per-step losses of stable float32 detection runs on the same batches.
+
+    Each run trains the default config's schedule on its first `steps`
+    batches: ``"jax"`` and ``"torch"`` from the shared initial weights,
+    ``"jax_nudged"`` from those weights times ``1 + rel * N(0, 1)``. The
+    box term's weight is `box_weight` in both frameworks for these runs
+    (restored after).
+
+    Example:
+        >>> out = float32_losses(2, runs=("jax", "torch"), eval_images=1)
+        >>> sorted(out), len(out["jax"])
+        (['jax', 'torch'], 2)
+    """
     import torch
 
-    rng = np.random.default_rng(args.seed + 1)
+    unknown = set(runs) - {"jax", "jax_nudged", "torch"}
+    if unknown:
+        raise ValueError(
+            f"unknown runs {sorted(unknown)}; allowed: jax, jax_nudged, torch"
+        )
+    cfg = TASK.get_config(seed=seed, eval_images=eval_images)
+    weights = TASK.initial_weights(cfg)
+    rng = np.random.default_rng(seed + 1)
     nudged = {
         k: v
-        * torch.from_numpy(1 + args.rel * rng.standard_normal(tuple(v.shape))).to(
-            v.dtype
-        )
+        * torch.from_numpy(1 + rel * rng.standard_normal(tuple(v.shape))).to(v.dtype)
         if v.is_floating_point()
         else v
         for k, v in weights.items()
     }
-    batches = list(
-        data.batches(
-            config_lib.data_config(cfg), "train", cfg.batch_size, cfg.seed, args.steps
-        )
+    d = config_lib.data_config(cfg)
+    batches = list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
+    heldout = TASK.heldout_set(cfg)
+    saved = loss_jax.BOX_WEIGHT, loss_torch.BOX_WEIGHT
+    loss_jax.BOX_WEIGHT = loss_torch.BOX_WEIGHT = box_weight
+    try:
+        losses = {}
+        for name in runs:
+            fw = "torch" if name == "torch" else "jax"
+            w = nudged if name == "jax_nudged" else weights
+            run = harness.train_and_evaluate(
+                TASK, fw, cfg, weights=w, batches=batches, heldout=heldout,
+                progress=False,
+            )  # fmt: skip
+            losses[name] = [m["loss"] for m in run.metrics]
+    finally:
+        loss_jax.BOX_WEIGHT, loss_torch.BOX_WEIGHT = saved
+    return losses
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    losses = float32_losses(
+        args.steps, box_weight=args.box_weight, rel=args.rel, seed=args.seed
     )
-    heldout = TASK.heldout_set(cfg.replace(eval_images=4))
-    losses = {}
-    for name, fw, w in (("jax", "jax", weights), ("jax_nudged", "jax", nudged),
-                        ("torch", "torch", weights)):  # fmt: skip
-        run = harness.train_and_evaluate(
-            TASK, fw, cfg, weights=w, batches=batches, heldout=heldout, progress=False
-        )
-        losses[name] = [m["loss"] for m in run.metrics]
     self_gap = relative_differences(losses["jax"], losses["jax_nudged"])
     cross_gap = relative_differences(losses["jax"], losses["torch"])
     for step in range(0, args.steps, args.every):
         print(f"step {step:4d}  jax vs nudged jax {self_gap[step]:.1e}  "
               f"jax vs torch {cross_gap[step]:.1e}")  # fmt: skip
-    first = lambda g: next((int(i) for i in np.nonzero(g > 1e-5)[0]), None)  # noqa: E731
+
+    def first(gap: np.ndarray) -> int | None:
+        above = np.nonzero(gap > 1e-5)[0]
+        return int(above[0]) if above.size else None
+
     n = min(args.steps, harness.AGREEMENT_STEPS)
     print(json.dumps(dict(
         box_weight=args.box_weight, rel=args.rel, seed=args.seed,

@@ -1,0 +1,33 @@
+"""The float32 detection runs: JAX and torch agree, until the dynamics amplify.
+
+The committed comparison's `fp32_agreement` (max relative loss difference of
+the float32 JAX and torch runs over 50 steps) is 5.9e-3, above the 1e-3 it
+aims for. These tests pin down the two facts the README gives as the
+reason (examples/detection/divergence.py measures them):
+
+* without the box-regression term the whole training stack (detector,
+  batch norm, focal loss, YOLO recipe, EMA) agrees across the frameworks to
+  float32 rounding for 50 steps;
+* with it, JAX disagrees with itself after a 1e-7 change of its starting
+  weights: the dynamics, not a framework difference, make the drift.
+"""
+
+import numpy as np
+
+from examples.detection import divergence
+
+STEPS = 50
+
+
+def test_without_the_box_term_jax_and_torch_agree_for_50_steps():
+    out = divergence.float32_losses(STEPS, runs=("jax", "torch"), box_weight=0.0)
+    gap = divergence.relative_differences(out["jax"], out["torch"])
+    assert len(gap) == STEPS and np.all(np.isfinite(gap))
+    assert gap.max() < 1e-5, gap.max()  # measured 7.3e-7
+
+
+def test_with_the_box_term_a_1e7_nudge_grows_past_1e4_within_50_steps():
+    out = divergence.float32_losses(STEPS, runs=("jax", "jax_nudged"), rel=1e-7)
+    gap = divergence.relative_differences(out["jax"], out["jax_nudged"])
+    assert gap[:20].max() < 1e-5, gap[:20]  # rounding-sized at first
+    assert gap.max() > 1e-4, gap.max()  # measured 3.0e-2 (past 1e-5 at step 26)
