@@ -12,9 +12,19 @@ its max over the first 50 steps)::
 
     python -m examples.detection.divergence --steps 60
     python -m examples.detection.divergence --steps 60 --box-weight 0
+    python -m examples.detection.divergence --steps 60 --box-kind smooth_l1
+    python -m examples.detection.divergence --steps 50 --gradients
 
-``--box-weight`` replaces the CIoU term's weight (`loss_jax.BOX_WEIGHT`, 2)
-in both frameworks, e.g. 0 to train on the focal loss alone.
+``--box-weight`` replaces the box term's weight (`loss_jax.BOX_WEIGHT`, 2)
+in both frameworks, e.g. 0 to train on the focal loss alone; ``--box-kind``
+its loss (`loss_jax.BOX_KIND`: ``ciou``, the task's, or ``iou``, ``giou``,
+``diou``, ``smooth_l1``).
+
+``--gradients`` asks a different question (:func:`gradient_split`): at the
+same weights, on the same batch, do JAX and torch compute the same
+gradient? It walks the torch run and reports the largest difference, and
+the first step where they differ by more than 1e-5 with the ReLU inputs
+whose signs differ there.
 
 Example:
     >>> args = parse_args(["--steps", "8", "--box-weight", "0"])
@@ -25,6 +35,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 
 import numpy as np
@@ -47,7 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rel", type=float, default=1e-7)
     p.add_argument("--box-weight", type=float, default=loss_jax.BOX_WEIGHT)
+    p.add_argument("--box-kind", choices=loss_jax.BOX_KINDS, default=loss_jax.BOX_KIND)
     p.add_argument("--every", type=int, default=3)
+    p.add_argument(
+        "--gradients",
+        action="store_true",
+        help="instead: the first step where JAX's and torch's gradients at "
+        "the same weights differ by more than 1e-5 (gradient_split)",
+    )
     return p.parse_args(argv)
 
 
@@ -67,6 +86,7 @@ def float32_losses(
     *,
     runs: tuple[str, ...] = ("jax", "jax_nudged", "torch"),
     box_weight: float = loss_jax.BOX_WEIGHT,
+    box_kind: str = loss_jax.BOX_KIND,
     rel: float = 1e-7,
     seed: int = 0,
     eval_images: int = 4,
@@ -75,9 +95,10 @@ def float32_losses(
 
     Each run trains the default config's schedule on its first `steps`
     batches: ``"jax"`` and ``"torch"`` from the shared initial weights,
-    ``"jax_nudged"`` from those weights times ``1 + rel * N(0, 1)``. The
-    box term's weight is `box_weight` in both frameworks for these runs
-    (restored after).
+    ``"jax_nudged"`` and ``"torch_nudged"`` from those weights times
+    ``1 + rel * N(0, 1)`` (the same nudge). The
+    box term's weight and loss are `box_weight` and `box_kind` in both
+    frameworks for these runs (restored after).
 
     Example:
         >>> out = float32_losses(2, runs=("jax", "torch"), eval_images=1)
@@ -86,11 +107,10 @@ def float32_losses(
     """
     import torch
 
-    unknown = set(runs) - {"jax", "jax_nudged", "torch"}
+    allowed = ("jax", "jax_nudged", "torch", "torch_nudged")
+    unknown = set(runs) - set(allowed)
     if unknown:
-        raise ValueError(
-            f"unknown runs {sorted(unknown)}; allowed: jax, jax_nudged, torch"
-        )
+        raise ValueError(f"unknown runs {sorted(unknown)}; allowed: {allowed}")
     cfg = TASK.get_config(seed=seed, eval_images=eval_images)
     weights = TASK.initial_weights(cfg)
     rng = np.random.default_rng(seed + 1)
@@ -104,27 +124,195 @@ def float32_losses(
     d = config_lib.data_config(cfg)
     batches = list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
     heldout = TASK.heldout_set(cfg)
-    saved = loss_jax.BOX_WEIGHT, loss_torch.BOX_WEIGHT
-    loss_jax.BOX_WEIGHT = loss_torch.BOX_WEIGHT = box_weight
-    try:
+    with _box_term(box_weight, box_kind):
         losses = {}
         for name in runs:
-            fw = "torch" if name == "torch" else "jax"
-            w = nudged if name == "jax_nudged" else weights
+            fw = name.split("_")[0]
+            w = nudged if name.endswith("_nudged") else weights
             run = harness.train_and_evaluate(
                 TASK, fw, cfg, weights=w, batches=batches, heldout=heldout,
                 progress=False,
             )  # fmt: skip
             losses[name] = [m["loss"] for m in run.metrics]
-    finally:
-        loss_jax.BOX_WEIGHT, loss_torch.BOX_WEIGHT = saved
     return losses
+
+
+@contextlib.contextmanager
+def _box_term(box_weight: float, box_kind: str):
+    """Sets the box term's weight and loss in both frameworks, restores after."""
+    if box_kind not in loss_jax.BOX_KINDS:
+        raise ValueError(f"box_kind={box_kind!r}; allowed: {loss_jax.BOX_KINDS}")
+    saved = [(m, m.BOX_WEIGHT, m.BOX_KIND) for m in (loss_jax, loss_torch)]
+    for m, _, _ in saved:
+        m.BOX_WEIGHT, m.BOX_KIND = box_weight, box_kind
+    try:
+        yield
+    finally:
+        for m, weight, kind in saved:
+            m.BOX_WEIGHT, m.BOX_KIND = weight, kind
+
+
+def gradient_split(
+    steps: int,
+    *,
+    box_weight: float = loss_jax.BOX_WEIGHT,
+    box_kind: str = loss_jax.BOX_KIND,
+    seed: int = 0,
+    threshold: float = 1e-4,
+) -> dict:
+    """Where JAX's and torch's gradients at the same weights first differ.
+
+    Trains the stable float32 torch run step by step; before each step it
+    loads torch's current weights into the JAX detector and takes both
+    frameworks' gradients of the loss on that step's batch, per parameter
+    the relative difference ``|g_jax - g_torch| / |g_torch|`` (norms).
+    Stops at the first step where one exceeds `threshold`.
+
+    Returns:
+      ``{"steps": steps compared, "max_relative_difference": the largest
+      before the split (all of them if none), "split": None or {"step",
+      "param" (the worst), "relative_difference", "relu_flips"}}``,
+      ``relu_flips`` listing each ConvBN whose ReLU inputs have opposite
+      signs in the two frameworks in that step's forward: ``{"layer",
+      "count", "max_abs_input"}`` (the largest ``|input|`` among them).
+
+    Example:
+        >>> out = gradient_split(2)
+        >>> out["steps"], out["split"], out["max_relative_difference"] < 1e-5
+        (2, None, True)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from examples.detection import convert, model_jax
+
+    cfg = TASK.get_config(seed=seed, eval_images=4)
+    d = config_lib.data_config(cfg)
+    with _box_term(box_weight, box_kind):
+        parts = TASK.torch_parts(cfg, TASK.initial_weights(cfg))
+        model = parts.model
+        # the run's own guarded step, optimizer and LR schedule
+        train_step, scheduler = harness._torch_stable(cfg, parts)
+        graphdef = model_jax.split(convert.nnx_from_torch(model))[0]
+        largest = 0.0
+
+        @jax.jit
+        def jax_grads(params, stats, batch):
+            def loss(p):
+                out, _ = model_jax.apply(graphdef, p, stats, batch["image"], train=True)
+                return loss_jax.stable_loss(out, batch)[0]
+
+            return jax.grad(loss)(params)
+
+        for step, batch in enumerate(
+            data.batches(d, "train", cfg.batch_size, seed, steps)
+        ):
+            tb = parts.to_torch(batch)
+            model.zero_grad()
+            parts.loss_fn(model, tb).backward()
+            grads = copy.deepcopy(model)
+            for (_, g), (_, p) in zip(
+                grads.named_parameters(), model.named_parameters(), strict=True
+            ):
+                g.data = p.grad.detach().clone()
+            _, params, stats = model_jax.split(convert.nnx_from_torch(model))
+            torch_grads = model_jax.split(convert.nnx_from_torch(grads))[1]
+            ours = jax_grads(params, stats, jax.tree.map(jnp.asarray, batch))
+            rel = jax.tree.map(
+                lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)),
+                ours, torch_grads,
+            )  # fmt: skip
+            path, worst = max(
+                jax.tree_util.tree_leaves_with_path(rel), key=lambda kv: kv[1]
+            )
+            if worst > threshold:
+                split = dict(
+                    step=step,
+                    param=jax.tree_util.keystr(path, simple=True, separator="."),
+                    relative_difference=worst,
+                    relu_flips=_relu_flips(model, tb["image"], batch["image"]),
+                )
+                return dict(steps=step + 1, max_relative_difference=largest,
+                            split=split)  # fmt: skip
+            largest = max(largest, worst)
+            model.zero_grad()
+            record = train_step(tb)
+            if scheduler is not None and record["finite"]:
+                scheduler.step()
+    return dict(steps=steps, max_relative_difference=largest, split=None)
+
+
+def _relu_flips(model, torch_images, images) -> list[dict]:
+    """ConvBN layers whose ReLU inputs differ in sign between torch and JAX."""
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+
+    from examples.detection import convert
+    from examples.ocr import model_jax as ocr_jax
+
+    torch_inputs, hooks = {}, []
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ConvBN":
+            hooks.append(module.bn.register_forward_hook(
+                lambda _m, _i, out, name=name: torch_inputs.__setitem__(
+                    name, out.detach().permute(0, 2, 3, 1).numpy())
+            ))  # fmt: skip
+    with torch.no_grad():
+        model(torch_images)
+    for hook in hooks:
+        hook.remove()
+    jax_model = convert.nnx_from_torch(model)
+    names = {
+        id(m): ".".join(map(str, path))
+        for path, m in nnx.iter_modules(jax_model)
+        if isinstance(m, ocr_jax.ConvBN)
+    }
+    jax_inputs, call = {}, ocr_jax.ConvBN.__call__
+
+    def recording_call(self, x, *, train):
+        pre = self.bn(self.conv(x), train=train)
+        jax_inputs[names[id(self)]] = np.asarray(pre)
+        return call(self, x, train=train)
+
+    ocr_jax.ConvBN.__call__ = recording_call
+    try:
+        jax_model(jnp.asarray(images), train=True)
+    finally:
+        ocr_jax.ConvBN.__call__ = call
+    flips = []
+    for name, theirs in torch_inputs.items():
+        ours = jax_inputs[name]
+        differ = (ours > 0) != (theirs > 0)
+        if differ.any():
+            flips.append(dict(
+                layer=name, count=int(differ.sum()),
+                max_abs_input=float(np.abs(theirs[differ]).max()),
+            ))  # fmt: skip
+    return flips
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.gradients:
+        out = gradient_split(
+            args.steps,
+            box_weight=args.box_weight,
+            box_kind=args.box_kind,
+            seed=args.seed,
+            threshold=1e-5,
+        )
+        print(json.dumps(dict(
+            box_weight=args.box_weight, box_kind=args.box_kind, seed=args.seed,
+            threshold=1e-5, **out,
+        )))  # fmt: skip
+        return
     losses = float32_losses(
-        args.steps, box_weight=args.box_weight, rel=args.rel, seed=args.seed
+        args.steps,
+        box_weight=args.box_weight,
+        box_kind=args.box_kind,
+        rel=args.rel,
+        seed=args.seed,
     )
     self_gap = relative_differences(losses["jax"], losses["jax_nudged"])
     cross_gap = relative_differences(losses["jax"], losses["torch"])
@@ -138,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
 
     n = min(args.steps, harness.AGREEMENT_STEPS)
     print(json.dumps(dict(
-        box_weight=args.box_weight, rel=args.rel, seed=args.seed,
+        box_weight=args.box_weight, box_kind=args.box_kind, rel=args.rel,
+        seed=args.seed,
         max_first_50={"jax_vs_nudged_jax": float(self_gap[:n].max()),
                       "jax_vs_torch": float(cross_gap[:n].max())},
         first_step_above_1e5={"jax_vs_nudged_jax": first(self_gap),

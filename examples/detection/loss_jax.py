@@ -31,6 +31,11 @@ from examples.detection import model_jax
 ALPHA = 0.25  # RetinaNet's focal-loss alpha and gamma
 GAMMA = 2.0
 BOX_WEIGHT = 2.0  # the box term's weight (a GIoU/CIoU loss is in [0, ~2])
+# the stable loss's box term: "ciou" (the task), or for experiments
+# (divergence.py) another `box_iou_loss` kind or "smooth_l1" (Fast R-CNN's
+# smooth L1 on the corners in pixels, beta 1, summed over the 4 coordinates)
+BOX_KIND = "ciou"
+BOX_KINDS = ("iou", "giou", "diou", "ciou", "smooth_l1")
 
 
 def gather_boxes(out: dict, batch: dict, dtype=None) -> jax.Array:
@@ -109,6 +114,8 @@ def naive_loss(out: dict, batch: dict) -> tuple[jax.Array, dict]:
 def stable_loss(out: dict, batch: dict) -> tuple[jax.Array, dict]:
     """The library's float32 focal and CIoU losses (see the module).
 
+    The box term is `BOX_KIND`'s ("ciou" unless an experiment changed it).
+
     Returns:
       ``(loss, {"focal": per-element, "box": per-object})``, float32.
     """
@@ -118,5 +125,11 @@ def stable_loss(out: dict, batch: dict) -> tuple[jax.Array, dict]:
         out["cls"], batch["heatmap"], alpha=ALPHA, gamma=GAMMA
     )
     pred = gather_boxes(out, batch, jnp.float32)
-    box = losses.box_iou_loss(pred, batch["boxes"], kind="ciou")
+    if BOX_KIND == "smooth_l1":
+        import optax
+
+        target = batch["boxes"].astype(jnp.float32)
+        box = jnp.sum(optax.huber_loss(pred, target, delta=1.0), axis=-1)
+    else:
+        box = losses.box_iou_loss(pred, batch["boxes"], kind=BOX_KIND)
     return _total(jnp.sum(focal), box, batch["box_mask"]), {"focal": focal, "box": box}

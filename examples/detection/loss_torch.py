@@ -12,7 +12,7 @@ import math
 import torch
 
 from examples.detection import model_torch
-from examples.detection.loss_jax import ALPHA, BOX_WEIGHT, GAMMA
+from examples.detection.loss_jax import ALPHA, BOX_KIND, BOX_WEIGHT, GAMMA
 
 __all__ = ["gather_boxes", "naive_ciou", "naive_focal", "naive_loss", "stable_loss"]
 
@@ -99,6 +99,8 @@ def naive_loss(out: dict, batch: dict) -> tuple[torch.Tensor, dict]:
 def stable_loss(out: dict, batch: dict) -> tuple[torch.Tensor, dict]:
     """The library's float32 focal and CIoU losses (see `loss_jax`).
 
+    The box term is `BOX_KIND`'s ("ciou" unless an experiment changed it).
+
     Returns:
       ``(loss, {"focal": per-element, "box": per-object})``, float32.
     """
@@ -108,5 +110,11 @@ def stable_loss(out: dict, batch: dict) -> tuple[torch.Tensor, dict]:
         _nhwc(out["cls"]), batch["heatmap"], alpha=ALPHA, gamma=GAMMA
     )
     pred = gather_boxes(out, batch, torch.float32)
-    box = losses.box_iou_loss(pred, batch["boxes"], kind="ciou")
+    if BOX_KIND == "smooth_l1":
+        target = batch["boxes"].to(torch.float32)
+        box = torch.nn.functional.smooth_l1_loss(
+            pred, target, reduction="none", beta=1.0
+        ).sum(-1)
+    else:
+        box = losses.box_iou_loss(pred, batch["boxes"], kind=BOX_KIND)
     return _total(focal.sum(), box, batch["box_mask"]), {"focal": focal, "box": box}
