@@ -55,8 +55,8 @@ def tasks() -> dict:
     """The TASK objects by name.
 
     Example:
-        >>> sorted(tasks())[0]
-        'segmentation'
+        >>> sorted(tasks())
+        ['contrastive', 'detection', 'ocr', 'segmentation']
     """
     return {name: importlib.import_module(mod).TASK for name, mod in TASKS.items()}
 

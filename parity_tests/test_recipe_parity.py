@@ -13,8 +13,6 @@ advances neither schedule nor EMA.
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import math
 
 import jax
@@ -271,11 +269,3 @@ def test_bad_ema_settings_raise(settings, message):
         recipe_jax.with_ema(optax.sgd(0.1), 10, **settings)
     with pytest.raises(ValueError, match=message):
         recipe_torch.WeightEma(Tiny(), 10, **settings)
-
-
-@pytest.mark.parametrize("module", ["recipe", "recipe_jax", "recipe_torch"])
-def test_docstring_examples_run(module):
-    mod = importlib.import_module(f"examples.detection.{module}")
-    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    result = doctest.testmod(mod, optionflags=flags)
-    assert result.attempted > 0 and result.failed == 0

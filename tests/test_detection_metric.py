@@ -8,9 +8,6 @@ which is the area under the precision envelope as a step function of
 recall.
 """
 
-import doctest
-import importlib
-
 import numpy as np
 import pytest
 
@@ -184,11 +181,3 @@ def test_detect_equals_per_class_nms(ties):
         np.testing.assert_array_equal(gb, np.array(wb).reshape(-1, 4))
         np.testing.assert_array_equal(gs, ws)
         np.testing.assert_array_equal(gc, wc)
-
-
-@pytest.mark.parametrize("module", ["metric", "spread", "divergence"])
-def test_docstring_examples_run(module):
-    mod = importlib.import_module(f"examples.detection.{module}")
-    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    result = doctest.testmod(mod, optionflags=flags)
-    assert result.attempted > 0 and result.failed == 0

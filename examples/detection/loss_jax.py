@@ -75,8 +75,9 @@ def naive_ciou(pred: jax.Array, target: jax.Array) -> jax.Array:
 
     Example:
         >>> b = jnp.array([[0.0, 0.0, 2.0, 2.0]])
-        >>> naive_ciou(b, jnp.array([[1.0, 0.0, 3.0, 2.0]])).round(4).tolist()
-        [0.7436]
+        >>> loss = naive_ciou(b, jnp.array([[1.0, 0.0, 3.0, 2.0]]))
+        >>> round(float(loss[0]), 4)
+        0.7436
     """
     x1, y1, x2, y2 = jnp.moveaxis(pred, -1, 0)
     gx1, gy1, gx2, gy2 = jnp.moveaxis(target.astype(pred.dtype), -1, 0)
