@@ -166,7 +166,9 @@ def gradient_split(
     loads torch's current weights into the JAX detector and takes both
     frameworks' gradients of the loss on that step's batch, per parameter
     the relative difference ``|g_jax - g_torch| / |g_torch|`` (norms).
-    Stops at the first step where one exceeds `threshold`.
+    Stops at the first step where one exceeds `threshold`. (The extra
+    forward updates torch's batch-norm running statistics once more per
+    step than the run does; the training forward does not read them.)
 
     Returns:
       ``{"steps": steps compared, "max_relative_difference": the largest
@@ -219,7 +221,9 @@ def gradient_split(
             torch_grads = model_jax.split(convert.nnx_from_torch(grads))[1]
             ours = jax_grads(params, stats, jax.tree.map(jnp.asarray, batch))
             rel = jax.tree.map(
-                lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)),
+                lambda a, b: float(
+                    jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
+                ),
                 ours, torch_grads,
             )  # fmt: skip
             path, worst = max(
