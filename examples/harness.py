@@ -1308,6 +1308,106 @@ def fp32_agreement(runs: list[RunResult], steps: int = AGREEMENT_STEPS) -> float
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+def gradient_agreement(
+    task: Any,
+    config: BaseConfig,
+    steps: int = AGREEMENT_STEPS,
+    *,
+    threshold: float = 1e-4,
+    on_split: Callable[[Any, Mapping[str, np.ndarray]], dict] | None = None,
+) -> dict[str, Any]:
+    """Do JAX and torch compute the same gradient at the same weights?
+
+    Where `fp32_agreement` compares two runs that may drift apart through
+    the training dynamics, this separates the frameworks from the dynamics:
+    it trains the float32 stable torch run of `config` step by step and,
+    before each step, loads torch's current weights into the JAX model
+    (``task.jax_parts``) and takes both frameworks' gradients of the loss on
+    that step's batch; per parameter the relative difference
+    ``|g_jax - g_torch| / |g_torch|`` (norms; 0 where both are 0). It stops
+    at the first step where one exceeds `threshold`. The torch gradients are
+    brought to the JAX layout by ``task.jax_parts`` too (a state dict with
+    the gradients in the parameters' places), so the task's converter must
+    be linear in the parameters (transposes and reshapes are).
+
+    Args:
+      task, config: the task and a float32 stable config (its schedule and
+        batches; the first `steps` are compared).
+      threshold: the relative difference that counts as a split.
+      on_split: optional ``on_split(torch_model, numpy_batch) -> dict``,
+        called at the split (weights before that step); its entries go into
+        the split.
+
+    Returns:
+      ``{"steps": steps compared, "max_relative_difference": the largest
+      before the split (over all steps if none), "split": None or {"step",
+      "param" (the worst, JAX path), "relative_difference", ...}}``.
+
+    Example:
+        >>> from examples.detection.task import TASK
+        >>> cfg = TASK.get_config(steps=3, eval_images=4)
+        >>> out = gradient_agreement(TASK, cfg, 2)
+        >>> out["steps"], out["split"], out["max_relative_difference"] < 1e-5
+        (2, None, True)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if config.precision != "float32" or config.mode != "stable":
+        raise ValueError(
+            "gradient_agreement compares float32 stable runs; got precision="
+            f"{config.precision!r}, mode={config.mode!r}"
+        )
+    check_int("steps", steps, 1)
+    weights = task.initial_weights(config)
+    batches = task.train_batches(config)[:steps]
+    parts = task.torch_parts(config, weights)
+    model = parts.model
+    train_step, scheduler = _torch_stable(config, parts)
+    first = task.jax_parts(config, weights)
+
+    def loss_only(params, model_state, batch):
+        out, _ = first.loss_fn(params, model_state, batch)
+        return out[0] if first.has_aux else out
+
+    grad_fn = jax.jit(jax.grad(loss_only))
+
+    def relative(a, b):
+        b_norm = jnp.linalg.norm(b)
+        return float(jnp.linalg.norm(a - b) / jnp.where(b_norm > 0, b_norm, 1.0))
+
+    largest = 0.0
+    for step, batch in enumerate(batches):
+        torch_batch = parts.to_torch(batch)
+        model.zero_grad()
+        loss = parts.loss_fn(model, torch_batch)
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
+        state = model.state_dict()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        now = task.jax_parts(config, state)
+        theirs = task.jax_parts(config, {**state, **grads}).params
+        ours = grad_fn(now.params, now.model_state, jax.tree.map(jnp.asarray, batch))
+        rel = jax.tree.map(relative, ours, theirs)
+        path, worst = max(
+            jax.tree_util.tree_leaves_with_path(rel), key=lambda kv: kv[1]
+        )
+        if worst > threshold:
+            split = dict(
+                step=step,
+                param=jax.tree_util.keystr(path, simple=True, separator="."),
+                relative_difference=worst,
+            )
+            if on_split is not None:
+                split.update(on_split(model, batch))
+            return dict(steps=step + 1, max_relative_difference=largest, split=split)
+        largest = max(largest, worst)
+        model.zero_grad()
+        record = train_step(torch_batch)
+        if scheduler is not None and record["finite"]:
+            scheduler.step()
+    return dict(steps=len(batches), max_relative_difference=largest, split=None)
+
+
 def metric_lines(result: RunResult) -> list[str]:
     """The ``metrics.jsonl`` lines of one run (non-finite floats as null).
 
@@ -1773,9 +1873,10 @@ def parse_args(
 
     Returns the namespace with ``task`` (the TASK object), ``name``,
     ``precision``, ``out``, ``quick``, ``no_progress``, ``devices``,
-    ``one_device_reference`` and the config fields of :data:`_OPTIONS` and
-    ``optimizer``. ``--devices`` > 1 is refused (exit 2, naming the tasks
-    that have it) for a task without ``multi_device = True``.
+    ``one_device_reference``, ``gradient_agreement`` and the config fields
+    of :data:`_OPTIONS` and ``optimizer``. ``--devices`` > 1 is refused
+    (exit 2, naming the tasks that have it) for a task without
+    ``multi_device = True``, and with ``--gradient-agreement``.
     """
     parser = argparse.ArgumentParser(
         prog="compare.py",
@@ -1822,9 +1923,18 @@ def parse_args(
             help="also evaluate on the held-out set every K steps (metrics.jsonl)",
         )
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument(
+            "--gradient-agreement",
+            action="store_true",
+            help="instead of the comparison: JAX's and torch's gradients at the "
+            f"same weights over the first {AGREEMENT_STEPS} steps of the float32 "
+            "stable run, printed as JSON (gradient_agreement)",
+        )
         _add_device_options(p)
         p.set_defaults(task=task)
     args = parser.parse_args(argv)
+    if args.gradient_agreement and args.devices > 1:
+        parser.error("--gradient-agreement runs on one device; drop --devices")
     if args.devices > 1 and not getattr(args.task, "multi_device", False):
         supported = [n for n, t in tasks.items() if getattr(t, "multi_device", False)]
         parser.error(
@@ -1878,6 +1988,11 @@ def main(
     )
     task = args.task
     base = base_config(args)  # validated before JAX starts
+    if args.gradient_agreement:
+        steps = min(AGREEMENT_STEPS, base.steps)
+        out = gradient_agreement(task, base, steps)
+        print(json.dumps({"task": args.name, "threshold": 1e-4, **out}))
+        return 0
     devices.force_host_devices(base.devices)
     summary = compare(
         task,

@@ -118,3 +118,46 @@ def test_fp32_agreement_is_undefined_not_zero_for_broken_runs():
         assert math.isnan(harness.fp32_agreement([run("jax", bad), good])), bad
     zero = run("torch", [1.0, 0.0, 0.25])
     assert math.isnan(harness.fp32_agreement([run("jax", [1.0, 0.0, 0.25]), zero]))
+
+
+def test_gradient_agreement_flag_compares_gradients_at_the_same_weights(capsys):
+    argv = ["segmentation", "--quick", "--gradient-agreement"]
+    assert compare.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["task"] == "segmentation" and out["split"] is None
+    assert out["steps"] == min(harness.AGREEMENT_STEPS, TASK.quick["steps"])
+    assert 0 < out["max_relative_difference"] < 1e-4
+
+
+def test_gradient_agreement_finds_a_real_difference():
+    # torch's loss weighted 1.01x: the gradients at the same weights differ
+    # by 1e-2 on the first step, and the split names it
+    class Heavier:
+        def __getattr__(self, name):
+            return getattr(TASK, name)
+
+        def torch_parts(self, config, weights):
+            parts = TASK.torch_parts(config, weights)
+            loss_fn = parts.loss_fn
+
+            def heavier(model, batch):
+                loss = loss_fn(model, batch)
+                if isinstance(loss, tuple):
+                    return (1.01 * loss[0], *loss[1:])
+                return 1.01 * loss
+
+            parts.loss_fn = heavier
+            return parts
+
+    cfg = TASK.get_config(**TASK.quick)
+    out = harness.gradient_agreement(Heavier(), cfg, 2)
+    assert out["steps"] == 1 and out["split"]["step"] == 0
+    assert out["split"]["relative_difference"] == pytest.approx(1 / 101, rel=1e-3)
+
+
+def test_gradient_agreement_refuses_low_precision_and_several_devices():
+    cfg = TASK.get_config(**TASK.quick).replace(precision="float16")
+    with pytest.raises(ValueError, match="float32 stable"):
+        harness.gradient_agreement(TASK, cfg, 2)
+    with pytest.raises(SystemExit):
+        compare.main(["segmentation", "--gradient-agreement", "--devices", "2"])

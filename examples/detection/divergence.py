@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 
 import numpy as np
@@ -162,88 +161,29 @@ def gradient_split(
 ) -> dict:
     """Where JAX's and torch's gradients at the same weights first differ.
 
-    Trains the stable float32 torch run step by step; before each step it
-    loads torch's current weights into the JAX detector and takes both
-    frameworks' gradients of the loss on that step's batch, per parameter
-    the relative difference ``|g_jax - g_torch| / |g_torch|`` (norms).
-    Stops at the first step where one exceeds `threshold`. (The extra
-    forward updates torch's batch-norm running statistics once more per
-    step than the run does; the training forward does not read them.)
-
-    Returns:
-      ``{"steps": steps compared, "max_relative_difference": the largest
-      before the split (all of them if none), "split": None or {"step",
-      "param" (the worst), "relative_difference", "relu_flips"}}``,
-      ``relu_flips`` listing each ConvBN whose ReLU inputs have opposite
-      signs in the two frameworks in that step's forward: ``{"layer",
-      "count", "max_abs_input"}`` (the largest ``|input|`` among them).
+    `harness.gradient_agreement` on the default detection config (seed
+    `seed`, the box term set as in :func:`float32_losses`), its split
+    extended with ``relu_flips``: each ConvBN whose ReLU inputs have
+    opposite signs in the two frameworks in that step's forward,
+    ``{"layer", "count", "max_abs_input"}`` (the largest ``|input|`` among
+    them).
 
     Example:
         >>> out = gradient_split(2)
         >>> out["steps"], out["split"], out["max_relative_difference"] < 1e-5
         (2, None, True)
     """
-    import jax
-    import jax.numpy as jnp
+    import torch
 
-    from examples.detection import convert, model_jax
+    def flips(model, batch):
+        images = torch.from_numpy(data.to_nchw(batch["image"]))
+        return {"relu_flips": _relu_flips(model, images, batch["image"])}
 
     cfg = TASK.get_config(seed=seed, eval_images=4)
-    d = config_lib.data_config(cfg)
     with _box_term(box_weight, box_kind):
-        parts = TASK.torch_parts(cfg, TASK.initial_weights(cfg))
-        model = parts.model
-        # the run's own guarded step, optimizer and LR schedule
-        train_step, scheduler = harness._torch_stable(cfg, parts)
-        graphdef = model_jax.split(convert.nnx_from_torch(model))[0]
-        largest = 0.0
-
-        @jax.jit
-        def jax_grads(params, stats, batch):
-            def loss(p):
-                out, _ = model_jax.apply(graphdef, p, stats, batch["image"], train=True)
-                return loss_jax.stable_loss(out, batch)[0]
-
-            return jax.grad(loss)(params)
-
-        for step, batch in enumerate(
-            data.batches(d, "train", cfg.batch_size, seed, steps)
-        ):
-            tb = parts.to_torch(batch)
-            model.zero_grad()
-            parts.loss_fn(model, tb).backward()
-            grads = copy.deepcopy(model)
-            for (_, g), (_, p) in zip(
-                grads.named_parameters(), model.named_parameters(), strict=True
-            ):
-                g.data = p.grad.detach().clone()
-            _, params, stats = model_jax.split(convert.nnx_from_torch(model))
-            torch_grads = model_jax.split(convert.nnx_from_torch(grads))[1]
-            ours = jax_grads(params, stats, jax.tree.map(jnp.asarray, batch))
-            rel = jax.tree.map(
-                lambda a, b: float(
-                    jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30)
-                ),
-                ours, torch_grads,
-            )  # fmt: skip
-            path, worst = max(
-                jax.tree_util.tree_leaves_with_path(rel), key=lambda kv: kv[1]
-            )
-            if worst > threshold:
-                split = dict(
-                    step=step,
-                    param=jax.tree_util.keystr(path, simple=True, separator="."),
-                    relative_difference=worst,
-                    relu_flips=_relu_flips(model, tb["image"], batch["image"]),
-                )
-                return dict(steps=step + 1, max_relative_difference=largest,
-                            split=split)  # fmt: skip
-            largest = max(largest, worst)
-            model.zero_grad()
-            record = train_step(tb)
-            if scheduler is not None and record["finite"]:
-                scheduler.step()
-    return dict(steps=steps, max_relative_difference=largest, split=None)
+        return harness.gradient_agreement(
+            TASK, cfg, steps, threshold=threshold, on_split=flips
+        )
 
 
 def _relu_flips(model, torch_images, images) -> list[dict]:
