@@ -1315,6 +1315,7 @@ def gradient_agreement(
     *,
     threshold: float = 1e-4,
     on_split: Callable[[Any, Mapping[str, np.ndarray]], dict] | None = None,
+    batches: list[dict[str, np.ndarray]] | None = None,
 ) -> dict[str, Any]:
     """Do JAX and torch compute the same gradient at the same weights?
 
@@ -1337,6 +1338,8 @@ def gradient_agreement(
       on_split: optional ``on_split(torch_model, numpy_batch) -> dict``,
         called at the split (weights before that step); its entries go into
         the split.
+      batches: the run's first batches if the caller has them (else drawn
+        with ``task.train_batches(config)``, all ``config.steps`` of them).
 
     Returns:
       ``{"steps": steps compared, "max_relative_difference": the largest
@@ -1360,7 +1363,7 @@ def gradient_agreement(
         )
     check_int("steps", steps, 1)
     weights = task.initial_weights(config)
-    batches = task.train_batches(config)[:steps]
+    batches = (task.train_batches(config) if batches is None else batches)[:steps]
     parts = task.torch_parts(config, weights)
     model = parts.model
     train_step, scheduler = _torch_stable(config, parts)

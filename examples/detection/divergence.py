@@ -99,10 +99,12 @@ def float32_losses(
     box term's weight and loss are `box_weight` and `box_kind` in both
     frameworks for these runs (restored after).
 
-    Example:
-        >>> out = float32_losses(2, runs=("jax", "torch"), eval_images=1)
-        >>> sorted(out), len(out["jax"])
-        (['jax', 'torch'], 2)
+    Example (a run takes seconds; `tests/test_detection_agreement.py` runs
+    them):
+        >>> float32_losses(2, runs=("jax", "tf"))
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown runs ['tf']; allowed: ('jax', 'jax_nudged', ...)
     """
     import torch
 
@@ -168,10 +170,12 @@ def gradient_split(
     ``{"layer", "count", "max_abs_input"}`` (the largest ``|input|`` among
     them).
 
-    Example:
-        >>> out = gradient_split(2)
-        >>> out["steps"], out["split"], out["max_relative_difference"] < 1e-5
-        (2, None, True)
+    Example (a run: `tests/test_detection_agreement.py`; the harness's
+    example runs two steps):
+        >>> gradient_split(2, box_kind="huber")
+        Traceback (most recent call last):
+        ...
+        ValueError: box_kind='huber'; allowed: ('iou', 'giou', 'diou', 'ciou', ...)
     """
     import torch
 
@@ -180,9 +184,11 @@ def gradient_split(
         return {"relu_flips": _relu_flips(model, images, batch["image"])}
 
     cfg = TASK.get_config(seed=seed, eval_images=4)
+    d = config_lib.data_config(cfg)
+    batches = list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
     with _box_term(box_weight, box_kind):
         return harness.gradient_agreement(
-            TASK, cfg, steps, threshold=threshold, on_split=flips
+            TASK, cfg, steps, threshold=threshold, on_split=flips, batches=batches
         )
 
 
