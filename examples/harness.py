@@ -99,6 +99,8 @@ METRIC_KEYS = ("loss", "grad_norm", "loss_scale", "finite", "skipped_total")
 # defaults: 1.3e-4 at lr 1e-3, 9.1e-4 at 2e-3, 1.3e-3 at 3e-3).
 FP32_AGREEMENT_LIMIT = 1e-3
 AGREEMENT_STEPS = 50
+# `gradient_agreement`: the relative gradient difference that counts as a split
+GRADIENT_THRESHOLD = 1e-4
 
 
 # --------------------------------------------------------------------------
@@ -1313,7 +1315,7 @@ def gradient_agreement(
     config: BaseConfig,
     steps: int = AGREEMENT_STEPS,
     *,
-    threshold: float = 1e-4,
+    threshold: float = GRADIENT_THRESHOLD,
     on_split: Callable[[Any, Mapping[str, np.ndarray]], dict] | None = None,
     batches: list[dict[str, np.ndarray]] | None = None,
 ) -> dict[str, Any]:
@@ -1994,7 +1996,7 @@ def main(
     if args.gradient_agreement:
         steps = min(AGREEMENT_STEPS, base.steps)
         out = gradient_agreement(task, base, steps)
-        print(json.dumps({"task": args.name, "threshold": 1e-4, **out}))
+        print(json.dumps({"task": args.name, "threshold": GRADIENT_THRESHOLD, **out}))
         return 0
     devices.force_host_devices(base.devices)
     summary = compare(

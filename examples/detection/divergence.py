@@ -122,8 +122,7 @@ def float32_losses(
         else v
         for k, v in weights.items()
     }
-    d = config_lib.data_config(cfg)
-    batches = list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
+    batches = _first_batches(cfg, steps)
     heldout = TASK.heldout_set(cfg)
     with _box_term(box_weight, box_kind):
         losses = {}
@@ -136,6 +135,12 @@ def float32_losses(
             )  # fmt: skip
             losses[name] = [m["loss"] for m in run.metrics]
     return losses
+
+
+def _first_batches(cfg: config_lib.Config, steps: int) -> list[dict]:
+    """The run's first `steps` train batches (not all ``cfg.steps`` of them)."""
+    d = config_lib.data_config(cfg)
+    return list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
 
 
 @contextlib.contextmanager
@@ -184,8 +189,7 @@ def gradient_split(
         return {"relu_flips": _relu_flips(model, images, batch["image"])}
 
     cfg = TASK.get_config(seed=seed, eval_images=4)
-    d = config_lib.data_config(cfg)
-    batches = list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
+    batches = _first_batches(cfg, steps)
     with _box_term(box_weight, box_kind):
         return harness.gradient_agreement(
             TASK, cfg, steps, threshold=threshold, on_split=flips, batches=batches
