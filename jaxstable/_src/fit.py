@@ -163,9 +163,9 @@ def fit(
     uses no RNG: keep a model's key in the state (``model_state``, a typed
     ``jax.random.key`` is fine) or derive it from ``state.step``, and it is
     checkpointed with the rest. One run at a time writes a directory: fit
-    holds the lock ``checkpoint_dir/.fit.lock`` (see
-    `jaxstable.train.CheckpointManager`) for the call, and a second fit on
-    the directory is refused with a RuntimeError naming the pid and host of
+    holds the lock ``checkpoint_dir/.fit.lock`` for the call (process 0
+    for them all under ``jax.distributed``), and a second fit on the
+    directory is refused with a RuntimeError naming the pid and host of
     the first (a killed run's lock is stale and taken over). When fit runs
     fewer steps than ``steps`` (the batches ended; the checkpoint it resumed
     from is already past ``steps``) it says so with a UserWarning.
