@@ -1,9 +1,10 @@
 """One training run of the kill-and-resume test (parity_tests/test_resume.py).
 
 ``python -m parity_tests.resume_worker FRAMEWORK DIR [--hang-in-save]``
-trains a tiny MLP for `STEPS` steps in each config (float32, then float16
-compute with a moving loss scale) with ``fit(..., checkpoint_dir=
-DIR/CONFIG/ck, resume=True, log_path=DIR/CONFIG/log.jsonl)``: the very same
+trains a tiny MLP for `STEPS` steps in each config (float32 with
+``nan_policy="rollback"``, then float16 compute with a moving loss scale)
+with ``fit(..., checkpoint_dir=DIR/CONFIG/ck, resume=True,
+log_path=DIR/CONFIG/log.jsonl)``: the very same
 command, re-run after a kill, finishes the very same runs (one process for
 both configs: a JAX process takes ~5 s to start). `--hang-in-save` makes the first
 checkpoint of this process hang just before it is committed (before the
@@ -29,6 +30,14 @@ EVERY = 4
 # float16 (max 65504) on the large batches, so it moves both ways.
 SCALE = {"fp32": (2.0**4, 3), "fp16": (2.0**13, 3)}
 CONFIGS = tuple(SCALE)
+# fp32 rolls back on its NaN batch (step 9) to the snapshot of step 5: a run
+# resumed from checkpoint 8 must bring that snapshot (and the policy's
+# counts) back from the checkpoint. fp16 skips.
+POLICY = {
+    "fp32": {"nan_policy": "rollback", "max_consecutive_nonfinite": 1,
+             "rollback_every": 5},
+    "fp16": {},
+}  # fmt: skip
 
 
 def batches(config: str) -> list[np.ndarray]:
@@ -102,6 +111,7 @@ def _jax_run(config, folder, train):
         checkpoint_every=EVERY,
         log_path=os.path.join(folder, "log.jsonl"),
         resume=True,
+        **POLICY[config],
     )
     return state
 
@@ -142,6 +152,7 @@ def _torch_run(config, folder, train):
         checkpoint_every=EVERY,
         log_path=os.path.join(folder, "log.jsonl"),
         resume=True,
+        **POLICY[config],
     )
     return step
 

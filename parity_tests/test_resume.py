@@ -1,6 +1,7 @@
 """Kill-and-resume: a run SIGKILLed at random points (and once inside a
 checkpoint write), re-run with the same command, ends bitwise equal to the
-same run uninterrupted, in both frameworks, in float32 and with float16
+same run uninterrupted, in both frameworks, in float32 (rolling back on its
+NaN batch to an older snapshot, which the checkpoints carry) and with float16
 compute and a moving loss scale; its JSONL log has every step once.
 
 The runs are `parity_tests.resume_worker` (a tiny MLP, 24 steps per config,
@@ -161,5 +162,7 @@ def _check_same_run(framework, config, reference, ref_dir, run_dir):
     moves = {np.sign(b - a) for a, b in itertools.pairwise(scales)}
     assert {-1.0, 1.0} <= moves  # the loss scale grew and backed off
     assert '"finite": false' in "".join(ref_log)  # and steps were skipped
+    if worker.POLICY[config]:
+        assert '"rolled_back": true' in "".join(ref_log)
     # No orphan temporary file or directory after the resumed run.
     assert not [p for p in (run_dir / "ck").iterdir() if "tmp" in p.name]

@@ -1,41 +1,63 @@
-"""Checkpoints of a `TrainState` on orbax-checkpoint.
+"""Checkpoints of a `TrainState` (or any pytree) on orbax-checkpoint.
 
 One checkpoint is a directory that orbax writes under a temporary name and
 renames once complete, so a crash mid-save never leaves a partial
-checkpoint under the final name. It holds two items: ``state`` (the
-`TrainState` as a state dict: params, optimizer state with its skip
-counters, every loss-scale field, model state, step, skipped_total) and
-``meta`` (JSON: the format, the run's global step, the data position, the
-optimizer state's type names and a sha256 of every saved leaf, so that a
-flipped byte is caught rather than loaded).
+checkpoint under the final name. It holds two items: ``state`` (the leaves,
+a list of numpy arrays) and ``meta`` (JSON: the format, the run's global
+step, the data position, the metrics, `fit`'s NaN-policy state, the
+optimizer state's and loss scale's type names, each leaf's path, shape and
+dtype, and a sha256 over all of these and every leaf's bytes, so that a
+flipped bit anywhere, the data position included, is caught rather than
+loaded).
 
-Files of the older flax-msgpack format (a single file) are still read by
-`load_checkpoint`: telling a file from a directory costs nothing.
+Any pytree JAX can flatten is saved: through flax's state dicts where flax
+knows the type (a `TrainState`, a loss scale with its period, FrozenDict,
+NamedTuples), through JAX's own flattening elsewhere (``nnx.State``,
+dataclasses). A typed PRNG key is saved as its key data and implementation
+name, a zero-size array as its shape and dtype (orbax refuses to write
+one), None as no leaf; a restore rebuilds the target's own structure and
+types.
+
+Older checkpoints are still read: format 1 (``jaxstable-checkpoint-1``,
+whose sha256 covered the arrays only) and flax-msgpack files. Their data
+position is not under a checksum, and they hold no NaN-policy state.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
+import re
+import shutil
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
+from jaxstable._src._lock import locked_elsewhere
 from jaxstable._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxstable._src.step import TrainState
 
 __all__ = ["CheckpointManager", "load_checkpoint", "save_checkpoint"]
 
-_FORMAT = "jaxstable-checkpoint-1"
+_FORMAT = "jaxstable-checkpoint-2"
+_FORMAT_1 = "jaxstable-checkpoint-1"
 # Top-level key of an old msgpack file (not a TrainState field) naming the
 # optimizer state's types: two optimizers can share a state layout (adam's
 # and adabelief's are both (count, mu, nu)) but not their type names.
 _TYPES_KEY = "_types"
 # Mismatch lines listed in one error; the rest are counted.
 _MAX_MISMATCH_LINES = 12
+_NAME = re.compile(r"^step_(\d{8,})$")
+# orbax writes checkpoint n under this name, renamed to step_n once complete.
+_TMP = re.compile(r"^step_\d{8,}\.orbax-checkpoint-tmp")
+# What a checkpoint stores as a leaf; any other pytree node is walked into.
+_VALUES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 class _CorruptCheckpoint(ValueError):
@@ -49,48 +71,206 @@ def _ocp():
     return ocp
 
 
-def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{path: leaf}`` of a nested state dict, paths as in `_leaf_specs`."""
+def _primary() -> bool:
+    # Several processes (jax.distributed) save one checkpoint together:
+    # process 0 alone removes, prunes and fsyncs.
+    return jax.process_index() == 0
+
+
+# -- leaves and paths ----------------------------------------------------------
+
+
+def _key_name(entry: Any) -> str:
+    """``DictKey('w')``, ``GetAttrKey('w')``, ``SequenceKey(0)``... as "w", "0"."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _path_str(path: tuple[str, ...]) -> str:
+    return "/".join(path) or "<root>"  # "<root>": a checkpoint of one array
+
+
+def _children(node: Any, path: tuple[str, ...]) -> tuple[list, Any]:
+    """One level of JAX's flattening of `node`: ``([(key, child)], treedef)``."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node
+    )
+    if len(pairs) == 1 and not pairs[0][0]:  # a JAX leaf that is no value
+        raise TypeError(
+            f"cannot checkpoint {_path_str(path)}: a {type(node).__name__} (a "
+            "checkpoint holds arrays, numbers, typed PRNG keys and the pytrees "
+            "around them)"
+        )
+    return [(_key_name(p[0]), child) for p, child in pairs], treedef
+
+
+def _flat(tree: Any, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    """``{path: leaf}`` of any pytree, in the tree's order.
+
+    flax's state dict where flax knows the type (it keeps a loss scale's
+    period, which JAX's flattening leaves out), JAX's flattening elsewhere
+    (an ``nnx.State``, a dataclass); None and empty containers hold no leaf.
+    """
+    tree = serialization.to_state_dict(tree)
+    if tree is None:
+        return {}
+    if isinstance(tree, _VALUES):
+        return {path: tree}
+    if type(tree) is dict:
+        items = [(str(k), v) for k, v in tree.items()]
+    else:
+        items = _children(tree, path)[0]
+    out = {}
+    for key, child in items:
+        out.update(_flat(child, (*path, key)))
+    return out
+
+
+def _is_key(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) and jnp.issubdtype(
+        leaf.dtype, jax.dtypes.prng_key
+    )
+
+
+def _spec(leaf: Any) -> tuple[tuple, str]:
+    """``(shape, dtype)``; a Python number is ``((), "int")`` etc."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return tuple(leaf.shape), str(leaf.dtype)
+    return (), type(leaf).__name__
+
+
+def _encode(tree: Any, first_index: int = 0) -> tuple[list[dict], list[np.ndarray]]:
+    """``(entries, arrays)``: one JSON entry per leaf (path, shape, dtype and
+    how it is stored) and the arrays orbax writes (none for a zero-size one)."""
+    flat = _flat(tree)
+    entries = []
+    for path, leaf in flat.items():
+        shape, dtype = _spec(leaf)
+        entry = {"path": list(path), "shape": list(shape), "dtype": dtype}
+        if _is_key(leaf):
+            entry["impl"] = str(jax.random.key_impl(leaf))
+        entries.append(entry)
+    # Key data, then one device-to-host transfer for all the leaves.
+    leaves = [jax.random.key_data(x) if _is_key(x) else x for x in flat.values()]
+    arrays = []
+    for entry, leaf in zip(entries, jax.device_get(leaves), strict=True):
+        data = np.asarray(leaf)
+        entry["data"] = [list(data.shape), data.dtype.name]
+        if data.size:
+            entry["index"] = first_index + len(arrays)
+            # order="C", not ascontiguousarray: that makes a 0-d array (1,).
+            arrays.append(np.asarray(data, order="C"))
+    return entries, arrays
+
+
+def _decode(entries: list[dict], arrays: list) -> tuple[dict, dict]:
+    """``({path: value}, {path: (shape, dtype)})`` of saved `entries`."""
+    values, specs = {}, {}
+    for e in entries:
+        path = tuple(e["path"])
+        shape, dtype = e["data"]
+        data = arrays[e["index"]] if "index" in e else np.zeros(shape, jnp.dtype(dtype))
+        if "impl" in e:
+            data = jax.random.wrap_key_data(data, impl=e["impl"])
+        values[path] = data
+        specs[path] = (tuple(e["shape"]), e["dtype"])
+    return values, specs
+
+
+def _digest(body: dict, arrays: list) -> str:
+    """sha256 over the meta (all but the digest) and every array's bytes."""
+    h = hashlib.sha256(json.dumps(body, sort_keys=True).encode())
+    for a in arrays:
+        a = np.asarray(a, order="C")
+        h.update(f"|{a.dtype.name}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _leaves_v1(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{path: leaf}`` of a format-1 state dict (as its digest saw it)."""
     if tree is None:
         return {}
     if isinstance(tree, dict):
         out = {}
         for k, v in tree.items():
-            out.update(_leaves(v, f"{prefix}/{k}" if prefix else str(k)))
+            out.update(_leaves_v1(v, f"{prefix}/{k}" if prefix else str(k)))
         return out
     return {prefix or "<root>": tree}
 
 
-def _digest(tree: Any) -> str:
-    """sha256 over every leaf's path, dtype, shape and bytes."""
+def _digest_v1(tree: Any) -> str:
+    """Format 1's sha256: every leaf's path, dtype, shape and bytes."""
     h = hashlib.sha256()
-    for path, leaf in sorted(_leaves(tree).items()):
+    for path, leaf in sorted(_leaves_v1(tree).items()):
         a = np.ascontiguousarray(np.asarray(leaf))
         h.update(f"{path}|{a.dtype}|{a.shape}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()
 
 
-def _payload(state: Any, step: int | None, data_position: int | None):
-    """The two items of a checkpoint: the state dict and its JSON meta."""
-    tree = serialization.to_state_dict(jax.device_get(state))
-    types = _state_types(state.opt_state) if isinstance(state, TrainState) else None
-    meta = {
+# -- writing and reading one checkpoint ----------------------------------------
+
+
+def _types(state: Any) -> dict[str, str | None]:
+    if not isinstance(state, TrainState):
+        return {"opt_state": None, "loss_scale": None}
+    return {
+        "opt_state": _state_types(state.opt_state),
+        "loss_scale": type(state.loss_scale).__name__,
+    }
+
+
+def _payload(
+    state: Any,
+    step: int | None,
+    data_position: int | None,
+    metrics: dict | None = None,
+    fit_state: dict | None = None,
+    snapshot: Any = None,
+):
+    """The two orbax items of a checkpoint: the arrays and their JSON meta."""
+    entries, arrays = _encode(state)
+    body = {
         "format": _FORMAT,
         "step": step,
         "data_position": step if data_position is None else int(data_position),
-        "types": {"opt_state": types},
-        "sha256": _digest(tree),
+        "metrics": metrics,
+        "fit_state": fit_state,
+        "types": _types(state),
+        "leaves": entries,
     }
+    if snapshot is not None:  # fit's rollback snapshot, a state like `state`
+        body["snapshot"], more = _encode(snapshot, len(arrays))
+        arrays += more
+    body["arrays"] = len(arrays)
+    meta = {**body, "sha256": _digest(body, arrays)}
     ocp = _ocp()
+    # orbax refuses an empty tree: a state of zero-size arrays alone gets one
+    # placeholder byte, outside the digest and never read.
+    stored = arrays or [np.zeros((), np.uint8)]
     return ocp.args.Composite(
-        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
+        state=ocp.args.StandardSave(stored), meta=ocp.args.JsonSave(meta)
     )
 
 
-def _read(path: Any) -> tuple[Any, dict]:
-    """The state dict and meta of the checkpoint directory `path`, checked
-    against its sha256; `_CorruptCheckpoint` naming it when that fails."""
+class _Loaded(NamedTuple):
+    """A checkpoint read and checked, not yet restored onto a target."""
+
+    values: dict  # {path: value}
+    specs: dict  # {path: (shape, dtype)}
+    types: Any  # the saved type names (None in an older file)
+    meta: dict
+    raw: Any  # format 1 / msgpack: the state dict (for its loss-scale check)
+    snapshot: tuple | None  # (values, specs) of fit's rollback snapshot
+
+
+def _read(path: Any, step: int | None = None) -> _Loaded:
+    """The checkpoint directory `path`, checked against its sha256 (and, for a
+    manager's checkpoint `step`, against that step); `_CorruptCheckpoint`
+    naming it when that fails."""
     ocp = _ocp()
     args = ocp.args.Composite(
         state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()
@@ -105,37 +285,91 @@ def _read(path: Any) -> tuple[Any, dict]:
             f"({type(e).__name__}: {first})"
         ) from e
     meta = out.meta if isinstance(out.meta, dict) else {}
-    if meta.get("format") != _FORMAT or meta.get("sha256") != _digest(out.state):
+    if meta.get("format") == _FORMAT_1 and meta.get("sha256") == _digest_v1(out.state):
+        raw = out.state
+        values = _flat(raw)
+        specs = {p: _spec(v) for p, v in values.items()}
+        return _Loaded(values, specs, meta.get("types"), meta, raw, None)
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    n = body.get("arrays")
+    arrays = out.state if isinstance(out.state, list) else []
+    intact = (
+        meta.get("format") == _FORMAT
+        and isinstance(n, int)
+        and n <= len(arrays)
+        and meta.get("sha256") == _digest(body, arrays[:n])
+    )
+    if not intact:
         raise _CorruptCheckpoint(
-            f"checkpoint {os.fspath(path)!r} is corrupt: its arrays do not match "
-            "the sha256 saved with them"
+            f"checkpoint {os.fspath(path)!r} is corrupt: its arrays or meta "
+            "(data position, step, NaN-policy state) do not match the sha256 "
+            "saved with them"
         )
-    return out.state, meta
+    if step is not None and meta.get("step") not in (None, step):
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} is not checkpoint {step}: its meta "
+            f"names step {meta.get('step')}"
+        )
+    values, specs = _decode(meta["leaves"], arrays)
+    snapshot = None
+    if meta.get("snapshot") is not None:
+        snapshot = _decode(meta["snapshot"], arrays)
+    return _Loaded(values, specs, meta.get("types"), meta, None, snapshot)
 
 
 def _place(new: Any, old: Any) -> Any:
     # Onto the target's device and sharding (a sharded target gets sharded
-    # arrays); a non-array target leaf takes the saved value as it is. An
-    # uncommitted target leaf (a one-device state never device_put) gets an
-    # uncommitted array: a committed one would make the jitted step compile
-    # again on its first call after a restore (5.4 s instead of 0.6 ms for
-    # the 4-leaf MLP of tests/test_distributed.py, on a loaded 2-core CPU).
-    if not isinstance(old, jax.Array):
-        return new
+    # arrays). An uncommitted target leaf (a one-device state never
+    # device_put) gets an uncommitted array: a committed one would make the
+    # jitted step compile again on its first call after a restore (5.4 s
+    # instead of 0.6 ms for the 4-leaf MLP of tests/test_distributed.py, on
+    # a loaded 2-core CPU).
     return jax.device_put(new, old.sharding if old.committed else None)
 
 
-def _restore_onto(path: Any, raw: Any, saved_types: Any, target: Any) -> Any:
-    _check_loss_scale_type(path, raw, target)
-    _check_optimizer_types(path, saved_types, target)
-    _check_same_structure(
-        path, _leaf_specs(raw), _leaf_specs(serialization.to_state_dict(target))
-    )
-    restored = serialization.from_state_dict(target, raw)
-    # Leaf by leaf: static fields (a loss scale's period) may differ.
-    leaves, treedef = jax.tree_util.tree_flatten(restored)
-    placed = map(_place, leaves, jax.tree_util.tree_leaves(target))
-    return jax.tree_util.tree_unflatten(treedef, list(placed))
+def _as_leaf(value: Any, like: Any) -> Any:
+    """`value` (a numpy array, or a key array) as a leaf of `like`'s type."""
+    if isinstance(like, jax.Array):
+        return _place(value, like)
+    if isinstance(like, np.ndarray):
+        return np.array(value, like.dtype)
+    if isinstance(like, np.generic):
+        return like.dtype.type(np.asarray(value))
+    return type(like)(np.asarray(value).item())  # a Python number
+
+
+def _rebuild(target: Any, values: dict, path: tuple[str, ...] = ()) -> Any:
+    """`target`'s structure and types, its leaves taken from `values`."""
+    tree = serialization.to_state_dict(target)
+    return serialization.from_state_dict(target, _fill(tree, values, path))
+
+
+def _fill(node: Any, values: dict, path: tuple[str, ...]) -> Any:
+    # A flax state dict with the saved leaves in it; a node flax leaves as it
+    # is (an nnx.State) is rebuilt here, flax's restore then keeps it.
+    if node is None:
+        return None
+    if isinstance(node, _VALUES):
+        return _as_leaf(values[path], node)
+    if type(node) is dict:
+        return {k: _fill(v, values, (*path, str(k))) for k, v in node.items()}
+    pairs, treedef = _children(node, path)
+    children = [_rebuild(c, values, (*path, k)) for k, c in pairs]
+    return jax.tree_util.tree_unflatten(treedef, children)
+
+
+def _restore_onto(path: Any, loaded: _Loaded, target: Any, snapshot=False) -> Any:
+    """`loaded` (or its snapshot) restored onto `target`, after checking that
+    both have the same types and leaves (refused with a ValueError)."""
+    if loaded.raw is not None:
+        _check_loss_scale_type(path, loaded.raw, target)
+    else:
+        _check_loss_scale_name(path, loaded.types, target)
+    _check_optimizer_types(path, loaded.types, target)
+    values, specs = loaded.snapshot if snapshot else loaded[:2]
+    expected = {p: _spec(v) for p, v in _flat(target).items()}
+    _check_same_structure(path, specs, expected)
+    return _rebuild(target, values)
 
 
 def save_checkpoint(
@@ -143,18 +377,24 @@ def save_checkpoint(
 ) -> None:
     """Writes `state` as an orbax checkpoint directory at `path` (replaced if present).
 
-    Every pytree field is saved (loss-scale fields and skip counters
-    included), with the optimizer state's type names, so that
+    Every leaf is saved (loss-scale fields and skip counters included), with
+    the optimizer state's and loss scale's type names, so that
     `load_checkpoint` can refuse a checkpoint of another optimizer by name,
-    and a sha256 of the leaves, so that a damaged one is refused too. The
+    and a sha256 of the leaves and the meta, so that a damaged one is
+    refused too. Any pytree JAX can flatten is accepted (see the module
+    docstring: ``nnx.State``, typed PRNG keys, zero-size arrays...). The
     write is atomic (orbax renames a complete temporary directory). For a
     run, `CheckpointManager` keeps several, by global step.
 
     Args:
       path: the checkpoint directory to write.
-      state: a `TrainState` or any flax-serialisable pytree.
+      state: a `TrainState` or any pytree of arrays, numbers and PRNG keys.
       data_position: batches of the run consumed so far (kept in the meta;
         `CheckpointManager.restore` returns it), or None.
+
+    Raises:
+      TypeError: a leaf that is not an array, a number or a PRNG key (named
+        by its path).
 
     Example:
       >>> import os, tempfile, jax.numpy as jnp, optax
@@ -184,9 +424,12 @@ def load_checkpoint(path: str | os.PathLike, target: Any) -> Any:
     state types, and the same leaf paths with the same shapes and dtypes
     (params, optimizer state, model state, counters). flax alone would load
     a (2, 3) array into a (3, 3) target, or a float16 one into a float32
-    target, without a word. Arrays are placed on the devices and shardings
-    of `target`'s arrays. A file (not a directory) is read as the older
-    flax-msgpack format, without a checksum.
+    target, without a word. Leaves are matched by their path (a dict's
+    keys, a field's name), never by position. The result has `target`'s
+    pytree structure and types (an ``nnx.State`` stays one, a typed PRNG key
+    a typed key), its arrays on the devices and shardings of `target`'s. A
+    file (not a directory) is read as the older flax-msgpack format,
+    without a checksum.
 
     Args:
       path: the checkpoint directory (or an older msgpack file).
@@ -226,9 +469,12 @@ def load_checkpoint(path: str | os.PathLike, target: Any) -> Any:
         with open(path, "rb") as f:
             raw = serialization.msgpack_restore(f.read())
         saved_types = raw.pop(_TYPES_KEY, None) if isinstance(raw, dict) else None
-        return _restore_onto(path, raw, saved_types, target)
-    raw, meta = _read(path)
-    return _restore_onto(path, raw, meta.get("types"), target)
+        values = _flat(raw)
+        specs = {p: _spec(v) for p, v in values.items()}
+        loaded = _Loaded(values, specs, saved_types, {}, raw, None)
+    else:
+        loaded = _read(path)
+    return _restore_onto(path, loaded, target)
 
 
 def _fsync_tree(root: str) -> None:
@@ -265,23 +511,33 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
         raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
 
 
+# -- a run's checkpoints -------------------------------------------------------
+
+
 class CheckpointManager:
     """The checkpoints of one run in a directory, named by the run's global step.
 
-    Built on `orbax.checkpoint.CheckpointManager`. Checkpoint n lives in
-    ``directory/step_{n:08d}`` (n: steps of the run done, not steps of one
-    `fit` call). It keeps the last `max_to_keep` checkpoints and, with
-    `best_metric`, also the best one by that metric. With `async_save` a
-    save returns once the state is on the host and orbax writes it in the
-    background (the next save, `wait` or `close` waits for it); a crash
-    mid-save leaves only orbax's temporary directory, which the next
-    manager on the directory removes. Finished checkpoints are fsynced (at
-    the next save, `wait` or `close`).
+    Checkpoint n lives in ``directory/step_{n:08d}`` (n: steps of the run
+    done, not steps of one `fit` call), written by orbax as
+    `save_checkpoint` writes. After each save it keeps the last
+    `max_to_keep` checkpoints up to that step and, with `best_metric`, also
+    the best one by that metric; the mirror of
+    `torchref.train.CheckpointManager`. Only this manager's own checkpoints
+    count and are deleted: an entry named like one that is not (a stray file
+    or directory ``step_00000099``) is left alone and takes no slot, and
+    neither does a checkpoint past the step just saved (one a resume went
+    back from). With `async_save` a save returns once the state is on the
+    host and orbax writes it in the background (the next save, `wait` or
+    `close` waits for it); a crash mid-save leaves only orbax's temporary
+    directory, which the next manager on the directory removes (unless a
+    run holds the directory's lock, see `fit`). Finished checkpoints are
+    fsynced (at the next save, `wait` or `close`).
 
-    `restore` takes the latest intact checkpoint: a truncated or damaged
-    one (unreadable, or its sha256 differs) gives a `RuntimeWarning` naming
-    it and the one before it is tried. A checkpoint of another model,
-    optimizer or loss scale raises the `load_checkpoint` ValueError.
+    `restore` takes the latest intact checkpoint: a truncated, damaged or
+    foreign one (unreadable, or its sha256 differs) gives a
+    `RuntimeWarning` naming it and the one before it is tried. A checkpoint
+    of another model, optimizer or loss scale raises the `load_checkpoint`
+    ValueError.
 
     Args:
       directory: the run's checkpoint directory (created if missing).
@@ -320,42 +576,35 @@ class CheckpointManager:
             raise TypeError(f"best_metric must be None or a str, got {best_metric!r}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        ocp = _ocp()
-        pol = ocp.checkpoint_managers
-        policies = [pol.LatestN(n=max_to_keep)]
-        best_fn = None
-        if best_metric is not None:
-            best_fn = lambda m: m[best_metric]  # noqa: E731
-            policies.append(
-                pol.BestN(
-                    get_metric_fn=best_fn,
-                    reverse=best_mode == "min",
-                    n=1,
-                    keep_checkpoints_without_metrics=False,
-                )
-            )
-        options = ocp.CheckpointManagerOptions(
-            best_fn=best_fn,
-            best_mode=best_mode,
-            preservation_policy=pol.AnyPreservationPolicy(policies),
-            step_prefix="step",
-            step_format_fixed_length=8,
-            cleanup_tmp_directories=True,
-            enable_async_checkpointing=bool(async_save),
-        )
         self.directory = os.path.abspath(directory)
+        self.max_to_keep = max_to_keep
         self.best_metric = best_metric
-        self._mgr = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
-        )
-        self._synced = set(self.steps())
+        self.best_mode = best_mode
+        self.async_save = bool(async_save)
+        self._ckptr: Any = None
+        self._writing: int | None = None  # the step of a save in flight
+        self._scores: dict[int, float | None] = {}  # best_metric by step
+        if _primary():
+            os.makedirs(self.directory, exist_ok=True)
+            if not locked_elsewhere(self.directory):  # a killed save's leftovers
+                for name in os.listdir(self.directory):
+                    if _TMP.match(name):
+                        shutil.rmtree(os.path.join(self.directory, name), True)
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, f"step_{step:08d}")
 
+    def _checkpointer(self) -> Any:
+        if self._ckptr is None:
+            ocp = _ocp()
+            kind = ocp.AsyncCheckpointer if self.async_save else ocp.Checkpointer
+            self._ckptr = kind(ocp.CompositeCheckpointHandler())
+        return self._ckptr
+
     def steps(self) -> list[int]:
-        """The global steps of the checkpoints on disk, ascending."""
-        return sorted(self._mgr.all_steps())
+        """The global steps of the entries named like checkpoints, ascending."""
+        names = (_NAME.match(n) for n in os.listdir(self.directory))
+        return sorted(int(m.group(1)) for m in names if m)
 
     def latest_step(self) -> int | None:
         """The highest global step on disk, or None."""
@@ -364,7 +613,27 @@ class CheckpointManager:
 
     def best_step(self) -> int | None:
         """The step of the best checkpoint by `best_metric` (None without one)."""
-        return None if self.best_metric is None else self._mgr.best_step()
+        if self.best_metric is None:
+            return None
+        scored = []
+        for n in self.steps():
+            value = self._score(n)
+            if value is not None and not math.isnan(value):
+                scored.append((value if self.best_mode == "min" else -value, n))
+        return min(scored)[1] if scored else None
+
+    def _score(self, step: int) -> float | None:
+        """`best_metric` of checkpoint `step` (its meta read once), or None."""
+        if step not in self._scores:
+            meta = _read_json(self._path(step)) or {}
+            metrics = meta.get("metrics")
+            if "metrics" not in meta:  # format 1: orbax's manager's own file
+                metrics = _read_json(
+                    os.path.join(self._path(step), "metrics", "metrics")
+                )
+            value = metrics.get(self.best_metric) if isinstance(metrics, dict) else None
+            self._scores[step] = None if value is None else float(value)
+        return self._scores[step]
 
     def save(
         self,
@@ -382,28 +651,61 @@ class CheckpointManager:
           data_position: batches of the run consumed (default: `step`).
           metrics: a dict holding `best_metric` (other keys are ignored).
         """
+        self._save(step, state, data_position, metrics)
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        data_position: int | None = None,
+        metrics: dict[str, Any] | None = None,
+        fit_state: dict | None = None,
+        snapshot: Any = None,
+    ) -> None:
+        """`save`, plus what `fit` keeps: its NaN-policy state and rollback
+        snapshot (both under the checksum)."""
         _check_int("step", step, 0)
-        self.wait()  # orbax would wait for the previous save anyway
-        if step in self._mgr.all_steps():
-            self._mgr.delete(step)  # a re-run past a damaged checkpoint
+        self.wait()
         kept = None
         if self.best_metric is not None and metrics and self.best_metric in metrics:
             kept = {self.best_metric: float(metrics[self.best_metric])}
-        args = _payload(state, step, data_position)
-        self._mgr.save(step, args=args, metrics=kept, force=True)
+        path = self._path(step)
+        if _primary() and os.path.lexists(path) and not os.path.isdir(path):
+            os.remove(path)  # a stray file of that name (orbax replaces a dir)
+        args = _payload(state, step, data_position, kept, fit_state, snapshot)
+        self._checkpointer().save(path, args=args, force=True)
+        self._scores[step] = None if kept is None else kept[self.best_metric]
+        self._writing = step
+        if not self.async_save:
+            self.wait()
+
+    def _prune(self, latest: int) -> None:
+        """Deletes this manager's checkpoints up to `latest` beyond the last
+        `max_to_keep` (and the best one)."""
+        ours = [n for n in self.steps() if n <= latest and _is_ours(self._path(n))]
+        keep = set(ours[-self.max_to_keep :]) | {self.best_step()}
+        for n in ours:
+            if n not in keep:
+                shutil.rmtree(self._path(n))
+                self._scores.pop(n, None)
 
     def wait(self) -> None:
-        """Waits for a background save to finish and fsyncs finished ones."""
-        self._mgr.wait_until_finished()
-        for step in set(self.steps()) - self._synced:
+        """Waits for a background save to finish, fsyncs it and prunes."""
+        if self._ckptr is not None and self.async_save:
+            self._ckptr.wait_until_finished()
+        step, self._writing = self._writing, None
+        if step is not None and _primary():
             _fsync_tree(self._path(step))
-            self._synced.add(step)
+            self._prune(step)
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """The latest intact checkpoint (or checkpoint `step`) restored onto `target`.
 
         Returns:
-          ``(state, info)`` with ``info = {"step": n, "data_position": p}``.
+          ``(state, info)`` with ``info = {"step": n, "data_position": p}``;
+          for a checkpoint written by `fit`, also ``"fit_state"`` (its
+          NaN-policy state) and, when it saved one, ``"snapshot"`` (its
+          rollback snapshot restored onto `target`).
 
         Raises:
           FileNotFoundError: no intact checkpoint (each damaged one warned of).
@@ -413,8 +715,9 @@ class CheckpointManager:
         self.wait()
         candidates = [step] if step is not None else self.steps()[::-1]
         for n in candidates:
+            path = self._path(n)
             try:
-                raw, meta = _read(self._path(n))
+                loaded = _read(path, n)
             except _CorruptCheckpoint as e:
                 if step is not None:
                     raise
@@ -422,23 +725,51 @@ class CheckpointManager:
                     f"{e}; trying the checkpoint before it", RuntimeWarning, 2
                 )
                 continue
-            state = _restore_onto(self._path(n), raw, meta.get("types"), target)
-            return state, {"step": n, "data_position": meta["data_position"]}
+            state = _restore_onto(path, loaded, target)
+            info = {"step": n, "data_position": loaded.meta["data_position"]}
+            if loaded.meta.get("fit_state") is not None:
+                info["fit_state"] = loaded.meta["fit_state"]
+            if loaded.snapshot is not None:
+                info["snapshot"] = _restore_onto(path, loaded, target, snapshot=True)
+            return state, info
         raise FileNotFoundError(
             f"no intact checkpoint in {self.directory!r} (steps on disk: "
             f"{self.steps()})"
         )
 
     def close(self) -> None:
-        """Waits for pending saves, then releases orbax's manager."""
+        """Waits for pending saves, then releases orbax's checkpointer."""
         self.wait()
-        self._mgr.close()
+        if self._ckptr is not None:
+            self._ckptr.close()
+            self._ckptr = None
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _read_json(path: str) -> Any:
+    """The meta of checkpoint directory `path` (or the JSON file `path`
+    itself), None if there is none readable."""
+    try:
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        ocp = _ocp()
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            return ckptr.restore(path, args=args).meta
+    except Exception:  # not a checkpoint, or a damaged one
+        return None
+
+
+def _is_ours(path: str) -> bool:
+    """A checkpoint directory as orbax writes it (its two items), not a stray
+    entry of the same name: only those are counted and pruned."""
+    return all(os.path.isdir(os.path.join(path, item)) for item in ("state", "meta"))
 
 
 def _state_types(tree: Any) -> str:
@@ -472,33 +803,15 @@ def _check_optimizer_types(path: Any, saved_types: Any, target: Any) -> None:
         )
 
 
-def _leaf_specs(tree: Any, prefix: str = "") -> dict[str, tuple[tuple, str]]:
-    """``{path: (shape, dtype)}`` of every leaf of a nested state dict.
-
-    Paths join the keys with "/" (``params/w1``). A Python number is
-    ``((), "int")`` etc.; None and empty containers hold no leaf.
-    """
-    if tree is None:
-        return {}
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_leaf_specs(v, f"{prefix}/{k}" if prefix else str(k)))
-        return out
-    key = prefix or "<root>"  # a checkpoint of a single array
-    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
-        return {key: (tuple(tree.shape), str(tree.dtype))}
-    return {key: ((), type(tree).__name__)}
-
-
-def _check_same_structure(
-    path: Any, saved: dict[str, tuple], expected: dict[str, tuple]
-) -> None:
+def _check_same_structure(path: Any, saved: dict, expected: dict) -> None:
     """Raises ValueError listing every leaf that differs (saved vs expected).
 
-    ``saved`` and ``expected`` map a leaf path to ``(shape, dtype)`` (see
-    `_leaf_specs`): the check does not depend on the file format.
+    ``saved`` and ``expected`` map a leaf path (a tuple of keys) to
+    ``(shape, dtype)`` (see `_spec`): the check does not depend on the file
+    format.
     """
+    saved = {_path_str(p): s for p, s in saved.items()}
+    expected = {_path_str(p): s for p, s in expected.items()}
     _raise_mismatches(path, _structure_mismatches(saved, expected))
 
 
@@ -509,11 +822,13 @@ def _structure_mismatches(saved: dict[str, tuple], expected: dict[str, tuple]):
     for key in [*expected, *(k for k in saved if k not in expected)]:
         s, e = saved.get(key), expected.get(key)
         if s is None:
-            lines.append(f"  {key}: missing from the checkpoint (target {_spec(e)})")
+            lines.append(f"  {key}: missing from the checkpoint (target {_as_text(e)})")
         elif e is None:
-            lines.append(f"  {key}: in the checkpoint ({_spec(s)}), not in the target")
+            lines.append(
+                f"  {key}: in the checkpoint ({_as_text(s)}), not in the target"
+            )
         elif s != e:
-            lines.append(f"  {key}: checkpoint {_spec(s)}, target {_spec(e)}")
+            lines.append(f"  {key}: checkpoint {_as_text(s)}, target {_as_text(e)}")
     return lines
 
 
@@ -532,7 +847,7 @@ def _raise_mismatches(path: Any, lines: list[str]) -> None:
     )
 
 
-def _spec(spec: tuple) -> str:
+def _as_text(spec: tuple) -> str:
     shape, dtype = spec
     return f"{shape} {dtype}"
 
@@ -560,4 +875,17 @@ def _check_loss_scale_type(path: Any, raw: Any, target: Any) -> None:
             f"checkpoint {os.fspath(path)!r} holds a {_loss_scale_kind(saved)} "
             f"but target.loss_scale is a {type(ls).__name__}: build the target "
             "with the loss-scale type the checkpoint was saved with"
+        )
+
+
+def _check_loss_scale_name(path: Any, types: Any, target: Any) -> None:
+    saved = types.get("loss_scale") if isinstance(types, dict) else None
+    if saved is None or not isinstance(target, TrainState):
+        return
+    have = type(target.loss_scale).__name__
+    if saved != have:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds a {saved} but target.loss_scale "
+            f"is a {have}: build the target with the loss-scale type the "
+            "checkpoint was saved with"
         )

@@ -6,12 +6,14 @@ import itertools
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxstable._src._lock import DirectoryLock
 from jaxstable._src.checkpoint import CheckpointManager, _check_int
 from jaxstable._src.diagnostics import (
     CheckPoints,
@@ -152,9 +154,21 @@ def fit(
     the progress bar starts there. So the very same call, re-run after a
     crash, finishes the very same run; with no checkpoint yet it starts
     one. Without ``resume``, a directory that already holds checkpoints is
-    refused (they would be overwritten). fit uses no RNG: keep a model's
-    key in the state (``model_state``) or derive it from ``state.step``,
-    and it is checkpointed with the rest.
+    refused (they would be overwritten). Each checkpoint also holds the NaN
+    policy's state (non-finite steps in a row, rollbacks used, steps
+    located, the first non-finite step) and, for an in-memory rollback, the
+    snapshot unless it is that very state; all of it, the data position
+    included, is under the checkpoint's sha256. So a run killed and resumed
+    skips, stops and rolls back exactly as the uninterrupted run. fit
+    uses no RNG: keep a model's key in the state (``model_state``, a typed
+    ``jax.random.key`` is fine) or derive it from ``state.step``, and it is
+    checkpointed with the rest. One run at a time writes a directory: fit
+    holds the lock ``checkpoint_dir/.fit.lock`` for the call (process 0
+    for them all under ``jax.distributed``), and a second fit on the
+    directory is refused with a RuntimeError naming the pid and host of
+    the first (a killed run's lock is stale and taken over). When fit runs
+    fewer steps than ``steps`` (the batches ended; the checkpoint it resumed
+    from is already past ``steps``) it says so with a UserWarning.
 
     Pipelining: the metrics of step k are read to the host only after step
     k+1 has been dispatched, so the device is never idle waiting for the
@@ -172,7 +186,7 @@ def fit(
     Rollback (``nan_policy="rollback"``): fit keeps an on-device copy of the
     last state known good (``jax.tree.map(jnp.copy, state)``: no host
     transfer, and a donating step cannot invalidate it), taken before the
-    first step and after every step n (n steps done in this call) with
+    first step and after every step n (n steps of the run done) with
     ``n % rollback_every == 0`` whose result was finite; each snapshot step
     is read before the next is queued. When ``max_consecutive_nonfinite``
     non-finite steps happen in a row, a copy of the snapshot replaces the
@@ -219,9 +233,9 @@ def fit(
         (needs ``checkpoint_dir``). Without it, only the final checkpoint.
       rollback_every: snapshot period in steps for ``"rollback"``, int >= 1
         (accepted, unused, with the other policies).
-      max_rollbacks: rollbacks allowed in this call for ``"rollback"``,
+      max_rollbacks: rollbacks allowed in the run for ``"rollback"``,
         int >= 1 (accepted, unused, with the other policies).
-      locate_first: the first this many non-finite steps of the call (int
+      locate_first: the first this many non-finite steps of the run (int
         >= 0) get ``"location"``: `jaxstable.diagnostics.locate` of the step
         (at the loss scale it used) as a dict of `NonFiniteLocation` fields,
         or None when the op-by-op re-run is finite; the step that makes
@@ -235,8 +249,8 @@ def fit(
         (`jax.block_until_ready`). Off by default: it waits for every step,
         so the lookahead described above is dropped.
       eval_fn: ``eval_fn(state) -> {name: scalar}``, e.g. a held-out
-        evaluation; called after every ``eval_every``-th step (n steps done
-        in this call, ``n % eval_every == 0``) on that step's state, its
+        evaluation; called after every ``eval_every``-th step (n steps of
+        the run done, ``n % eval_every == 0``) on that step's state, its
         scalars added to that step's record as ``eval[...]`` keys (named as
         ``aux``'s). Needs ``eval_every``.
       eval_every: int >= 1, the period of ``eval_fn`` (needs ``eval_fn``).
@@ -254,8 +268,9 @@ def fit(
         with a state placed by ``distributed.shard_state`` (checkpoints are
         then written from, and restored onto, the sharded state).
       stop_after_nonfinite: None, or an int >= 0: fit returns normally
-        (nothing raised) this many steps after the first step of the call
-        whose record has ``finite == False`` (0: stop at that step). For runs
+        (nothing raised) this many steps after the first step of the run
+        whose record has ``finite == False`` (0: stop at that step; a run
+        resumed after that step runs none). For runs
         that are meant to fail (a naive low-precision baseline): a few steps
         show what follows, then nothing more is learned from NaN weights.
 
@@ -318,24 +333,28 @@ def fit(
         time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
     )  # fmt: skip
     _check_callable("batch_transform", batch_transform)
-    mgr, own_mgr = _manager(checkpoint_dir)
+    mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
-        state, start = _resume(mgr, state, resume)
+        state, start, resumed = _resume(mgr, state, resume)
         if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
         return _run(**locals())
     finally:
-        if own_mgr:
-            mgr.close()  # waits for a background save
-        elif mgr is not None:
-            mgr.wait()
+        try:
+            if own_mgr:
+                mgr.close()  # waits for a background save
+            elif mgr is not None:
+                mgr.wait()
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _run(
     state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
     log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
     locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
-    rollback_to, mgr, start, batch_transform, **_,
+    rollback_to, mgr, start, batch_transform, resumed, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
@@ -343,7 +362,16 @@ def _run(
     total = steps
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
-    it = _batches_from(batches, start, steps)
+    policy = _NanPolicy(
+        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
+        stop_after_nonfinite,
+    )  # fmt: skip
+    policy.load(resumed.get("fit_state"), start)
+    if "snapshot" not in resumed:  # the snapshot is the state resumed
+        policy.snapshot_at = start
+    # A run that stop_after_nonfinite ended before its checkpoint: no step.
+    ended = policy.stop_due(start - 1)
+    it = _batches_from(batches, start, start if ended else steps)
     if batch_transform is not None:
         it = map(batch_transform, it)
     # The lookahead needs each step's output state to outlive the next
@@ -356,14 +384,12 @@ def _run(
     history: list[dict[str, Any]] = []
     bar = tqdm(total=total, initial=start, disable=not progress, desc="train")
     log = _open_log(log_path, start if mgr is not None and start else None)
-    policy = _NanPolicy(
-        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite,
-    )  # fmt: skip
     rollback = nan_policy == "rollback"
-    # A device copy: the step may donate `state`, never the snapshot.
+    # A device copy: the step may donate `state`, never the snapshot. A
+    # resumed run goes on with the snapshot its checkpoint saved.
     in_memory = rollback and rollback_to == "memory"
-    snapshot = jax.tree.map(jnp.copy, state) if in_memory else None
+    snapshot = resumed.get("snapshot", state) if in_memory else None
+    snapshot = jax.tree.map(jnp.copy, snapshot) if in_memory else None
 
     def consume(pending) -> str | None:
         """Logs one step, applies the policy: "rollback", "stop" or None."""
@@ -400,6 +426,7 @@ def _run(
             # Read before the next step is queued (see snapshot_due), so a
             # donating step has not consumed state_out yet.
             snapshot = jax.tree.map(jnp.copy, state_out)
+            policy.snapshot_at = index + 1
         return "stop" if wants_stop or policy.stop_due(index) else None
 
     def restored(current):
@@ -409,9 +436,17 @@ def _run(
         # the next rollback.
         return jax.tree.map(jnp.copy, snapshot)
 
+    def save(done, state, metrics=None):
+        # With the NaN policy's state and, unless it is this very state, the
+        # rollback snapshot: a resumed run goes on as the uninterrupted one.
+        kept = snapshot if in_memory and policy.snapshot_at != done else None
+        mgr._save(done, state, None, metrics, policy.state(), kept)
+
     pending = None
     done = start  # steps of the run dispatched so far
-    saved_at = start if mgr is not None and mgr.latest_step() == start else None
+    at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
+    saved_at = start if at_start else None
+    stopped = ended  # by on_step or stop_after_nonfinite
     try:
         for batch in it:
             t0 = time.perf_counter()
@@ -426,7 +461,7 @@ def _run(
             # If it stopped the run, the step just queued is dropped.
             action = None if pending is None else consume(pending)
             if action == "stop":
-                state, pending = pending[3], None
+                state, pending, stopped = pending[3], None, True
                 break
             if action == "rollback":
                 new_state, metrics = train_step(restored(new_state), batch)
@@ -442,14 +477,17 @@ def _run(
                 if action == "rollback":
                     state = restored(state)
                 elif action == "stop":
+                    stopped = True
                     break
             if due:
-                mgr.save(done, state, metrics=history[-1] if history else None)
+                save(done, state, history[-1] if history else None)
                 saved_at = done
         if pending is not None and consume(pending) == "rollback":
             state = restored(state)
         if mgr is not None and saved_at != done:
-            mgr.save(done, state)  # the final checkpoint
+            save(done, state)  # the final checkpoint
+        if not stopped:
+            _warn_if_short(steps, start, done)
     finally:
         bar.close()
         if log is not None:
@@ -469,19 +507,33 @@ def _show(bar, rec) -> None:
 
 
 def _manager(checkpoint_dir):
-    """``(manager, owned)``: a `CheckpointManager` for `checkpoint_dir`."""
-    if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointManager):
-        return checkpoint_dir, False
-    return CheckpointManager(checkpoint_dir), True
+    """``(manager, owned, lock)``: a `CheckpointManager` for `checkpoint_dir`
+    and the directory's lock, taken first (one run writes a directory; with
+    several processes, process 0 takes it for them all)."""
+    if checkpoint_dir is None:
+        return None, False, None
+    given = isinstance(checkpoint_dir, CheckpointManager)
+    directory = checkpoint_dir.directory if given else checkpoint_dir
+    lock = DirectoryLock(directory) if jax.process_index() == 0 else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        mgr = checkpoint_dir if given else CheckpointManager(checkpoint_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return mgr, not given, lock
 
 
 def _resume(mgr, state, resume):
-    """``(state, start)``: the latest intact checkpoint's state and data
-    position with `resume`, else `state` and 0 (refusing a directory that
-    already holds a run: its checkpoints would be overwritten)."""
+    """``(state, start, info)``: the latest intact checkpoint's state, data
+    position and `CheckpointManager.restore` info with `resume`, else
+    `state`, 0 and {} (refusing a directory that already holds a run: its
+    checkpoints would be overwritten)."""
     latest = None if mgr is None else mgr.latest_step()
     if latest is None:
-        return state, 0
+        return state, 0, {}
     if not resume:
         raise ValueError(
             f"checkpoint_dir {mgr.directory!r} already holds checkpoints (up to "
@@ -489,23 +541,40 @@ def _resume(mgr, state, resume):
             "directory to start a new one"
         )
     state, info = mgr.restore(state)
-    return state, int(info["data_position"])
+    return state, int(info["data_position"]), info
 
 
 # Same in torchref.train.fit (the shared fit helpers below).
 class _NanPolicy:
-    """The NaN-policy bookkeeping of one `fit` call.
+    """The NaN-policy bookkeeping of a run, checkpointed with it.
 
     ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
     ``located``: non-finite steps located; ``first_bad``: index of the
-    call's first non-finite step (for ``stop_after_nonfinite``).
+    run's first non-finite step (for ``stop_after_nonfinite``);
+    ``snapshot_at``: the step of the run the rollback snapshot holds. A
+    resumed `fit` loads them from its checkpoint (`load`), so that a run
+    killed and resumed counts, stops and rolls back as the uninterrupted one.
     """
+
+    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at")
 
     def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
         self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
         self.locate_first, self.stop_after = locate_first, stop_after
-        self.run = self.rollbacks = self.located = 0
+        self.run = self.rollbacks = self.located = self.snapshot_at = 0
         self.first_bad = None
+
+    def state(self) -> dict[str, int | None]:
+        """What a checkpoint keeps (JSON, under its checksum)."""
+        return {k: getattr(self, k) for k in self._SAVED}
+
+    def load(self, saved: dict | None, start: int) -> None:
+        """The state of a checkpoint at step `start` (None: a new run, or a
+        checkpoint written before fit saved it: counts from 0)."""
+        self.snapshot_at = start
+        for k in self._SAVED:
+            if saved and k in saved:
+                setattr(self, k, saved[k])
 
     def observe(self, index: int, finite: bool) -> str | None:
         """What the step just recorded triggers: "rollback", "raise" or None."""
@@ -543,22 +612,48 @@ def _batches_from(batches, position: int, steps: int | None):
 
 def _open_log(log_path, resumed_at: int | None):
     """The JSONL log: overwritten, or on resume kept up to `resumed_at`
-    (lines of steps after the checkpoint are re-run, so dropped) and
-    appended to."""
+    (records of steps after the checkpoint are re-run, so dropped) and
+    appended to. A missing log, and lines that are not records (damaged;
+    the crash's torn last line excepted), give a RuntimeWarning; the valid
+    records around a damaged line are kept."""
     if log_path is None:
         return None
-    if resumed_at is None or not os.path.exists(log_path):
+    if resumed_at is None:
         return open(log_path, "w", encoding="utf-8")
-    kept = []
-    with open(log_path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                break  # a line torn by the crash: the rest is re-run
-            if not isinstance(rec, dict) or rec.get("step", resumed_at) >= resumed_at:
-                break
-            kept.append(line.rstrip("\n") + "\n")
+    where = f"log_path {os.fspath(log_path)!r}"
+    if not os.path.exists(log_path):
+        warnings.warn(
+            f"{where} does not exist: the run resumes at step {resumed_at} and "
+            "its log starts there (the records of the steps before are not in "
+            "it)",
+            RuntimeWarning,
+            4,
+        )
+        return open(log_path, "w", encoding="utf-8")
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    kept, damaged = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            damaged.append(number)
+        elif rec["step"] < resumed_at:
+            kept.append(line + "\n")
+    if damaged and damaged[-1] == len(lines):
+        damaged.pop()  # torn by the crash: no newline after it
+    if damaged:
+        warnings.warn(
+            f"{where}: line(s) {damaged} are not JSON records (damaged) and "
+            f"were dropped; the records around them up to step {resumed_at} "
+            "are kept",
+            RuntimeWarning,
+            4,
+        )
     tmp = f"{os.fspath(log_path)}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
@@ -566,6 +661,24 @@ def _open_log(log_path, resumed_at: int | None):
         os.fsync(f.fileno())
     os.replace(tmp, log_path)
     return open(log_path, "a", encoding="utf-8")
+
+
+def _warn_if_short(steps: int | None, start: int, done: int) -> None:
+    """A UserWarning when fit ran fewer steps than `steps` asked (not after a
+    stop it was asked for). Same text in jaxstable.train and torchref.train."""
+    if steps is None or (done >= steps and start <= steps):
+        return
+    if start > steps:
+        why = (
+            f"fit ran no step: the checkpoint it resumed from is at step {start}, "
+            f"past steps={steps} (the state returned is that checkpoint's)"
+        )
+    else:
+        why = (
+            f"fit ran {done - start} of the {steps - start} step(s) asked "
+            f"(steps={steps}, from step {start}): the batches ended at step {done}"
+        )
+    warnings.warn(why, UserWarning, 4)
 
 
 def _check_callable(name: str, fn: Any) -> None:

@@ -1,15 +1,26 @@
 """Checkpoints of a `TrainStep`: one file per checkpoint, written durably.
 
 A checkpoint file is one JSON header line (format, the run's global step,
-data position, metrics, and the sha256 of the payload) followed by the
-payload, `torch.save` of ``step.state_dict()`` (model, optimizer,
-GradScaler ``state_dict()``, skip counters, steps done) plus the RNG states
-(torch CPU, CUDA when initialised, Python's `random`), the data position
-and the optimizer and scaler class names. It is written to a temporary
-file, flushed and fsynced, then renamed over the final name with
-`os.replace` (and the directory fsynced): a crash leaves the previous file
-intact. Files of the older format (a bare `torch.save` zip) are still read,
-without a checksum: telling them apart costs two bytes.
+data position, metrics, `fit`'s NaN-policy state, and a sha256 over the rest
+of the header and the payload, so that a flipped bit anywhere, the data
+position included, is caught rather than loaded) followed by the payload,
+`torch.save` of ``step.state_dict()`` (model, optimizer, GradScaler
+``state_dict()``, skip counters, steps done) plus the RNG states (torch
+CPU, CUDA when initialised, Python's `random`), the data position, the
+optimizer and scaler class names, the parameters' names, shapes and
+dtypes, and `fit`'s rollback snapshot when it keeps one. The optimizer
+state is keyed by parameter NAME (torch's own state dict numbers the
+parameters by their position in the optimizer): a model whose optimizer
+lists its parameters in another order loads each state onto its own
+parameter. It is written to a temporary file, flushed and fsynced, then
+renamed over the final name with `os.replace` (and the directory fsynced):
+a crash leaves the previous file intact.
+
+Older files are still read: format 1 (``torchref-checkpoint-1``, whose
+sha256 covered the payload only; its data position is taken from the
+payload, which has it too) and bare `torch.save` zips (no checksum; telling
+them apart costs two bytes). Their optimizer state is positional, and they
+hold no NaN-policy state.
 """
 
 from __future__ import annotations
@@ -21,24 +32,30 @@ import json
 import os
 import random
 import re
+import shutil
 import threading
 import warnings
 from typing import Any
 
 import torch
 
+from torchref._src._lock import locked_elsewhere
 from torchref._src.step import TrainStep, _scaler_kind
 
 __all__ = ["CheckpointManager", "load_checkpoint", "save_checkpoint"]
 
-_FORMAT = "torchref-checkpoint-1"
+_FORMAT = "torchref-checkpoint-2"
+_FORMAT_1 = "torchref-checkpoint-1"
 # Key of the payload (not a state_dict key) naming the optimizer and scaler
 # classes: a StaticGradScaler's state has a plain GradScaler's keys, and two
 # optimizers can share their option names.
 _CLASSES_KEY = "classes"
 _STATE_KEYS = ("model", "optimizer", "scaler", "skip_state", "steps_done")
+# Key of the payload naming the optimizer's parameters, {name: [shape,
+# dtype]} in the optimizer's order: its state is keyed by these names.
+_PARAMS_KEY = "params"
 # Keys of the payload besides the state dict's.
-_EXTRA_KEYS = (_CLASSES_KEY, "rng", "data_position")
+_EXTRA_KEYS = (_CLASSES_KEY, "rng", "data_position", _PARAMS_KEY, "snapshot")
 # Mismatch lines listed in one error; the rest are counted.
 _MAX_MISMATCH_LINES = 12
 # The largest header read; a header is ~200 bytes.
@@ -66,13 +83,35 @@ def _set_rng_states(rng: dict[str, Any]) -> None:
     random.setstate(rng["python"])
 
 
-def _encode(step: Any, global_step: Any, data_position: Any, metrics: Any) -> bytes:
+def _digest(header: dict, payload: bytes) -> str:
+    """sha256 over the header (all but the digest) and the payload."""
+    h = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    h.update(b"\n")
+    h.update(payload)
+    return h.hexdigest()
+
+
+def _encode(
+    step: Any,
+    global_step: Any,
+    data_position: Any,
+    metrics: Any,
+    fit_state: dict | None = None,
+    snapshot: dict | None = None,
+) -> bytes:
     """Header line + payload of one checkpoint (the payload a deep copy)."""
     state = dict(step.state_dict())
     if isinstance(step, TrainStep):
         state[_CLASSES_KEY] = _classes(step)
+        names, state[_PARAMS_KEY] = _param_names(step)
+        state["optimizer"] = _optimizer_state(state["optimizer"], _by_name, names)
+        if snapshot is not None:  # fit's rollback snapshot, a state_dict too
+            by_name = _optimizer_state(snapshot["optimizer"], _by_name, names)
+            snapshot = {**snapshot, "optimizer": by_name}
     state["rng"] = _rng_states()
     state["data_position"] = data_position
+    if snapshot is not None:
+        state["snapshot"] = snapshot
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
@@ -81,8 +120,9 @@ def _encode(step: Any, global_step: Any, data_position: Any, metrics: Any) -> by
         "step": global_step,
         "data_position": data_position,
         "metrics": metrics,
-        "sha256": hashlib.sha256(payload).hexdigest(),
+        "fit_state": fit_state,
     }
+    header["sha256"] = _digest(header, payload)
     return json.dumps(header).encode() + b"\n" + payload
 
 
@@ -107,6 +147,8 @@ def _write_durably(path: str, data: bytes) -> None:
 
 def _read_header(path: Any) -> tuple[dict | None, bytes]:
     """``(header, payload)``; header None for an older bare `torch.save` file."""
+    if not os.path.isfile(path):  # e.g. a directory named like a checkpoint
+        raise _CorruptCheckpoint(f"checkpoint {os.fspath(path)!r} is not a file")
     with open(path, "rb") as f:
         data = f.read()
     if data[:2] == b"PK":  # a zip: torch.save's own format, no header
@@ -116,16 +158,25 @@ def _read_header(path: Any) -> tuple[dict | None, bytes]:
         header = json.loads(data[:end]) if end > 0 else None
     except ValueError:
         header = None
-    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+    if not isinstance(header, dict) or header.get("format") not in (
+        _FORMAT,
+        _FORMAT_1,
+    ):
         raise _CorruptCheckpoint(
             f"checkpoint {os.fspath(path)!r} is damaged or not a checkpoint: "
             f"no {_FORMAT} header ({len(data)} bytes)"
         )
     payload = data[end + 1 :]
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+    if header["format"] == _FORMAT_1:  # its sha256 covered the payload alone
+        intact = hashlib.sha256(payload).hexdigest() == header.get("sha256")
+    else:
+        body = {k: v for k, v in header.items() if k != "sha256"}
+        intact = _digest(body, payload) == header.get("sha256")
+    if not intact:
         raise _CorruptCheckpoint(
-            f"checkpoint {os.fspath(path)!r} is corrupt or truncated: its payload "
-            f"({len(payload)} bytes) does not match the sha256 saved with it"
+            f"checkpoint {os.fspath(path)!r} is corrupt or truncated: its header "
+            f"(data position, step, NaN-policy state) or payload ({len(payload)} "
+            "bytes) does not match the sha256 saved with them"
         )
     return header, payload
 
@@ -171,7 +222,7 @@ def save_checkpoint(
       >>> train.save_checkpoint(path, step, data_position=1)
       >>> with open(path, "rb") as f:
       ...     print(f.readline()[:40])
-      b'{"format": "torchref-checkpoint-1", "ste'
+      b'{"format": "torchref-checkpoint-2", "ste'
     """
     _write_durably(os.fspath(path), _encode(step, None, data_position, None))
 
@@ -187,13 +238,21 @@ def load_checkpoint(
     optimizer class (an Adam state in an SGD fails one step later with
     KeyError), the same parameter groups, and the same model state dict
     keys, shapes and dtypes (torch would copy a float16 checkpoint into
-    float32 parameters without a word). The mirror of
-    `jaxstable.train.load_checkpoint`, with the same messages. The RNG
+    float32 parameters without a word). The optimizer state is matched by
+    parameter name, not by position (torch's own ``load_state_dict`` gives
+    the first parameter the first saved state, whatever it was): an
+    optimizer listing the same parameters in another order loads each one's
+    state, and one over other parameters (another name, group, shape or
+    dtype) is refused naming them. The mirror of
+    `jaxstable.train.load_checkpoint` (which matches leaves by their pytree
+    path), with the same messages. The RNG
     states saved with it are restored too (`restore_rng`), so that dropout
     after a resume draws what it would have drawn.
 
-    A file written before `save_checkpoint` named the classes is checked by
-    its keys alone: another optimizer shows by its option names, a
+    A file written before `save_checkpoint` named the parameters loads its
+    optimizer state by position, as torch does. One written before it named
+    the classes is checked by its keys alone: another optimizer shows by
+    its option names, a
     DynamicGradScaler by its floor and hysteresis, but a StaticGradScaler's
     state reads as a plain GradScaler's (the same keys).
 
@@ -239,12 +298,20 @@ def load_checkpoint(
     return step
 
 
-def _load(path: Any, step: Any, restore_rng: bool) -> dict:
+def _load(path: Any, step: Any, restore_rng: bool, expected: int | None = None):
     """Loads `path` into `step`; returns its header (a synthesised one for an
-    older file)."""
-    if not os.path.isfile(path):
+    older file), with the data position the payload holds and, if saved,
+    fit's rollback snapshot (``"snapshot"``, its optimizer state by index).
+    `expected`: the step a manager's file is named for (its header must
+    agree)."""
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"no checkpoint file at {os.fspath(path)!r}")
     header, payload = _read_header(path)
+    if expected is not None and (header or {}).get("step") not in (None, expected):
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} is not checkpoint {expected}: its "
+            f"header names step {header['step']}"
+        )
     try:
         # weights_only: a checkpoint holds tensors, numbers and dicts, nothing
         # to run
@@ -257,13 +324,27 @@ def _load(path: Any, step: Any, restore_rng: bool) -> dict:
     extras = {
         k: state.pop(k) for k in _EXTRA_KEYS if isinstance(state, dict) and k in state
     }
+    snapshot = extras.get("snapshot")
     if isinstance(step, TrainStep):
         _check_train_step(path, state, extras.get(_CLASSES_KEY) or {}, step)
+        saved = extras.get(_PARAMS_KEY)
+        if saved is not None:  # keyed by name: checked, then numbered as here
+            names, params = _param_names(step)
+            _raise_mismatches(
+                path, _param_mismatches(saved, state["optimizer"], params, step)
+            )
+            state["optimizer"] = _to_index(state["optimizer"], names, step)
+            if snapshot is not None:
+                by_index = _to_index(snapshot["optimizer"], names, step)
+                snapshot = {**snapshot, "optimizer": by_index}
     step.load_state_dict(state)
     if restore_rng and extras.get("rng") is not None:
         _set_rng_states(extras["rng"])
-    if header is None:
-        header = {"step": None, "data_position": extras.get("data_position")}
+    # The payload's data position: under the checksum in every format.
+    header = dict(header or {"step": None})
+    header["data_position"] = extras.get("data_position", header.get("data_position"))
+    if snapshot is not None:
+        header["snapshot"] = snapshot
     return header
 
 
@@ -304,17 +385,24 @@ class CheckpointManager:
 
     The mirror of `jaxstable.train.CheckpointManager`. Checkpoint n is the
     file ``directory/step_{n:08d}.pt`` (n: steps of the run done, not steps
-    of one `fit` call), written as `save_checkpoint` does. It keeps the last
-    `max_to_keep` and, with `best_metric`, also the best one by that metric.
-    With `async_save` the state is serialised in memory at `save` (a copy:
-    training may go on) and written by a background thread (the next save,
-    `wait` or `close` waits for it). A crash mid-write leaves a
-    ``.tmp-<pid>`` file, which the next manager on the directory removes.
+    of one `fit` call), written as `save_checkpoint` does. After each save
+    it keeps the last `max_to_keep` checkpoints up to that step and, with
+    `best_metric`, also the best one by that metric. Only this manager's own
+    checkpoints count and are deleted: an entry named like one that is not
+    (a stray file or directory ``step_00000099.pt``) is left alone and
+    takes no slot, and neither does a checkpoint past the step just saved
+    (one a resume went back from). With `async_save` the state is
+    serialised in memory at `save` (a copy: training may go on) and written
+    by a background thread (the next save, `wait` or `close` waits for it).
+    A crash mid-write leaves a ``.tmp-<pid>`` file, which the next manager
+    on the directory removes (unless a run holds the directory's lock, see
+    `fit`).
 
-    `restore` takes the latest intact checkpoint: a truncated or damaged
-    one (its sha256 differs) gives a `RuntimeWarning` naming it and the one
-    before it is tried. A checkpoint of another model, optimizer or loss
-    scale raises the `load_checkpoint` ValueError.
+    `restore` takes the latest intact checkpoint: a truncated, damaged or
+    foreign one (its sha256 differs, or it is no checkpoint file) gives a
+    `RuntimeWarning` naming it and the one before it is tried. A checkpoint
+    of another model, optimizer or loss scale raises the `load_checkpoint`
+    ValueError.
 
     Args:
       directory: the run's checkpoint directory (created if missing).
@@ -364,9 +452,10 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         os.makedirs(self.directory, exist_ok=True)
-        for name in os.listdir(self.directory):  # a killed run's half-written file
-            if re.match(r"^step_\d{8,}\.pt\.tmp-\d+$", name):
-                os.remove(os.path.join(self.directory, name))
+        if not locked_elsewhere(self.directory):  # a killed save's leftovers
+            for name in os.listdir(self.directory):
+                if re.match(r"^step_\d{8,}\.pt\.tmp-\d+$", name):
+                    os.remove(os.path.join(self.directory, name))
 
     def _path(self, step: int) -> str:
         return os.path.join(self.directory, f"step_{step:08d}.pt")
@@ -390,7 +479,7 @@ class CheckpointManager:
             value = (_peek_header(self._path(n)).get("metrics") or {}).get(
                 self.best_metric
             )
-            if value is not None:
+            if isinstance(value, int | float) and value == value:  # not NaN
                 scored.append((value if self.best_mode == "min" else -value, n))
         return min(scored)[1] if scored else None
 
@@ -410,18 +499,34 @@ class CheckpointManager:
           data_position: batches of the run consumed (default: `step`).
           metrics: a dict holding `best_metric` (other keys are ignored).
         """
+        self._save(step, train_step, data_position, metrics)
+
+    def _save(
+        self,
+        step: int,
+        train_step: Any,
+        data_position: int | None = None,
+        metrics: dict[str, Any] | None = None,
+        fit_state: dict | None = None,
+        snapshot: dict | None = None,
+    ) -> None:
+        """`save`, plus what `fit` keeps: its NaN-policy state and rollback
+        snapshot (both under the checksum)."""
         _check_int("step", step, 0)
         self.wait()
         kept = None
         if self.best_metric is not None and metrics and self.best_metric in metrics:
             kept = {self.best_metric: float(metrics[self.best_metric])}
         position = step if data_position is None else int(data_position)
-        data = _encode(train_step, step, position, kept)
+        data = _encode(train_step, step, position, kept, fit_state, snapshot)
+        path = self._path(step)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)  # a stray directory of that name (a file is replaced)
 
         def write() -> None:
             try:
-                _write_durably(self._path(step), data)
-                self._prune()
+                _write_durably(path, data)
+                self._prune(step)
             except BaseException as e:  # re-raised by wait()
                 self._error = e
 
@@ -432,10 +537,12 @@ class CheckpointManager:
             write()
             self._raise_error()
 
-    def _prune(self) -> None:
-        steps = self.steps()
-        keep = set(steps[-self.max_to_keep :]) | {self.best_step()}
-        for n in steps:
+    def _prune(self, latest: int) -> None:
+        """Deletes this manager's checkpoints up to `latest` beyond the last
+        `max_to_keep` (and the best one)."""
+        ours = [n for n in self.steps() if n <= latest and _is_ours(self._path(n))]
+        keep = set(ours[-self.max_to_keep :]) | {self.best_step()}
+        for n in ours:
             if n not in keep:
                 os.remove(self._path(n))
 
@@ -457,7 +564,10 @@ class CheckpointManager:
         """Loads the latest intact checkpoint (or checkpoint `step`) into `train_step`.
 
         Returns:
-          ``(train_step, info)`` with ``info = {"step": n, "data_position": p}``.
+          ``(train_step, info)`` with ``info = {"step": n, "data_position": p}``;
+          for a checkpoint written by `fit`, also ``"fit_state"`` (its
+          NaN-policy state) and, when it saved one, ``"snapshot"`` (its
+          rollback snapshot, a ``state_dict`` for this `train_step`).
 
         Raises:
           FileNotFoundError: no intact checkpoint (each damaged one warned of).
@@ -468,7 +578,7 @@ class CheckpointManager:
         candidates = [step] if step is not None else self.steps()[::-1]
         for n in candidates:
             try:
-                header = _load(self._path(n), train_step, restore_rng)
+                header = _load(self._path(n), train_step, restore_rng, n)
             except _CorruptCheckpoint as e:
                 if step is not None:
                     raise
@@ -477,10 +587,12 @@ class CheckpointManager:
                 )
                 continue
             position = header.get("data_position")
-            return train_step, {
-                "step": n,
-                "data_position": n if position is None else position,
-            }
+            info = {"step": n, "data_position": n if position is None else position}
+            if header.get("fit_state") is not None:
+                info["fit_state"] = header["fit_state"]
+            if header.get("snapshot") is not None:
+                info["snapshot"] = header["snapshot"]
+            return train_step, info
         raise FileNotFoundError(
             f"no intact checkpoint in {self.directory!r} (steps on disk: "
             f"{self.steps()})"
@@ -495,6 +607,115 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _is_ours(path: str) -> bool:
+    """A checkpoint file (ours or an older bare `torch.save` zip), not a
+    stray entry of the same name: only those are counted and pruned."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return False
+    with open(path, "rb") as f:
+        start = f.read(len(_FORMAT) + 12)
+    return start[:2] == b"PK" or start.startswith(b'{"format": "torchref-checkpoint-')
+
+
+def _param_names(step: TrainStep) -> tuple[list[str], dict[str, list]]:
+    """The optimizer's parameters in its order: their names (the model's;
+    ``<unnamed k>`` for the k-th one outside the model) and
+    ``{name: [shape, dtype]}``."""
+    named = {}
+    for name, p in step.model.named_parameters():
+        named.setdefault(id(p), name)
+    names, specs, unnamed = [], {}, 0
+    for group in step.optimizer.param_groups:
+        for p in group["params"]:
+            name = named.get(id(p))
+            if name is None:
+                name, unnamed = f"<unnamed {unnamed}>", unnamed + 1
+            names.append(name)
+            specs[name] = [list(p.shape), str(p.dtype).removeprefix("torch.")]
+    return names, specs
+
+
+def _inner(state: dict) -> dict:
+    """The torch optimizer state dict in `state` (a `SkipNonFinite`
+    wrapper's holds it under ``"optimizer"``)."""
+    if "param_groups" in state or not isinstance(state.get("optimizer"), dict):
+        return state
+    return _inner(state["optimizer"])
+
+
+def _optimizer_state(state: dict, convert: Any, *args: Any) -> dict:
+    """`state` with `convert` applied to the torch optimizer state dict in it."""
+    if "param_groups" in state or not isinstance(state.get("optimizer"), dict):
+        return convert(state, *args)
+    inner = _optimizer_state(state["optimizer"], convert, *args)
+    return {**state, "optimizer": inner}
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter name instead of position."""
+    return {
+        **state,
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]}
+            for g in state["param_groups"]
+        ],
+    }
+
+
+def _to_index(saved: dict, names: list[str], step: TrainStep) -> dict:
+    """A by-name optimizer state numbered as `step`'s optimizer numbers its
+    parameters (the names already checked to match, group by group)."""
+    index = {name: i for i, name in enumerate(names)}
+    own = _inner(step.optimizer.state_dict())["param_groups"]
+
+    def convert(state: dict) -> dict:
+        return {
+            **state,
+            "state": {index[n]: v for n, v in state["state"].items()},
+            # torch pairs the saved groups' parameters with its own by
+            # position: list them in its own order.
+            "param_groups": [
+                {**g, "params": list(mine["params"])}
+                for g, mine in zip(state["param_groups"], own, strict=True)
+            ],
+        }
+
+    return _optimizer_state(saved, convert)
+
+
+def _param_mismatches(saved: dict, state: dict, params: dict, step: TrainStep):
+    """One line per optimizer parameter (by name) missing, extra, in another
+    group, or of another shape or dtype (for one outside the model's state
+    dict: the model check covers those)."""
+    in_model = set(step.model.state_dict())
+    lines = []
+    for name in [*params, *(n for n in saved if n not in params)]:
+        s, e = saved.get(name), params.get(name)
+        s = None if s is None else (tuple(s[0]), s[1])
+        e = None if e is None else (tuple(e[0]), e[1])
+        where = f"  optimizer/{name}"
+        if s is None:
+            lines.append(f"{where}: missing from the checkpoint (target {_spec(e)})")
+        elif e is None:
+            lines.append(f"{where}: in the checkpoint ({_spec(s)}), not in the target")
+        elif s != e and name not in in_model:
+            lines.append(f"{where}: checkpoint {_spec(s)}, target {_spec(e)}")
+    if lines:
+        return lines
+    names = _param_names(step)[0]
+    own = _inner(step.optimizer.state_dict())["param_groups"]
+    # The group sizes already match (_param_group_mismatches).
+    theirs = _inner(state)["param_groups"]
+    for g, (other, mine) in enumerate(zip(theirs, own, strict=True)):
+        for name in sorted({names[i] for i in mine["params"]} - set(other["params"])):
+            lines.append(
+                f"  optimizer/{name}: in parameter group {g} of the target, "
+                "another group in the checkpoint"
+            )
+    return lines
 
 
 def _classes(step: TrainStep) -> dict[str, str | None]:

@@ -7,11 +7,13 @@ import itertools
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from torchref._src._lock import DirectoryLock
 from torchref._src.checkpoint import CheckpointManager, _check_int
 from torchref._src.diagnostics import (
     check_record,
@@ -163,7 +165,7 @@ def fit(
     * ``"rollback"``: keep a snapshot of the last state known good,
       ``copy.deepcopy(step.state_dict())`` (model, optimizer, scaler,
       counters), taken before the first step and after every step n (n steps
-      done in this call) with ``n % rollback_every == 0`` whose result was
+      of the run done) with ``n % rollback_every == 0`` whose result was
       finite. After `max_consecutive_nonfinite` non-finite steps in a row,
       a deep copy of it is loaded with ``step.load_state_dict`` (a copy, as
       the optimizer may keep the loaded tensors and update them in place),
@@ -194,7 +196,18 @@ def fit(
     overwritten). With ``rollback_to="disk"``, "rollback" loads the last
     intact checkpoint instead of the in-memory snapshot (one is written
     before the first step if there is none), RNG states left as they are.
-    Same semantics as `jaxstable.train.fit`.
+    Each checkpoint also holds the NaN policy's state (non-finite steps in a
+    row, rollbacks used, steps located, the first non-finite step) and, for
+    an in-memory rollback, the snapshot unless it is that very state; all of
+    it, the data position included, is under the checkpoint's sha256. So a
+    run killed and resumed skips, stops and rolls back exactly as the
+    uninterrupted run. One run at a time writes a directory: fit holds the
+    lock ``checkpoint_dir/.fit.lock`` for the call, and a second fit on the
+    directory is refused with a RuntimeError naming the pid and host of the
+    first (a killed run's lock is stale and taken over). When fit runs fewer
+    steps than `steps` (the batches ended; the checkpoint it resumed from is
+    already past `steps`) it says so with a UserWarning. Same semantics as
+    `jaxstable.train.fit`.
 
     Steps: a `TrainStep`, or any callable ``step(batch) -> metrics`` whose
     metrics hold ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
@@ -216,9 +229,9 @@ def fit(
         checkpoint_every: int >= 1 or None; needs `checkpoint_dir`.
         rollback_every: snapshot period in steps for "rollback", int >= 1
             (accepted, unused, with the other policies).
-        max_rollbacks: rollbacks allowed in this call for "rollback",
+        max_rollbacks: rollbacks allowed in the run for "rollback",
             int >= 1 (accepted, unused, with the other policies).
-        locate_first: the first this many non-finite steps of the call
+        locate_first: the first this many non-finite steps of the run
             (int >= 0) get ``"location"``: `torchref.diagnostics.locate` of
             the step (at the loss scale it used) as a dict of
             `NonFiniteLocation` fields, or None when the re-run is finite;
@@ -231,7 +244,7 @@ def fit(
             synchronised by then). Off by default.
         eval_fn: ``eval_fn(step) -> {name: scalar}``, e.g. a held-out
             evaluation; called after every `eval_every`-th step (n steps
-            done in this call, ``n % eval_every == 0``), its scalars added to
+            of the run done, ``n % eval_every == 0``), its scalars added to
             that step's record as ``eval[...]`` keys (named as ``aux``'s).
             Needs `eval_every`.
         eval_every: int >= 1, the period of `eval_fn` (needs `eval_fn`).
@@ -243,8 +256,9 @@ def fit(
         rollback_to: "memory" (the snapshot) or "disk" (the last intact
             checkpoint; needs `checkpoint_dir`).
         stop_after_nonfinite: None, or an int >= 0: fit returns normally
-            (nothing raised) this many steps after the first step of the call
-            whose record has ``finite == False`` (0: stop at that step); for
+            (nothing raised) this many steps after the first step of the run
+            whose record has ``finite == False`` (0: stop at that step; a run
+            resumed after that step runs none); for
             runs meant to fail, such as a naive low-precision baseline.
         batch_transform: None, or ``batch_transform(batch) -> batch`` applied
             to each batch right before the step (after a resume's skip:
@@ -314,24 +328,28 @@ def fit(
             "nan_policy='rollback' and checkpoint_dir need a step with "
             f"state_dict() and load_state_dict(), got {type(step).__name__}"
         )
-    mgr, own_mgr = _manager(checkpoint_dir)
+    mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
-        start = _resume(mgr, step, resume)
+        start, resumed = _resume(mgr, step, resume)
         if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
             mgr.save(start, step)  # what the first rollback goes back to
         return _run(**locals())
     finally:
-        if own_mgr:
-            mgr.close()  # waits for a background save
-        elif mgr is not None:
-            mgr.wait()
+        try:
+            if own_mgr:
+                mgr.close()  # waits for a background save
+            elif mgr is not None:
+                mgr.wait()
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _run(
     step, batches, steps, nan_policy, max_consecutive_nonfinite, log_path,
     progress, checkpoint_every, rollback_every, max_rollbacks, locate_first,
     time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite, rollback_to,
-    mgr, start, batch_transform, **_,
+    mgr, start, batch_transform, resumed, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm
@@ -339,21 +357,38 @@ def _run(
     total = steps
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
-    it = _batches_from(batches, start, steps)
+    policy = _NanPolicy(
+        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
+        stop_after_nonfinite,
+    )  # fmt: skip
+    policy.load(resumed.get("fit_state"), start)
+    if "snapshot" not in resumed:  # the snapshot is the state resumed
+        policy.snapshot_at = start
+    # A run that stop_after_nonfinite ended before its checkpoint: no step.
+    ended = policy.stop_due(start - 1)
+    it = _batches_from(batches, start, start if ended else steps)
     if batch_transform is not None:
         it = map(batch_transform, it)
     log = _open_log(log_path, start if mgr is not None and start else None)
     history: list[dict[str, Any]] = []
     bar = tqdm(total=total, initial=start, disable=not progress, desc="fit")
     done = start
-    saved_at = start if mgr is not None and mgr.latest_step() == start else None
-    policy = _NanPolicy(
-        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite,
-    )  # fmt: skip
+    at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
+    saved_at = start if at_start else None
+    stopped = ended  # by on_step or stop_after_nonfinite
     in_memory = nan_policy == "rollback" and rollback_to == "memory"
-    # Deep copies: state_dict() holds references to the live tensors.
-    snapshot = copy.deepcopy(step.state_dict()) if in_memory else None
+    # Deep copies: state_dict() holds references to the live tensors. A
+    # resumed run goes on with the snapshot its checkpoint saved.
+    snapshot = None
+    if in_memory:
+        snapshot = resumed.get("snapshot") or copy.deepcopy(step.state_dict())
+
+    def save(done, metrics=None):
+        # With the NaN policy's state and, unless it is this very state, the
+        # rollback snapshot: a resumed run goes on as the uninterrupted one.
+        kept = snapshot if in_memory and policy.snapshot_at != done else None
+        mgr._save(done, step, None, metrics, policy.state(), kept)
+
     try:
         for i, batch in enumerate(it, start):
             t0 = time.perf_counter()
@@ -395,13 +430,17 @@ def _run(
                 )  # fmt: skip
             elif in_memory and entry["finite"] and done % rollback_every == 0:
                 snapshot = copy.deepcopy(step.state_dict())
+                policy.snapshot_at = done
             if (wants_stop or policy.stop_due(i)) and action != "rollback":
+                stopped = True
                 break
             if checkpoint_every is not None and done % checkpoint_every == 0:
-                mgr.save(done, step, metrics=entry)
+                save(done, entry)
                 saved_at = done
         if mgr is not None and saved_at != done:
-            mgr.save(done, step)  # the final checkpoint
+            save(done)  # the final checkpoint
+        if not stopped:
+            _warn_if_short(steps, start, done)
     finally:
         bar.close()
         if log is not None:
@@ -421,19 +460,29 @@ def _show(bar, rec) -> None:
 
 
 def _manager(checkpoint_dir):
-    """``(manager, owned)``: a `CheckpointManager` for `checkpoint_dir`."""
-    if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointManager):
-        return checkpoint_dir, False
-    return CheckpointManager(checkpoint_dir), True
+    """``(manager, owned, lock)``: a `CheckpointManager` for `checkpoint_dir`
+    and the directory's lock, taken first (one run writes a directory)."""
+    if checkpoint_dir is None:
+        return None, False, None
+    given = isinstance(checkpoint_dir, CheckpointManager)
+    lock = DirectoryLock(checkpoint_dir.directory if given else checkpoint_dir)
+    lock.acquire()
+    try:
+        mgr = checkpoint_dir if given else CheckpointManager(checkpoint_dir)
+    except BaseException:
+        lock.release()
+        raise
+    return mgr, not given, lock
 
 
-def _resume(mgr, step, resume) -> int:
-    """The data position of the latest intact checkpoint, loaded into `step`,
-    with `resume`; else 0 (refusing a directory that already holds a run:
-    its checkpoints would be overwritten)."""
+def _resume(mgr, step, resume) -> tuple[int, dict]:
+    """``(start, info)``: the data position and `CheckpointManager.restore`
+    info of the latest intact checkpoint, loaded into `step`, with `resume`;
+    else 0 and {} (refusing a directory that already holds a run: its
+    checkpoints would be overwritten)."""
     latest = None if mgr is None else mgr.latest_step()
     if latest is None:
-        return 0
+        return 0, {}
     if not resume:
         raise ValueError(
             f"checkpoint_dir {mgr.directory!r} already holds checkpoints (up to "
@@ -441,23 +490,40 @@ def _resume(mgr, step, resume) -> int:
             "directory to start a new one"
         )
     _, info = mgr.restore(step)
-    return int(info["data_position"])
+    return int(info["data_position"]), info
 
 
 # Same in jaxstable.train.fit (the shared fit helpers below).
 class _NanPolicy:
-    """The NaN-policy bookkeeping of one `fit` call.
+    """The NaN-policy bookkeeping of a run, checkpointed with it.
 
     ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
     ``located``: non-finite steps located; ``first_bad``: index of the
-    call's first non-finite step (for ``stop_after_nonfinite``).
+    run's first non-finite step (for ``stop_after_nonfinite``);
+    ``snapshot_at``: the step of the run the rollback snapshot holds. A
+    resumed `fit` loads them from its checkpoint (`load`), so that a run
+    killed and resumed counts, stops and rolls back as the uninterrupted one.
     """
+
+    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at")
 
     def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
         self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
         self.locate_first, self.stop_after = locate_first, stop_after
-        self.run = self.rollbacks = self.located = 0
+        self.run = self.rollbacks = self.located = self.snapshot_at = 0
         self.first_bad = None
+
+    def state(self) -> dict[str, int | None]:
+        """What a checkpoint keeps (JSON, under its checksum)."""
+        return {k: getattr(self, k) for k in self._SAVED}
+
+    def load(self, saved: dict | None, start: int) -> None:
+        """The state of a checkpoint at step `start` (None: a new run, or a
+        checkpoint written before fit saved it: counts from 0)."""
+        self.snapshot_at = start
+        for k in self._SAVED:
+            if saved and k in saved:
+                setattr(self, k, saved[k])
 
     def observe(self, index: int, finite: bool) -> str | None:
         """What the step just recorded triggers: "rollback", "raise" or None."""
@@ -495,22 +561,48 @@ def _batches_from(batches, position: int, steps: int | None):
 
 def _open_log(log_path, resumed_at: int | None):
     """The JSONL log: overwritten, or on resume kept up to `resumed_at`
-    (lines of steps after the checkpoint are re-run, so dropped) and
-    appended to."""
+    (records of steps after the checkpoint are re-run, so dropped) and
+    appended to. A missing log, and lines that are not records (damaged;
+    the crash's torn last line excepted), give a RuntimeWarning; the valid
+    records around a damaged line are kept."""
     if log_path is None:
         return None
-    if resumed_at is None or not os.path.exists(log_path):
+    if resumed_at is None:
         return open(log_path, "w", encoding="utf-8")
-    kept = []
-    with open(log_path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                break  # a line torn by the crash: the rest is re-run
-            if not isinstance(rec, dict) or rec.get("step", resumed_at) >= resumed_at:
-                break
-            kept.append(line.rstrip("\n") + "\n")
+    where = f"log_path {os.fspath(log_path)!r}"
+    if not os.path.exists(log_path):
+        warnings.warn(
+            f"{where} does not exist: the run resumes at step {resumed_at} and "
+            "its log starts there (the records of the steps before are not in "
+            "it)",
+            RuntimeWarning,
+            4,
+        )
+        return open(log_path, "w", encoding="utf-8")
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    kept, damaged = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            damaged.append(number)
+        elif rec["step"] < resumed_at:
+            kept.append(line + "\n")
+    if damaged and damaged[-1] == len(lines):
+        damaged.pop()  # torn by the crash: no newline after it
+    if damaged:
+        warnings.warn(
+            f"{where}: line(s) {damaged} are not JSON records (damaged) and "
+            f"were dropped; the records around them up to step {resumed_at} "
+            "are kept",
+            RuntimeWarning,
+            4,
+        )
     tmp = f"{os.fspath(log_path)}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
@@ -518,6 +610,24 @@ def _open_log(log_path, resumed_at: int | None):
         os.fsync(f.fileno())
     os.replace(tmp, log_path)
     return open(log_path, "a", encoding="utf-8")
+
+
+def _warn_if_short(steps: int | None, start: int, done: int) -> None:
+    """A UserWarning when fit ran fewer steps than `steps` asked (not after a
+    stop it was asked for). Same text in jaxstable.train and torchref.train."""
+    if steps is None or (done >= steps and start <= steps):
+        return
+    if start > steps:
+        why = (
+            f"fit ran no step: the checkpoint it resumed from is at step {start}, "
+            f"past steps={steps} (the state returned is that checkpoint's)"
+        )
+    else:
+        why = (
+            f"fit ran {done - start} of the {steps - start} step(s) asked "
+            f"(steps={steps}, from step {start}): the batches ended at step {done}"
+        )
+    warnings.warn(why, UserWarning, 4)
 
 
 def _check_callable(name: str, fn: Any) -> None:
