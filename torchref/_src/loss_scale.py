@@ -252,6 +252,12 @@ class DynamicGradScaler(torch.amp.GradScaler):
       Any finite step resets the run of non-finite steps.
     * the scale is clamped to >= `min_loss_scale` (compared in float32).
 
+    Like GradScaler, `unscale_` tests the SCALED gradients and then multiplies
+    them by 1/scale: with a scale below 1 (a `min_loss_scale` below 1) that
+    multiply can overflow after the test. `torchref.train.TrainStep` tests the
+    unscaled gradients too in that case and marks the step non-finite, as the
+    JAX step does; a hand-written loop must do the same.
+
     Args:
         device: device type ("cpu" or "cuda").
         init_scale, growth_factor, backoff_factor, growth_interval: as
