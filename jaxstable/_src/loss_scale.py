@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, TypeVar
 
 import jax
@@ -54,15 +55,57 @@ def _as_i32(x: Any) -> Any:
     return jnp.asarray(x, jnp.int32)
 
 
+# float32's smallest normal and largest finite numbers. XLA flushes subnormal
+# float32 values to 0 on CPU and GPU (a scale of 1e-40 became 0.0, 0 * 2 = 0,
+# and every later step was skipped), so a scale lives in [_TINY, _HUGE].
+_TINY = float(np.finfo(np.float32).tiny)  # 2**-126 = 1.1754944e-38
+_HUGE = float(np.finfo(np.float32).max)  # 3.4028235e+38
+# The counters are int32 (GradScaler's growth tracker too): a period or a
+# hysteresis of 2**31 could never be reached.
+_INT32_LIMIT = 2**31
+
+
 def _check_positive_scalar(value: Any, name: str) -> None:
+    """A finite float32 normal number > 0; warns when it is an integer.
+
+    Same messages as `torchref.loss_scale` (parity_tests checks both).
+    """
     if not _is_concrete(value):
         return
     arr = np.asarray(value)
     if arr.shape != ():
         raise ValueError(f"{name} must be a scalar, got shape {arr.shape}")
-    v = float(arr)
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    ):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    v = arr.item()
     if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {v}")
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    _check_float32_normal(name, float(v), v)
+    if np.issubdtype(arr.dtype, np.integer):
+        _warn_integer(name, int(v))
+
+
+def _check_float32_normal(name: str, value: float, shown: Any) -> None:
+    v32 = float(np.float32(value)) if value <= _HUGE else math.inf
+    if not _TINY <= v32 <= _HUGE:
+        raise ValueError(
+            f"{name} must be a float32 normal number, between 2**-126 "
+            f"(1.1754944e-38; XLA flushes smaller values to 0) and 3.4028235e+38, "
+            f"got {shown!r}"
+        )
+
+
+def _warn_integer(name: str, value: int) -> None:
+    # jmp warns too: a jmp loss scale keeps an integer dtype and divides in
+    # integers. Here it is converted; the warning says to what.
+    warnings.warn(
+        f"{name}={value} is an integer; it is used as the float32 "
+        f"{float(np.float32(value))!r}: pass a float to silence this warning",
+        UserWarning,
+        stacklevel=5,  # the caller of DynamicLossScale(...)/StaticLossScale(...)
+    )
 
 
 def _div_rn(a: Any, b: Any) -> jax.Array:
@@ -110,19 +153,127 @@ def _div_rn(a: Any, b: Any) -> jax.Array:
     return jnp.where(normal, quotient, a / b)
 
 
-def _scale_leaf(x: Any, factor: jax.Array) -> Any:
+def _float64_limbs(value: float) -> tuple[tuple[int, int, int, int], int]:
+    """``value == m * 2**e`` with ``2**52 <= m < 2**53``: m's four 16-bit limbs
+    (least significant first) and e, for a positive normal Python float."""
+    fraction, exponent = math.frexp(value)  # value = fraction * 2**exponent
+    m = int(fraction * 2**53)
+    return tuple((m >> (16 * k)) & 0xFFFF for k in range(4)), exponent - 53
+
+
+def _mul_f64(x: Any, limbs: Any, exponent: Any) -> jax.Array:
+    """``float32(float64(x) * g)`` for ``g = m * 2**exponent`` (m in `limbs`).
+
+    What `torch._amp_update_scale_` computes: its float32 scale times the
+    Python-float (float64) growth or backoff factor, the product rounded to
+    float64 and then to float32 (CPU and CUDA kernels alike; checked on
+    40,000 random pairs). A float32 product with the factor rounded to float32
+    differs: 65536 * (1/1.1) is 59578.184 in torch, 59578.18 in float32.
+    Without float64 on the device (JAX's default), the product is formed
+    exactly in integers: x's 24-bit significand times g's 53-bit one (2
+    x 4 limbs of 16 bits, 77 bits in all), rounded half-to-even to 53 bits
+    and then to 24 bits, as the two roundings do. Integer arithmetic gives
+    the same bits on every backend. Results above float32's max are inf;
+    results below its smallest normal are 0 (the loss scale's floor, a
+    normal number, takes over). ``x`` must be a positive normal float32.
+    """
+    u32 = jnp.uint32
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), u32)
+    biased = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    significand = (bits & 0x7FFFFF) | u32(1 << 23)
+    a = (significand & 0xFFFF, significand >> 16)
+    b = [jnp.asarray(v, u32) for v in limbs]
+    # Column sums of the 16x16-bit partial products (each < 2**32), split
+    # into 16-bit halves so that no column overflows 32 bits.
+    p = [u32(0)] * 6
+    for i, ai in enumerate(a):
+        for j, bj in enumerate(b):
+            prod = ai * bj
+            p[i + j] = p[i + j] + (prod & 0xFFFF)
+            p[i + j + 1] = p[i + j + 1] + (prod >> 16)
+    carry = u32(0)
+    for k in range(6):
+        total = p[k] + carry
+        p[k], carry = total & 0xFFFF, total >> 16
+    # 2**75 <= product < 2**77: shift by one when bit 76 is clear, so that
+    # the leading bit is bit 76 in both cases.
+    top = (p[4] >> 12) & 1
+    shifted = [(p[0] << 1) & 0xFFFF] + [
+        ((p[k] << 1) & 0xFFFF) | (p[k - 1] >> 15) for k in range(1, 5)
+    ]
+    p = [jnp.where(top == 1, p[k], shifted[k]) for k in range(5)]
+    exp32 = biased + jnp.asarray(exponent, jnp.int32) + 53 - (1 - top).astype(jnp.int32)
+    # Bits 76..53: the float32 significand; 52: its rounding bit; 51..24:
+    # the rest of the float64 significand; 23: float64's rounding bit;
+    # 22..0: float64's sticky bits.
+    sig = (p[4] << 11) | (p[3] >> 5)
+    half32 = (p[3] >> 4) & 1
+    rest = ((p[3] & 0xF) << 24) | (p[2] << 8) | (p[1] >> 8)
+    half64 = (p[1] >> 7) & 1
+    sticky64 = ((p[1] & 0x7F) | p[0]) != 0
+    # Round to float64 (53 bits: sig, half32, rest), half to even.
+    up = (half64 == 1) & (sticky64 | ((rest & 1) == 1))
+    rest = rest + up.astype(u32)
+    half32 = half32 + (rest >> 28)
+    rest = rest & 0xFFFFFFF
+    sig = sig + (half32 >> 1)
+    half32 = half32 & 1
+    # Then to float32 (24 bits), half to even.
+    up = (half32 == 1) & ((rest != 0) | ((sig & 1) == 1))
+    sig = sig + up.astype(u32)
+    carried = sig >= u32(1 << 24)
+    sig = jnp.where(carried, sig >> 1, sig)
+    exp32 = exp32 + carried.astype(jnp.int32)
+    out = jax.lax.bitcast_convert_type(
+        (jnp.clip(exp32, 1, 254).astype(u32) << 23) | (sig & 0x7FFFFF), jnp.float32
+    )
+    out = jnp.where(exp32 >= 255, jnp.float32(jnp.inf), out)
+    return jnp.where(exp32 <= 0, jnp.float32(0.0), out)
+
+
+def _scale_leaf(x: Any, *factors: jax.Array) -> Any:
     # Multiply in float32 (at least) and cast back: a float16 leaf times a
     # float32 scale would otherwise be promoted to float32 by jnp's rules and
-    # change the dtype of the user's tree. Non-float leaves are left alone.
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    # change the dtype of the user's tree. Complex leaves keep their imaginary
+    # part (complex64 times a float32 factor); integer leaves are left alone.
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return x
     dtype = jnp.result_type(x)
     compute = jnp.promote_types(dtype, jnp.float32)
-    return (jnp.asarray(x, compute) * factor.astype(compute)).astype(dtype)
+    out = jnp.asarray(x, compute)
+    for factor in factors:
+        out = out * factor.astype(compute)
+    return out.astype(dtype)
+
+
+# Above this scale, GradScaler's float32 reciprocal is subnormal.
+_BIG_SCALE = 2.0**126
+
+
+def _unscale(tree: Any, scale: Any) -> Any:
+    """Every inexact leaf of `tree` times ``1/scale``, as GradScaler unscales.
+
+    GradScaler multiplies by ``float32(1 / float64(scale))``. Above 2**126
+    that reciprocal is a float32 subnormal, which XLA flushes to 0 on CPU and
+    GPU: at a scale of 2**127 (GradScaler grows to it when gradients stay
+    small) every gradient would become 0. There the product is taken as
+    ``(x * (2**64 / scale)) * 2**-64``, the same exact product for the powers
+    of two a factor-2 scale takes; below 2**126 the second factor is 1 and
+    the result is ``x * (1/scale)``, bit for bit.
+    """
+    scale = jnp.asarray(scale, jnp.float32)
+    big = scale > _BIG_SCALE
+    inv = _div_rn(1.0, jnp.where(big, scale * jnp.float32(2.0**-64), scale))
+    after = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
+    # A compile-time scale would let XLA fold (x * inv) * after into
+    # x * (inv * after), that is x times the subnormal 2**-127 = 0 (seen with
+    # jax.jit(loss_scale.unscale)); the barrier keeps the two products.
+    inv, after = jax.lax.optimization_barrier((inv, after))
+    return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv, after), tree)
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every floating leaf of `tree` is finite.
+    """Whether every element of every floating or complex leaf of `tree` is finite.
 
     Computes ``all(isfinite(x))`` per leaf and ANDs the results: a test on each
     element, never a sum of values (a sum of finite float16 values can overflow
@@ -202,7 +353,8 @@ class StaticLossScale:
     Equality is identity and `hash` is id-based (the field is an array).
 
     Args:
-      loss_scale: the constant, a finite number > 0 (stored as float32).
+      loss_scale: the constant, a float32 normal number (2**-126 to 3.4e38;
+        stored as float32; an integer is converted with a warning).
 
     Example:
       >>> import jax.numpy as jnp
@@ -219,13 +371,12 @@ class StaticLossScale:
         object.__setattr__(self, "loss_scale", _as_f32(self.loss_scale))
 
     def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf of `tree` by the scale."""
+        """Multiplies every inexact leaf of `tree` by the scale."""
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
     def unscale(self, tree: T) -> T:
-        """Multiplies every floating leaf of `tree` by ``1/loss_scale``."""
-        inv = _div_rn(1.0, self.loss_scale)
-        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
+        """Multiplies every inexact leaf of `tree` by ``1/loss_scale``."""
+        return _unscale(tree, self.loss_scale)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
         """Returns ``self`` (the scale is static)."""
@@ -235,7 +386,7 @@ class StaticLossScale:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale:
-    """Dynamic loss scale with `torch.amp.GradScaler`'s defaults and arithmetic.
+    """Dynamic loss scale: `torch.amp.GradScaler`'s rule, bit for bit, with a floor.
 
     Per step, with ``finite`` the all-finite flag of the unscaled gradients::
 
@@ -244,50 +395,68 @@ class DynamicLossScale:
             counter += 1
             if counter == period:
                 counter = 0
-                if isfinite(float32(loss_scale * factor)):
-                    loss_scale = float32(loss_scale * factor)
+                if isfinite(float32(loss_scale * growth_factor)):
+                    loss_scale = float32(loss_scale * growth_factor)
         else:
             counter = 0
             non_finite_counter += 1
             if non_finite_counter >= hysteresis:
-                loss_scale = max(float32(loss_scale / factor), min_loss_scale)
+                loss_scale = max(float32(loss_scale * backoff_factor), min_loss_scale)
 
-    With ``hysteresis=1`` and ``min_loss_scale`` never reached this is exactly
-    GradScaler's ``_amp_update_scale_`` (growth_interval=period,
-    growth_factor=factor, backoff_factor=1/factor): the scale values are equal
-    bit for bit (tested against the real GradScaler over thousands of steps
-    for factors 2, 3, 1.5 and 7). GradScaler multiplies by the float64
-    ``backoff_factor = 1/factor``; a float32 division by ``factor`` rounds to
-    the same float32 whenever ``factor`` is exact in float32 and a ratio of
-    small integers (s/f is then never within 2**-53 of a float32 rounding
-    midpoint), and is exact for powers of two. GradScaler has no floor; here
-    the scale never goes below ``min_loss_scale``.
+    With ``hysteresis=1`` and ``min_loss_scale`` never reached this is
+    GradScaler's ``_amp_update_scale_`` (``growth_interval=period``, the same
+    ``growth_factor`` and ``backoff_factor``), and the scale values are equal
+    bit for bit for ANY factors: torch multiplies its float32 scale by the
+    Python-float (float64) factor, rounds the product to float64 and then to
+    float32; `_mul_f64` forms the same product exactly in integer arithmetic
+    (JAX has no float64 on the device by default), so 65536 x (1/1.1) is
+    59578.184 here as in torch, where a float32 product gives 59578.18.
+    GradScaler has no floor; here the scale never goes below
+    ``min_loss_scale``.
+
+    ``factor`` is jmp's spelling (grow by ``factor``, back off by dividing
+    by it): ``factor=f`` alone means ``growth_factor=f, backoff_factor=1/f``
+    (1/f taken in float64, as GradScaler would be given it).
+    ``growth_factor``/``backoff_factor`` are GradScaler's two factors
+    (defaults 2.0 and 0.5); ``factor``, when read, is the growth factor.
 
     ``hysteresis=N`` (as in Megatron-LM) backs off only after N non-finite
     steps in a row; unlike Megatron, whose tracker refills only when the scale
     grows, the count here restarts at every finite step.
 
     Every field survives `jax.jit`, `jax.tree.map`, pickle and flax
-    serialisation: the arrays (``loss_scale``, ``counter``, ``factor``,
+    serialisation: the arrays (``loss_scale``, ``counter``,
     ``min_loss_scale``, ``non_finite_counter``) are pytree children; the
-    Python ints ``period`` and ``hysteresis`` are aux data and are also
-    written by `flax.serialization.to_state_dict`.
+    Python numbers ``period``, ``hysteresis``, ``factor``, ``growth_factor``
+    and ``backoff_factor`` are aux data (static: a new value compiles a new
+    step, as a new period does) and are also written by
+    `flax.serialization.to_state_dict`. The factors stay Python floats so
+    that no float64 digit is lost.
 
     Concrete (non-traced) arguments are validated like
     `torchref.loss_scale.DynamicLossScale`, with the same messages; fields
-    that are tracers (construction inside `jax.jit`) are not. Equality is
-    identity and `hash` is id-based (the fields are arrays).
+    that are tracers (construction inside `jax.jit`) are not, except the
+    factors, which must be concrete. An integer ``loss_scale`` or
+    ``min_loss_scale`` is converted to float32 with a warning (as jmp warns).
+    Equality is identity and `hash` is id-based (the fields are arrays).
 
     Args:
-      loss_scale: initial scale, > 0 (float32). GradScaler's ``init_scale``;
-        must be >= ``min_loss_scale``.
+      loss_scale: initial scale (GradScaler's ``init_scale``), a float32
+        normal number >= ``min_loss_scale``.
       counter: consecutive finite steps since the last change (int32),
         ``0 <= counter < period``.
-      period: finite steps in a row before growing, >= 1 (``growth_interval``).
-      factor: growth factor, > 1 (float32); the backoff is ``1/factor``.
-      min_loss_scale: floor of the scale, > 0 (float32).
-      hysteresis: non-finite steps in a row before backing off, >= 1.
+      period: finite steps in a row before growing (``growth_interval``),
+        ``1 <= period < 2**31`` (the counter is an int32).
+      factor: jmp's single factor, > 1, or None (see above).
+      min_loss_scale: floor of the scale, a float32 normal number (>=
+        2**-126: XLA flushes smaller ones to 0, and a scale of 0 would skip
+        every step forever).
+      hysteresis: non-finite steps in a row before backing off,
+        ``1 <= hysteresis < 2**31``.
       non_finite_counter: current run of non-finite steps (int32).
+      growth_factor: finite number > 1 (GradScaler's; default 2.0).
+      backoff_factor: number with ``0 < backoff_factor < 1`` (GradScaler's;
+        default 0.5, or ``1/factor`` when ``factor`` is given).
 
     Example:
       >>> import jax.numpy as jnp
@@ -300,37 +469,32 @@ class DynamicLossScale:
       2048.0 0
       1024.0 0
       1024.0 1
+      >>> ls = loss_scale.DynamicLossScale(growth_factor=2.0, backoff_factor=0.25)
+      >>> float(ls.adjust(jnp.asarray(False)).loss_scale)
+      16384.0
+      >>> ls = loss_scale.DynamicLossScale(factor=1.1)  # as GradScaler(1.1, 1/1.1)
+      >>> float(ls.adjust(jnp.asarray(False)).loss_scale)
+      59578.18359375
     """
 
     loss_scale: Any = 2.0**16
     counter: Any = 0
     period: int = 2000
-    factor: float = 2
+    factor: Any = None
     min_loss_scale: Any = 1.0
     hysteresis: int = 1
     non_finite_counter: Any = 0
+    growth_factor: Any = dataclasses.field(default=None, kw_only=True)
+    backoff_factor: Any = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         _check_positive_scalar(self.loss_scale, "loss_scale")
         _check_positive_scalar(self.min_loss_scale, "min_loss_scale")
-        if isinstance(self.period, bool) or not isinstance(
-            self.period, int | np.integer
-        ):
-            raise ValueError(f"period must be an int >= 1, got {self.period!r}")
-        if self.period < 1:
-            raise ValueError(f"period must be an int >= 1, got {self.period}")
-        if isinstance(self.hysteresis, bool) or not isinstance(
-            self.hysteresis, int | np.integer
-        ):
-            raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}")
-        if self.hysteresis < 1:
-            raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis}")
-        if _is_concrete(self.factor):
-            f = np.asarray(self.factor)
-            if f.shape != () or not (np.isfinite(f) and f > 1):
-                raise ValueError(
-                    f"factor must be a finite number > 1, got {self.factor!r}"
-                )
+        _check_count("period", self.period)
+        _check_count("hysteresis", self.hysteresis)
+        growth, backoff = _resolve_factors(
+            self.factor, self.growth_factor, self.backoff_factor
+        )
         if _is_concrete(self.counter):
             c = np.asarray(self.counter)
             value = c.item() if c.shape == () else self.counter
@@ -345,9 +509,9 @@ class DynamicLossScale:
                 )
         if _is_concrete(self.loss_scale) and _is_concrete(self.min_loss_scale):
             # A scale below its floor would be RAISED by the next backoff
-            # (max(scale / factor, floor) > scale).
-            scale = float(np.asarray(self.loss_scale))
-            floor = float(np.asarray(self.min_loss_scale))
+            # (max(scale * backoff, floor) > scale).
+            scale = float(np.float32(np.asarray(self.loss_scale)))
+            floor = float(np.float32(np.asarray(self.min_loss_scale)))
             if floor > scale:
                 raise ValueError(
                     f"min_loss_scale={floor!r} must be <= loss_scale={scale!r}"
@@ -355,27 +519,17 @@ class DynamicLossScale:
         set_ = object.__setattr__
         set_(self, "period", int(self.period))
         set_(self, "hysteresis", int(self.hysteresis))
-        set_(self, "factor", _as_f32(self.factor))
+        set_(self, "factor", growth)
+        set_(self, "growth_factor", growth)
+        set_(self, "backoff_factor", backoff)
         set_(self, "loss_scale", _as_f32(self.loss_scale))
         set_(self, "min_loss_scale", _as_f32(self.min_loss_scale))
         set_(self, "counter", _as_i32(self.counter))
         set_(self, "non_finite_counter", _as_i32(self.non_finite_counter))
 
     # -- pytree -------------------------------------------------------------
-    # `factor` is a child (a float32 array), not aux data: XLA rewrites a
-    # division by a compile-time constant into a multiplication by its rounded
-    # reciprocal (x / 1.5 -> x * 0.666666687), one ulp away from GradScaler's
-    # float64 backoff for factor 1.5. A run-time value goes through `_div_rn`,
-    # which rounds like GradScaler on CPU and GPU alike (XLA:GPU's own float32
-    # division does not round correctly).
-    _CHILDREN = (
-        "loss_scale",
-        "counter",
-        "factor",
-        "min_loss_scale",
-        "non_finite_counter",
-    )
-    _AUX = ("period", "hysteresis")
+    _CHILDREN = ("loss_scale", "counter", "min_loss_scale", "non_finite_counter")
+    _AUX = ("period", "hysteresis", "factor", "growth_factor", "backoff_factor")
 
     def tree_flatten(self):
         children = tuple(getattr(self, k) for k in self._CHILDREN)
@@ -395,18 +549,16 @@ class DynamicLossScale:
 
     # -- jmp interface ------------------------------------------------------
     def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf of `tree` by the current scale."""
+        """Multiplies every inexact leaf of `tree` by the current scale."""
         return jax.tree_util.tree_map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
     def unscale(self, tree: T) -> T:
-        """Multiplies every floating leaf of `tree` by ``1/loss_scale``.
+        """Multiplies every inexact leaf of `tree` by ``1/loss_scale``.
 
         GradScaler also multiplies by the reciprocal (computed in float64 and
-        rounded to float32; for the powers of two a factor-2 scale takes, both
-        reciprocals are exact).
+        rounded to float32); see `_unscale` for scales above 2**126.
         """
-        inv = _div_rn(1.0, self.loss_scale)
-        return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv), tree)
+        return _unscale(tree, self.loss_scale)
 
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
         """Returns the next loss scale given this step's all-finite flag.
@@ -420,18 +572,18 @@ class DynamicLossScale:
                 f"grads_finite must be a boolean scalar, got shape {finite.shape}"
             )
         scale = self.loss_scale
-        factor = self.factor
 
         successful = self.counter + 1
         grow = successful >= self.period
-        grown = scale * factor
+        grown = _mul_f64(scale, *_float64_limbs(self.growth_factor))
         # GradScaler keeps the scale when growing would overflow float32 to inf.
         grown = jnp.where(jnp.isfinite(grown), grown, scale)
         finite_scale = jnp.where(grow, grown, scale)
         finite_counter = jnp.where(grow, 0, successful).astype(jnp.int32)
 
         bad_run = self.non_finite_counter + 1
-        backed_off = jnp.maximum(_div_rn(scale, factor), self.min_loss_scale)
+        shrunk = _mul_f64(scale, *_float64_limbs(self.backoff_factor))
+        backed_off = jnp.maximum(shrunk, self.min_loss_scale)
         bad_scale = jnp.where(bad_run >= self.hysteresis, backed_off, scale)
 
         return self._replace(
@@ -446,6 +598,67 @@ class DynamicLossScale:
         for k, v in changes.items():
             object.__setattr__(new, k, v)
         return new
+
+
+def _check_count(name: str, value: Any) -> None:
+    """An int with 1 <= value < 2**31 (the counters are int32)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
+    if value >= _INT32_LIMIT:
+        raise ValueError(
+            f"{name} must be < 2**31 (its counter is an int32 and would never "
+            f"reach it), got {value}"
+        )
+
+
+def _factor_value(name: str, value: Any, valid: str) -> float:
+    """A concrete real number, as a Python float (no float64 digit lost)."""
+    if isinstance(value, jax.core.Tracer) or type(value) is object:
+        raise ValueError(
+            f"{name} must be a concrete number (it is static data of the "
+            f"pytree, like period), got {value!r}"
+        )
+    arr = np.asarray(value)
+    if (
+        arr.shape != ()
+        or arr.dtype == np.bool_
+        or not (
+            np.issubdtype(arr.dtype, np.integer)
+            or np.issubdtype(arr.dtype, np.floating)
+        )
+    ):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    return float(arr.item())
+
+
+def _resolve_factors(factor: Any, growth: Any, backoff: Any) -> tuple[float, float]:
+    """(growth_factor, backoff_factor) from jmp's ``factor`` and/or
+    GradScaler's two; same rules and messages as `torchref.loss_scale`."""
+    if factor is not None:
+        f = _factor_value("factor", factor, "a finite number > 1")
+        if not (math.isfinite(f) and f > 1):
+            raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+    if growth is None:
+        growth = 2.0 if factor is None else f
+    g = _factor_value("growth_factor", growth, "a finite number > 1")
+    if not (math.isfinite(g) and g > 1):
+        raise ValueError(f"growth_factor must be a finite number > 1, got {growth!r}")
+    if factor is not None and f != g:
+        raise ValueError(
+            f"factor={f!r} and growth_factor={g!r} disagree: factor is jmp's name "
+            "for the growth factor; pass one of them"
+        )
+    if backoff is None:
+        backoff = 0.5 if factor is None else 1.0 / f
+    b = _factor_value("backoff_factor", backoff, "a number with 0 < backoff < 1")
+    if not 0 < b < 1:
+        raise ValueError(
+            f"backoff_factor must be a number with 0 < backoff_factor < 1, "
+            f"got {backoff!r}"
+        )
+    return g, b
 
 
 jax.tree_util.register_pytree_node(
@@ -473,7 +686,8 @@ def _dynamic_to_state_dict(ls: DynamicLossScale) -> dict[str, Any]:
         "loss_scale": serialization.to_state_dict(ls.loss_scale),
         "counter": serialization.to_state_dict(ls.counter),
         "period": ls.period,
-        "factor": serialization.to_state_dict(ls.factor),
+        "growth_factor": ls.growth_factor,
+        "backoff_factor": ls.backoff_factor,
         "min_loss_scale": serialization.to_state_dict(ls.min_loss_scale),
         "hysteresis": ls.hysteresis,
         "non_finite_counter": serialization.to_state_dict(ls.non_finite_counter),
@@ -487,14 +701,22 @@ def _dynamic_from_state_dict(target: DynamicLossScale, state: dict[str, Any]):
     def py_number(v):
         return np.asarray(v).item()
 
+    if "growth_factor" not in state and "factor" in state:
+        # Written before the two factors: jmp's single factor (float32).
+        factors = dict(factor=float(py_number(state["factor"])))
+    else:
+        factors = dict(
+            growth_factor=float(py_number(get("growth_factor"))),
+            backoff_factor=float(py_number(get("backoff_factor"))),
+        )
     return DynamicLossScale(
         loss_scale=get("loss_scale"),
         counter=get("counter"),
         period=int(py_number(get("period"))),
-        factor=get("factor"),
         min_loss_scale=get("min_loss_scale"),
         hysteresis=int(py_number(get("hysteresis"))),
         non_finite_counter=get("non_finite_counter"),
+        **factors,
     )
 
 

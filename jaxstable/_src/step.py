@@ -278,16 +278,26 @@ def make_train_step(
         and `optax`'s idiom) when the step runs inside `jax.shard_map` (or
         `jax.pmap`) over it, each replica on its own rows of the batch and
         the state replicated (``in_specs=(P(), P(axis))``,
-        ``out_specs=P()``). The gradients, the loss, the floating leaves of
-        ``aux`` and of the new model state are then `lax.pmean`-ed over the
-        axis, and the guard's flag is taken from the averaged gradients: it
-        reuses the gradient all-reduce (a NaN or inf on any replica makes
-        the mean non-finite on every replica, and an overflow of the sum is
-        seen by all), so every replica takes the same skip decision and the
-        same loss-scale update with NO collective of its own. This is what
-        torch's DDP does (GradScaler checks the all-reduced gradients) and
-        what flax's ``DynamicScale(axis_name=...)`` does. Not needed (leave
-        None) under plain `jax.jit` with shardings (`jaxstable.distributed`):
+        ``out_specs=P()``). Each of the N replicas differentiates
+        ``scale * loss / N`` (its share of the mean over all rows), the
+        gradients are `lax.psum`-ed over the axis and then unscaled, so the
+        result is one device's gradient of the global mean: a replica's
+        backward holds what one device's holds for its rows (the same
+        float16 headroom, where differentiating the replica's own mean held
+        N times its share and overflowed at scale / N), and a sum of
+        per-replica gradients of 2.5e38 no longer overflows where one
+        device's gradient is finite. The loss and the floating leaves of
+        ``aux`` and of the new model state are `lax.pmean`-ed. The guard's
+        flag is taken from the summed gradients: it reuses the gradient
+        all-reduce (a NaN or inf on any replica makes the sum non-finite on
+        every replica), so every replica takes the same skip decision and
+        the same loss-scale update with NO collective of its own. This is
+        what torch's DDP does (GradScaler checks the all-reduced gradients)
+        and what flax's ``DynamicScale(axis_name=...)`` does. For N a power
+        of two the division is exact and the gradients equal those of a
+        pmean of per-replica gradients bit for bit; otherwise ``loss / N``
+        rounds once in float32 (a relative 6e-8). Not needed (leave None)
+        under plain `jax.jit` with shardings (`jaxstable.distributed`):
         there XLA makes every reduction global itself.
 
     Returns:
@@ -355,16 +365,26 @@ def make_train_step(
 
     grad_fn = scaled_value_and_grad(compute_loss, has_aux=True)
 
+    def replica_loss(params, ls, model_state, batch):
+        # The replica's share of the mean over all replicas: its own mean
+        # divided by their number, scaled. Its backward then holds what one
+        # device's backward holds for these rows (same float16 headroom).
+        loss, rest = compute_loss(params, model_state, batch)
+        share = loss / jax.lax.axis_size(axis_name)
+        return ls.scale(share), (loss, rest)
+
     def reduced_grads(state: TrainState, batch: Any):
         if axis_name is None:
             return grad_fn(state.loss_scale, state.params, state.model_state, batch)
-        # Local gradients of the replica's rows, then their mean: the flag
-        # of scaled_value_and_grad (local) is dropped for one of the mean.
+        # Each replica differentiates scale * loss / N; the SUM of these over
+        # the replicas, unscaled, is one device's gradient of the mean. The
+        # flag is taken from that sum, so it is the same on every replica.
+        ls = state.loss_scale
         params = _as_varying(state.params, axis_name)
-        (loss, (aux, model_state)), grads, _ = grad_fn(
-            state.loss_scale, params, state.model_state, batch
-        )
-        grads = jax.lax.pmean(grads, axis_name)
+        (_, (loss, (aux, model_state))), grads = jax.value_and_grad(
+            replica_loss, has_aux=True
+        )(params, ls, state.model_state, batch)
+        grads = ls.unscale(jax.lax.psum(grads, axis_name))
         out = _pmean_floating((loss, aux, model_state), axis_name)
         return (out[0], out[1:]), grads, all_finite(grads)
 

@@ -37,32 +37,111 @@ def _concrete_float(x: Any) -> float | None:
     return float(arr)
 
 
-def global_norm(tree: Any) -> jax.Array:
-    """L2 norm of all leaves of `tree` together, accumulated in float32.
+# A float32 sum of squares overflows once the norm passes 2**64 = 1.8e19
+# (finite gradients of 1e20 gave an inf norm, and the clip multiplied every
+# gradient by 0). Then the sum is taken again with every element times this
+# power of two (exact: only the exponent changes), which cannot overflow
+# below 2**52 elements of float32's max; the squares it loses to underflow
+# (elements below 2**27) change a norm above 2**64 by less than 2**-74
+# relative per element.
+_NORM_SCALE = 2.0**-90
+_NORM_UNSCALE = 2.0**90
 
-    ``sqrt(sum_leaves sum(x.astype(float32) ** 2))``. Each leaf is upcast
-    before squaring: float16 gradients of 300 have squares of 9e4, above
-    fp16's max 65504, and bfloat16 sums lose digits after 2**8 terms.
+
+def _inexact_leaves(tree: Any) -> list[jax.Array]:
+    # Integer and boolean leaves (step counters, float0 gradients of integer
+    # inputs) have no norm to add and are never clipped.
+    return [
+        x
+        for x in jax.tree_util.tree_leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+
+
+def _sum_squares(x: Any, factor: float | None = None) -> jax.Array:
+    """``sum(|x|**2)`` in float32 (float32 parts of a complex64 leaf)."""
+    x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
+    if factor is not None:
+        x = x * _opaque(jnp.float32(factor))
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.sum(jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x)))
+    return jnp.sum(jnp.square(x))
+
+
+def _opaque(x: Any) -> Any:
+    """`x` as a value XLA cannot fold into a neighbouring constant.
+
+    XLA rewrites ``(g * c1) * c2`` into ``g * (c1 * c2)`` and ``(g * c)**2``
+    into ``g**2 * c**2`` when the factors are known: with ``c = 2**-90`` the
+    folded factor is subnormal and flushed to 0 (seen under `jax.jit`: a
+    clipped gradient of 2.5e38 came out 0 instead of 1).
+    """
+    return jax.lax.optimization_barrier(x)
+
+
+def _norms(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(norm, scaled_norm, overflow)`` of the inexact leaves of `tree`.
+
+    ``norm`` is `global_norm`; ``scaled_norm`` the norm of every element
+    times `_NORM_SCALE`; ``overflow`` says that the plain sum of squares
+    overflowed although the scaled one did not (the leaves are finite), in
+    which case ``norm = scaled_norm * 2**90`` (inf only when the norm itself
+    is above float32's max). ``<`` instead of `jnp.isfinite`: a NaN sum fails
+    it too, and the step's only finiteness reductions stay the gradient and
+    update checks.
+    """
+    leaves = _inexact_leaves(tree)
+    if not leaves:
+        zero = jnp.zeros([], jnp.float32)
+        return zero, zero, jnp.zeros([], jnp.bool_)
+    plain = [_sum_squares(x) for x in leaves]
+    scaled = [_sum_squares(x, _NORM_SCALE) for x in leaves]
+    plain = sum(plain[1:], plain[0])
+    scaled = sum(scaled[1:], scaled[0])
+    inf = jnp.float32(jnp.inf)
+    overflow = jnp.logical_and(jnp.logical_not(plain < inf), scaled < inf)
+    scaled_norm = jnp.sqrt(scaled)
+    norm = jnp.where(
+        overflow, scaled_norm * jnp.float32(_NORM_UNSCALE), jnp.sqrt(plain)
+    )
+    return norm, scaled_norm, overflow
+
+
+def global_norm(tree: Any) -> jax.Array:
+    """L2 norm of all inexact leaves of `tree` together, accumulated in float32.
+
+    ``sqrt(sum_leaves sum(|x|**2))``, each leaf upcast to float32 first:
+    float16 gradients of 300 have squares of 9e4, above fp16's max 65504,
+    and bfloat16 sums lose digits after 2**8 terms. A complex leaf adds
+    ``re**2 + im**2`` (so ``[0.3+0.4j, -0.1+0.2j]`` has norm 0.548, as in
+    torch). Integer and boolean leaves are left out; an empty leaf adds 0.
+
+    Cannot overflow while the norm is representable: when the float32 sum of
+    squares overflows (a norm above 1.8e19, e.g. two gradients of 1e20) it
+    is recomputed with every element scaled by 2**-90 (see `_NORM_SCALE`),
+    so the norm of ``[1e20, 1e20]`` is 1.41e20, not inf. torch's
+    `clip_grad_norm_` returns inf there; `torchref.transforms.global_norm`
+    does the same as this function (a documented deviation from torch, only
+    where torch overflows). The result is inf only for non-finite leaves or
+    a norm above float32's max 3.4e38.
 
     Args:
-      tree: a pytree of arrays (any float dtype).
+      tree: a pytree of arrays (any dtype).
 
     Returns:
-      A float32 scalar (0.0 for an empty tree).
+      A float32 scalar (0.0 for a tree without inexact leaves).
 
     Example:
       >>> import jax.numpy as jnp
       >>> from jaxstable import transforms
       >>> float(transforms.global_norm({"a": jnp.full(4, 300.0, jnp.float16)}))
       600.0
+      >>> round(float(transforms.global_norm(jnp.array([0.3 + 0.4j, -0.1 + 0.2j]))), 3)
+      0.548
+      >>> float(transforms.global_norm(jnp.array([1e20, 1e20]))) > 1.4e20
+      True
     """
-    leaves = [
-        jnp.sum(jnp.square(jnp.asarray(x, jnp.float32)))
-        for x in jax.tree_util.tree_leaves(tree)
-    ]
-    if not leaves:
-        return jnp.zeros([], jnp.float32)
-    return jnp.sqrt(sum(leaves[1:], leaves[0]))
+    return _norms(tree)[0]
 
 
 def clip_by_global_norm(
@@ -71,11 +150,19 @@ def clip_by_global_norm(
     """Clips updates by global norm with `torch.nn.utils.clip_grad_norm_`'s formula.
 
     ``coef = min(max_norm / (global_norm(updates) + eps), 1)`` and every leaf is
-    multiplied by ``coef`` in float32 and cast back to its dtype. Unlike
-    `optax.clip_by_global_norm` there is an ``eps`` (torch's 1e-6) and the norm
-    is accumulated in float32 for float16/bfloat16 leaves. The coefficient is
-    formed as ``(1 / (norm + eps)) * max_norm``, the order torch's
-    ``Tensor.__rtruediv__`` uses, so float32 results round the same way.
+    multiplied by ``coef`` in float32 (complex64 for a complex leaf, whose
+    imaginary part is kept) and cast back to its dtype; integer leaves pass
+    through. Unlike `optax.clip_by_global_norm` there is an ``eps`` (torch's
+    1e-6) and the norm is accumulated in float32 for float16/bfloat16 leaves.
+    The coefficient is formed as ``(1 / (norm + eps)) * max_norm``, the order
+    torch's ``Tensor.__rtruediv__`` uses, so float32 results round the same way.
+
+    When the float32 sum of squares overflows (norm above 1.8e19, see
+    `global_norm`) the clip is computed in the scaled domain:
+    ``(g * 2**-90) * ((1 / (scaled_norm + eps * 2**-90)) * max_norm)``, so
+    finite gradients always give a finite update of norm ``max_norm``. torch's
+    `clip_grad_norm_` multiplies every gradient by 0 there (its norm is inf);
+    `torchref.transforms.clip_by_global_norm` does what this does.
 
     Args:
       max_norm: the largest allowed global norm, > 0.
@@ -91,6 +178,9 @@ def clip_by_global_norm(
       >>> u, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(None))
       >>> [round(v, 4) for v in u["w"].tolist()]
       [0.6, 0.8]
+      >>> u, _ = tx.update({"w": jnp.array([1e20, 1e20])}, tx.init(None))
+      >>> [round(v, 4) for v in u["w"].tolist()]
+      [0.7071, 0.7071]
     """
     value = _concrete_float(max_norm)
     if value is not None and not value > 0:
@@ -105,16 +195,25 @@ def clip_by_global_norm(
 
     def update_fn(updates, state, params=None):
         del params
-        norm = global_norm(updates)
-        coef = (1.0 / (norm + jnp.asarray(eps, jnp.float32))) * jnp.asarray(
-            max_norm, jnp.float32
-        )
-        coef = jnp.minimum(coef, jnp.float32(1.0))
-        updates = jax.tree_util.tree_map(
-            lambda g: (jnp.asarray(g, jnp.float32) * coef).astype(jnp.result_type(g)),
-            updates,
-        )
-        return updates, state
+        norm, scaled_norm, overflow = _norms(updates)
+        eps32 = jnp.asarray(eps, jnp.float32)
+        max32 = jnp.asarray(max_norm, jnp.float32)
+        coef = jnp.minimum((1.0 / (norm + eps32)) * max32, jnp.float32(1.0))
+        # Scaled domain: the true coefficient is coef_s * 2**-90.
+        coef_s = (1.0 / (scaled_norm + eps32 * jnp.float32(_NORM_SCALE))) * max32
+        unclipped = coef_s >= jnp.float32(_NORM_UNSCALE)
+        down, coef_s = _opaque((jnp.float32(_NORM_SCALE), coef_s))
+
+        def clip(g):
+            if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
+                return g
+            dtype = jnp.result_type(g)
+            g32 = jnp.asarray(g, jnp.promote_types(dtype, jnp.float32))
+            small = (g32 * down) * coef_s
+            big = jnp.where(unclipped, g32, small)
+            return jnp.where(overflow, big, g32 * coef).astype(dtype)
+
+        return jax.tree_util.tree_map(clip, updates), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -17,10 +17,12 @@ _NON_DEFAULT = dict(
     loss_scale=1024.0,
     counter=3,
     period=7,
-    factor=4,
     min_loss_scale=0.25,
     hysteresis=2,
     non_finite_counter=1,
+    # Not float32 numbers: the float64 digits must survive too.
+    growth_factor=1.1,
+    backoff_factor=0.3,
 )
 
 
@@ -33,6 +35,8 @@ def _assert_fields(ls, expected):
     assert ls.counter.dtype == jnp.int32
     assert ls.non_finite_counter.dtype == jnp.int32
     assert isinstance(ls.period, int) and isinstance(ls.hysteresis, int)
+    assert ls.factor == ls.growth_factor  # jmp's name reads the growth factor
+    assert type(ls.growth_factor) is float and type(ls.backoff_factor) is float
 
 
 def test_defaults_equal_grad_scaler():
@@ -41,7 +45,10 @@ def test_defaults_equal_grad_scaler():
         ls,
         dict(loss_scale=2.0**16, counter=0, period=2000, factor=2, min_loss_scale=1.0),
     )
-    assert ls.hysteresis == 1
+    assert (ls.hysteresis, ls.growth_factor, ls.backoff_factor) == (1, 2.0, 0.5)
+    # jmp's single factor: grow by it, back off by its reciprocal.
+    jmp_style = jls.DynamicLossScale(2.0**15, 0, 100, 4.0)
+    assert (jmp_style.growth_factor, jmp_style.backoff_factor) == (4.0, 0.25)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +91,11 @@ def test_every_field_survives_jit_tree_map_and_checkpoints():
     _assert_fields(serialization.from_state_dict(target, state), _NON_DEFAULT)
     raw = serialization.to_bytes(ls)
     _assert_fields(serialization.from_bytes(target, raw), _NON_DEFAULT)
+    # A state dict written before the two factors holds jmp's single factor.
+    old = {k: v for k, v in state.items() if not k.endswith("_factor")}
+    old["factor"] = np.float32(4.0)
+    restored = serialization.from_state_dict(target, old)
+    assert (restored.growth_factor, restored.backoff_factor) == (4.0, 0.25)
     # pickle.
     _assert_fields(pickle.loads(pickle.dumps(ls)), _NON_DEFAULT)
     # Static scale too.
@@ -322,3 +334,46 @@ def test_div_rn_rounds_like_ieee_division_where_the_gpu_does_not():
     # Outside the normal range it is the plain division (inf, nan, zero).
     edge = np.float32([1.0, 0.0, np.inf, 3e38]), np.float32([0.0, 2.0, 2.0, 1e-3])
     np.testing.assert_array_equal(np.asarray(_div_rn(*edge)), edge[0] / edge[1])
+
+
+def test_every_field_survives_an_orbax_checkpoint(tmp_path):
+    import optax
+
+    from jaxstable import train
+
+    def state(ls):
+        return train.TrainState.create(
+            params=jnp.zeros(2), optimizer=optax.sgd(0.1), loss_scale=ls
+        )
+
+    train.save_checkpoint(tmp_path / "c", state(jls.DynamicLossScale(**_NON_DEFAULT)))
+    restored = train.load_checkpoint(tmp_path / "c", state(jls.DynamicLossScale()))
+    _assert_fields(restored.loss_scale, _NON_DEFAULT)
+
+
+def test_mul_f64_is_torchs_float64_product_rounded_to_float32():
+    # float32(float64(x) * g): the product rounded to float64, then to
+    # float32 (what _amp_update_scale_ computes), on random pairs and on
+    # pairs built so that the float64 product is exactly a float32 rounding
+    # midpoint (where a single rounding of the exact product would differ).
+    from jaxstable._src.loss_scale import _float64_limbs, _mul_f64
+
+    rng = np.random.default_rng(0)
+    n = 20_000
+    x = (1 + rng.random(n)) * 2.0 ** rng.integers(-100, 100, n)
+    g = np.concatenate([1 + rng.random(n // 2) * 3, rng.random(n // 2)])
+    mids = (rng.integers(2**23, 2**24, 512) + 0.5) * 2.0**-23
+    xs = (1 + rng.random(512)).astype(np.float32)
+    x = np.concatenate([x.astype(np.float32), xs])
+    g = np.concatenate([g, mids / xs.astype(np.float64)])
+    on_midpoint = x[n:].astype(np.float64) * g[n:] == mids
+    assert on_midpoint.sum() > 100
+    limbs, exps = zip(*(_float64_limbs(float(v)) for v in g), strict=True)
+    limbs = tuple(np.array(limbs, np.uint32).T)
+    got = np.asarray(jax.jit(_mul_f64)(x, limbs, np.array(exps, np.int32)))
+    want = (x.astype(np.float64) * g).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # Out of float32's range: inf above, 0 below its smallest normal.
+    big = _mul_f64(np.float32(3e38), *_float64_limbs(2.0))
+    small = _mul_f64(np.float32(2.0**-125), *_float64_limbs(0.25))
+    assert np.isinf(big) and float(small) == 0.0

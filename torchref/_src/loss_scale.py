@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -69,7 +70,8 @@ def all_finite(tensors: Any) -> bool:
     Args:
         tensors: a tensor, an `nn.Module` (its parameters), a mapping or a
             (nested) sequence of tensors; `None` entries and non-tensors are
-            ignored. Integer and bool tensors are always finite.
+            ignored. Integer and bool tensors are always finite; a sparse
+            tensor is checked by its coalesced values.
 
     Returns:
         A python bool; True for an empty collection.
@@ -86,6 +88,12 @@ def all_finite(tensors: Any) -> bool:
     groups: dict[Any, list[torch.Tensor]] = {}
     for t in _tensors(tensors):
         if t.is_floating_point() or t.is_complex():
+            if t.is_sparse:
+                # Its coalesced values: duplicate indices summed, as the
+                # optimizer will apply them (float16 duplicates can overflow
+                # when summed; GradScaler coalesces float16 sparse grads for
+                # the same reason). _foreach_norm has no sparse kernel.
+                t = (t if t.is_coalesced() else t.coalesce())._values()
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
     per_device: dict[Any, list[torch.Tensor]] = {}
     for (device, dtype), group in groups.items():
@@ -106,9 +114,91 @@ def all_finite(tensors: Any) -> bool:
     return True
 
 
-def _check_scale(name: str, value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+# float32's smallest normal and largest finite numbers: the scale is a
+# float32 tensor, and the JAX twin cannot hold a subnormal scale (XLA flushes
+# it to 0), so both accept [2**-126, 3.4028235e38] only.
+_TINY = 2.0**-126
+_HUGE = float(torch.finfo(torch.float32).max)
+# GradScaler's growth tracker is an int32 tensor.
+_INT32_LIMIT = 2**31
+
+
+def _check_scale(name: str, value: Any) -> float:
+    """A finite float32 normal number > 0, as a float; warns on an integer.
+
+    Same messages as `jaxstable.loss_scale` (parity_tests checks both).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    v32 = (
+        torch.tensor(float(value), dtype=torch.float32).item()
+        if value <= _HUGE
+        else math.inf
+    )
+    if not _TINY <= v32 <= _HUGE:
+        raise ValueError(
+            f"{name} must be a float32 normal number, between 2**-126 "
+            f"(1.1754944e-38; XLA flushes smaller values to 0) and 3.4028235e+38, "
+            f"got {value!r}"
+        )
+    if isinstance(value, int):
+        # jmp warns too; GradScaler would take the int as a float silently.
+        warnings.warn(
+            f"{name}={value} is an integer; it is used as the float32 {v32!r}: "
+            "pass a float to silence this warning",
+            UserWarning,
+            stacklevel=4,
+        )
+    return float(value)
+
+
+def _check_count(name: str, value: Any) -> None:
+    """An int with 1 <= value < 2**31 (the counters are int32)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
+    if value >= _INT32_LIMIT:
+        raise ValueError(
+            f"{name} must be < 2**31 (its counter is an int32 and would never "
+            f"reach it), got {value}"
+        )
+
+
+def _factor_value(name: str, value: Any, valid: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    return float(value)
+
+
+def _resolve_factors(factor: Any, growth: Any, backoff: Any) -> tuple[float, float]:
+    """(growth_factor, backoff_factor) from jmp's ``factor`` and/or
+    GradScaler's two; same rules and messages as `jaxstable.loss_scale`."""
+    if factor is not None:
+        f = _factor_value("factor", factor, "a finite number > 1")
+        if not (math.isfinite(f) and f > 1):
+            raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+    if growth is None:
+        growth = 2.0 if factor is None else f
+    g = _factor_value("growth_factor", growth, "a finite number > 1")
+    if not (math.isfinite(g) and g > 1):
+        raise ValueError(f"growth_factor must be a finite number > 1, got {growth!r}")
+    if factor is not None and f != g:
+        raise ValueError(
+            f"factor={f!r} and growth_factor={g!r} disagree: factor is jmp's name "
+            "for the growth factor; pass one of them"
+        )
+    if backoff is None:
+        backoff = 0.5 if factor is None else 1.0 / f
+    b = _factor_value("backoff_factor", backoff, "a number with 0 < backoff < 1")
+    if not 0 < b < 1:
+        raise ValueError(
+            f"backoff_factor must be a number with 0 < backoff_factor < 1, "
+            f"got {backoff!r}"
+        )
+    return g, b
 
 
 class StaticGradScaler(torch.amp.GradScaler):
@@ -161,6 +251,12 @@ class DynamicGradScaler(torch.amp.GradScaler):
       scale (the growth tracker is still reset to 0, as GradScaler does).
       Any finite step resets the run of non-finite steps.
     * the scale is clamped to >= `min_loss_scale` (compared in float32).
+
+    Like GradScaler, `unscale_` tests the SCALED gradients and then multiplies
+    them by 1/scale: with a scale below 1 (a `min_loss_scale` below 1) that
+    multiply can overflow after the test. `torchref.train.TrainStep` tests the
+    unscaled gradients too in that case and marks the step non-finite, as the
+    JAX step does; a hand-written loop must do the same.
 
     Args:
         device: device type ("cpu" or "cuda").
@@ -289,8 +385,9 @@ class StaticLossScale:
     still skipped by GradScaler's `step`, but the scale never changes.
 
     Args:
-        loss_scale: the constant scale, a finite number > 0 (default 2**15,
-            as `jaxstable.loss_scale.StaticLossScale`).
+        loss_scale: the constant scale, a float32 normal number (2**-126 to
+            3.4e38; default 2**15, as `jaxstable.loss_scale.StaticLossScale`;
+            an integer is taken as a float with a warning).
 
     Example:
         >>> s = StaticLossScale(128.0).make_scaler("cpu")
@@ -301,7 +398,9 @@ class StaticLossScale:
     loss_scale: float = 2.0**15
 
     def __post_init__(self) -> None:
-        _check_scale("loss_scale", self.loss_scale)
+        object.__setattr__(
+            self, "loss_scale", _check_scale("loss_scale", self.loss_scale)
+        )
 
     def make_scaler(self, device: str = "cpu") -> StaticGradScaler:
         """A `StaticGradScaler` holding `loss_scale`."""
@@ -313,25 +412,42 @@ class DynamicLossScale:
     """Dynamic loss scaling, `torch.amp.GradScaler`'s rule with a floor.
 
     Maths (per step, after GradScaler): finite -> ``counter += 1`` and when
-    ``counter == period``: ``scale *= factor`` (only if the result is finite)
-    and ``counter = 0``; non-finite -> ``scale *= 1/factor`` and
-    ``counter = 0`` (with `hysteresis` N: only on the N-th non-finite step in
-    a row); finally ``scale = max(scale, min_loss_scale)``. The defaults are
-    GradScaler's (2**16, x2 after 2000 finite steps, x0.5 on a bad one).
+    ``counter == period``: ``scale *= growth_factor`` (only if the result is
+    finite) and ``counter = 0``; non-finite -> ``scale *= backoff_factor``
+    and ``counter = 0`` (with `hysteresis` N: only on the N-th non-finite
+    step in a row); finally ``scale = max(scale, min_loss_scale)``. The
+    products are GradScaler's own (float32 scale times the float64 factor,
+    rounded to float32). The defaults are GradScaler's (2**16, x2 after 2000
+    finite steps, x0.5 on a bad one).
+
+    ``factor`` is jmp's spelling: ``factor=f`` alone means
+    ``growth_factor=f, backoff_factor=1/f``; when read, it is the growth
+    factor. Arguments are checked with the same messages as
+    `jaxstable.loss_scale.DynamicLossScale`; an integer ``loss_scale`` or
+    ``min_loss_scale`` is taken as a float with a warning (as jmp warns).
 
     Args:
-        loss_scale: initial scale (finite, > 0).
+        loss_scale: initial scale, a float32 normal number (2**-126 to
+            3.4e38), >= `min_loss_scale`.
         counter: finite steps already counted toward growth (0 <= counter < period).
-        period: finite steps in a row before growth (>= 1).
-        factor: growth factor (> 1); the backoff factor is ``1/factor``.
-        min_loss_scale: floor of the scale (finite, > 0, <= loss_scale).
-        hysteresis: back off only on the N-th non-finite step in a row (>= 1).
+        period: finite steps in a row before growth, ``1 <= period < 2**31``
+            (GradScaler's growth tracker is an int32).
+        factor: jmp's single factor (> 1) or None.
+        min_loss_scale: floor of the scale, a float32 normal number.
+        hysteresis: back off only on the N-th non-finite step in a row,
+            ``1 <= hysteresis < 2**31``.
+        growth_factor: GradScaler's growth factor, > 1 (default 2.0).
+        backoff_factor: GradScaler's backoff factor, in (0, 1) (default 0.5,
+            or ``1/factor`` when `factor` is given).
 
     Example:
         >>> ls = DynamicLossScale(loss_scale=1024.0, period=10)
         >>> s = ls.make_scaler("cpu")
         >>> s.get_scale(), s.get_growth_interval(), s.get_backoff_factor()
         (1024.0, 10, 0.5)
+        >>> s = DynamicLossScale(growth_factor=2.0, backoff_factor=0.25).make_scaler()
+        >>> s.get_growth_factor(), s.get_backoff_factor()
+        (2.0, 0.25)
         >>> DynamicLossScale(factor=1)
         Traceback (most recent call last):
         ...
@@ -341,50 +457,57 @@ class DynamicLossScale:
     loss_scale: float = 2.0**16
     counter: int = 0
     period: int = 2000
-    factor: float = 2
+    factor: float | None = None
     min_loss_scale: float = 1.0
     hysteresis: int = 1
+    growth_factor: float | None = dataclasses.field(default=None, kw_only=True)
+    backoff_factor: float | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_scale("loss_scale", self.loss_scale)
-        _check_scale("min_loss_scale", self.min_loss_scale)
-        if not (isinstance(self.factor, int | float) and math.isfinite(self.factor)):
-            raise ValueError(f"factor must be a finite number > 1, got {self.factor!r}")
-        if self.factor <= 1:
-            raise ValueError(f"factor must be a finite number > 1, got {self.factor!r}")
-        if not isinstance(self.period, int) or self.period < 1:
-            raise ValueError(f"period must be an int >= 1, got {self.period!r}")
+        scale = _check_scale("loss_scale", self.loss_scale)
+        floor = _check_scale("min_loss_scale", self.min_loss_scale)
+        _check_count("period", self.period)
+        _check_count("hysteresis", self.hysteresis)
+        growth, backoff = _resolve_factors(
+            self.factor, self.growth_factor, self.backoff_factor
+        )
         if not isinstance(self.counter, int) or not 0 <= self.counter < self.period:
             raise ValueError(
                 f"counter must be an int with 0 <= counter < period={self.period}, "
                 f"got {self.counter!r}"
             )
-        if not isinstance(self.hysteresis, int) or self.hysteresis < 1:
-            raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}")
-        if self.min_loss_scale > self.loss_scale:
+        if _f32(floor) > _f32(scale):
             # Same text as jaxstable's: a scale below its floor would be
             # RAISED by the next backoff.
             raise ValueError(
-                f"min_loss_scale={float(self.min_loss_scale)!r} must be <= "
-                f"loss_scale={float(self.loss_scale)!r}"
+                f"min_loss_scale={_f32(floor)!r} must be <= loss_scale={_f32(scale)!r}"
             )
+        set_ = object.__setattr__
+        set_(self, "loss_scale", scale)
+        set_(self, "min_loss_scale", floor)
+        set_(self, "factor", growth)
+        set_(self, "growth_factor", growth)
+        set_(self, "backoff_factor", backoff)
 
     def make_scaler(self, device: str = "cpu") -> DynamicGradScaler:
         """The matching `DynamicGradScaler` (a real `torch.amp.GradScaler`).
 
-        ``GradScaler(device, init_scale=loss_scale, growth_factor=factor,
-        backoff_factor=1/factor, growth_interval=period)`` with the growth
-        tracker starting at `counter`.
+        ``GradScaler(device, init_scale=loss_scale, growth_factor=
+        growth_factor, backoff_factor=backoff_factor, growth_interval=period)``
+        with the growth tracker starting at `counter`.
         """
         return DynamicGradScaler(
             device,
-            init_scale=float(self.loss_scale),
-            growth_factor=float(self.factor),
-            # 1/factor in float64, as GradScaler stores and applies it (a python
-            # float); for factor=2 this is exactly 0.5.
-            backoff_factor=1.0 / float(self.factor),
+            init_scale=self.loss_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
             growth_interval=self.period,
-            min_loss_scale=float(self.min_loss_scale),
+            min_loss_scale=self.min_loss_scale,
             hysteresis=self.hysteresis,
             counter=self.counter,
         )
+
+
+def _f32(value: float) -> float:
+    """`value` rounded to float32, as the scale tensor holds it."""
+    return torch.tensor(value, dtype=torch.float32).item()

@@ -29,6 +29,7 @@ from torchref._src.transforms import (
     SkipNonFiniteState,
     _check_bool,
     _check_max_consecutive,
+    _needs_closure,
     _StepUndo,
     clip_by_global_norm,
     global_norm,
@@ -77,6 +78,10 @@ class TrainStep:
        own ``found_inf`` recorded by `unscale_` (read through its private
        ``_found_inf_per_device(optimizer)``: it is the flag `scaler.step`
        will act on, so both agree by construction); otherwise `all_finite`.
+       With a scale below 1 the unscaled gradients are tested too (the
+       multiply by 1/scale can overflow after GradScaler's test) and a
+       non-finite one is written into GradScaler's flag, so the step is
+       skipped and the scale backs off, as in the JAX step.
     5. ``grad_norm`` = pre-clip global norm (float32); when finite and
        `max_grad_norm` is set, grads are clipped (`clip_grads_with_norm_`,
        i.e. `clip_grad_norm_`). On a non-finite step the NaN coefficient is
@@ -93,12 +98,14 @@ class TrainStep:
        GradScaler does (a non-finite update is no loss-scale overflow);
        counters; on a skipped step the buffers are restored, as the JAX step
        keeps `model_state` unchanged (the forward already updated batch-norm
-       running stats).
+       running stats), and so they are when the step was applied but left a
+       non-finite buffer (one more `all_finite` pass and host sync).
 
     Args:
         model: the `nn.Module` (its device gives autocast's device type).
         optimizer: a `torch.optim.Optimizer` owning every trainable
-            parameter of `model` (GradScaler unscales only its grads).
+            parameter of `model` (GradScaler unscales only its grads); not
+            one whose step needs a closure (LBFGS: refused with the fix).
         loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, aux)``; loss a
             0-d tensor (as on the JAX side; a shape-(1,) loss is refused too).
         max_grad_norm: clip threshold (> 0) or None.
@@ -107,7 +114,8 @@ class TrainStep:
         autocast_dtype: None, torch.float16/torch.bfloat16 or a dtype name.
         max_consecutive: sets ``skip_state.exceeded`` (see `skip_non_finite`).
         clip_eps: eps of the clip formula (torch's 1e-6 by default).
-        restore_buffers_on_skip: restore buffers on non-finite steps.
+        restore_buffers_on_skip: restore buffers on skipped steps and when
+            the step left a non-finite buffer.
         check_update: undo a step that wrote a non-finite parameter or
             optimizer-state value (default True; costs a copy of both and
             one more host sync per step).
@@ -161,6 +169,15 @@ class TrainStep:
             )
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch)")
+        if _needs_closure(optimizer):
+            name = type(optimizer).__name__
+            raise TypeError(
+                f"TrainStep cannot drive {name}: its step() re-evaluates the loss "
+                "through a closure, and TrainStep takes one forward and backward "
+                "per step (torch.amp's recipe; GradScaler.step refuses closures "
+                f"too). Guard it with torchref.transforms.skip_non_finite({name}"
+                "(...)) and call .step(closure) yourself"
+            )
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [
             n
@@ -212,6 +229,26 @@ class TrainStep:
                     sum(f.to(self.device_type) for f in found.values()).item()
                 )
         return all_finite(grads)
+
+    def _flag_unscaled_overflow(self, grads: list[torch.Tensor]) -> None:
+        """Marks GradScaler's found_inf when the UNSCALED grads are not finite.
+
+        GradScaler tests the scaled gradients, then multiplies them by
+        1/scale. With a scale below 1 that multiply can overflow: finite
+        scaled gradients become inf, GradScaler still steps (params went to
+        [-inf, -inf]) and does not back off. The JAX step tests the unscaled
+        gradients; so does this, and a non-finite one sets found_inf so that
+        `scaler.step` skips and `scaler.update` backs off, exactly as there.
+        Only for scales below 1 (one more pass and host sync): above, a
+        finite scaled gradient times 1/scale <= 1 stays finite.
+        """
+        try:
+            found = self.scaler._found_inf_per_device(self.optimizer)
+        except AttributeError:  # a GradScaler without the (private) hook
+            return
+        if found and not all_finite(grads):
+            for flag in found.values():
+                flag.fill_(1.0)
 
     def reset(self) -> None:
         """Discards a step that raised half-way, so that `step` can run again.
@@ -294,6 +331,8 @@ class TrainStep:
         self._stage = "check"
         params = self._params()
         grads = [p.grad for p in params if p.grad is not None]
+        if loss_scale < 1.0 and self._scaler_enabled():
+            self._flag_unscaled_overflow(grads)
         finite = self._finite(grads)
         if self.clip is not None and finite:
             grad_norm = self.clip(params)
@@ -313,7 +352,11 @@ class TrainStep:
             self._undo.restore()
             applied = False
         self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
-        if not applied and saved is not None:
+        # Buffers go back on a skipped step, and also when the forward wrote
+        # a non-finite one on an applied step (a batch-norm running_var of
+        # inf from a feature of 1e20, with finite gradients), as the JAX step
+        # keeps a non-finite model_state out.
+        if saved is not None and (not applied or not all_finite(list(model.buffers()))):
             with torch.no_grad():
                 for b, s in zip(model.buffers(), saved, strict=True):
                     b.copy_(s)

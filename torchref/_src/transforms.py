@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -40,32 +41,25 @@ _TORCH_CLIP_EPS = 1e-6
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def global_norm(tensors: Any) -> torch.Tensor:
-    """The L2 norm of all tensors viewed as one vector, as a float32 tensor.
+# As in jaxstable.transforms: a float32 sum of squares overflows once the
+# norm passes 2**64 = 1.8e19; the norm is then recomputed with every element
+# times 2**-90 (exact), and a clip of such gradients is done in that domain.
+_NORM_SCALE = 2.0**-90
+_NORM_UNSCALE = 2.0**90
 
-    Maths: ``sqrt(sum_i sum(x_i**2))``. For float32 tensors this is exactly
-    `torch.nn.utils.get_total_norm`. fp16/bf16 tensors are reduced with
-    ``vector_norm(x, dtype=float32)`` first: torch would otherwise return the
-    norm in the tensor's dtype (fp16 keeps 11 bits, so a norm of 9534.15
-    comes back as 9536, and any norm above 65504 as inf) whereas a float32
-    accumulation of fp16 values of 300 is finite and correct. float64 norms
-    are computed in float64 and returned as float32.
 
-    Args:
-        tensors: a tensor, a module (its parameters), a mapping or a sequence
-            of tensors; `None` entries are skipped.
-
-    Returns:
-        A 0-d float32 tensor (0.0 for no tensors); inf/nan if any element is.
-
-    Example:
-        >>> import torch
-        >>> g = [torch.full((1000,), 300.0, dtype=torch.float16)]
-        >>> round(float(global_norm(g)), 2)
-        9486.83
-    """
-    ts = [t.detach() for t in _tensors(tensors)]
-    return _total_norm(ts).to(torch.float32)
+def _norm_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The dense tensors whose norm is wanted: floating and complex ones
+    (integer tensors have none), a sparse one by its coalesced values (its
+    duplicate indices summed, so the norm is the dense tensor's)."""
+    out = []
+    for t in tensors:
+        if not (t.is_floating_point() or t.is_complex()):
+            continue
+        if t.is_sparse:
+            t = (t if t.is_coalesced() else t.coalesce())._values()
+        out.append(t.detach())
+    return out
 
 
 def _total_norm(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -83,6 +77,66 @@ def _total_norm(ts: list[torch.Tensor]) -> torch.Tensor:
     # get_total_norm of per-leaf norms = sqrt(sum of their squares): the same
     # two-level reduction torch does, with the leaves already in float32.
     return get_total_norm(per_leaf)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _norms(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(norm, scaled_norm)``; ``scaled_norm`` is None unless the plain sum
+    of squares overflowed while the tensors are finite (then ``norm =
+    scaled_norm * 2**90``). One host sync (is the plain norm finite?), and a
+    second pass over the tensors only when it is not."""
+    ts = _norm_inputs(tensors)
+    total = _total_norm(ts)
+    if not ts or bool(torch.isfinite(total)):
+        return total, None
+    scaled = _total_norm([t.to(_compute_dtype(t)) * _NORM_SCALE for t in ts])
+    if not bool(torch.isfinite(scaled)):
+        return total, None  # a non-finite element: inf or NaN like torch
+    return scaled.to(torch.float32) * _NORM_UNSCALE, scaled.to(torch.float32)
+
+
+def global_norm(tensors: Any) -> torch.Tensor:
+    """The L2 norm of all tensors viewed as one vector, as a float32 tensor.
+
+    Maths: ``sqrt(sum_i sum(|x_i|**2))``. For float32 tensors this is exactly
+    `torch.nn.utils.get_total_norm`. fp16/bf16 tensors are reduced with
+    ``vector_norm(x, dtype=float32)`` first: torch would otherwise return the
+    norm in the tensor's dtype (fp16 keeps 11 bits, so a norm of 9534.15
+    comes back as 9536, and any norm above 65504 as inf) whereas a float32
+    accumulation of fp16 values of 300 is finite and correct. float64 norms
+    are computed in float64 and returned as float32. Complex tensors add
+    ``|z|**2``; integer and bool tensors are left out; a sparse tensor counts
+    by its coalesced values (`get_total_norm` raises NotImplementedError on
+    sparse tensors).
+
+    Deviation from torch, only where torch overflows: when the float32 sum of
+    squares overflows (a norm above 1.8e19; torch returns inf for two
+    gradients of 1e20) the norm is recomputed with every element scaled by
+    2**-90, as `jaxstable.transforms.global_norm` does: 1.41e20 there. It is
+    inf only for a non-finite element or a norm above float32's 3.4e38.
+    Costs one host sync (is the plain norm finite?).
+
+    Args:
+        tensors: a tensor, a module (its parameters), a mapping or a sequence
+            of tensors; `None` entries are skipped.
+
+    Returns:
+        A 0-d float32 tensor (0.0 for no tensors); inf/nan if any element is.
+
+    Example:
+        >>> import torch
+        >>> g = [torch.full((1000,), 300.0, dtype=torch.float16)]
+        >>> round(float(global_norm(g)), 2)
+        9486.83
+        >>> round(float(global_norm(torch.tensor([0.3 + 0.4j, -0.1 + 0.2j]))), 3)
+        0.548
+        >>> float(global_norm(torch.tensor([1e20, 1e20]))) > 1.4e20
+        True
+    """
+    return _norms(_tensors(tensors))[0].to(torch.float32)
 
 
 def _grads(parameters: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -115,6 +169,25 @@ def _apply_clip(
             g.mul_(coef.to(g.device))
 
 
+@torch.no_grad()
+def _apply_scaled_clip(
+    grads: list[torch.Tensor], max_norm: float, scaled_norm: torch.Tensor, eps: float
+) -> None:
+    """The clip when the plain norm overflowed: ``g = (g * 2**-90) * coef_s``
+    with ``coef_s = max_norm / (scaled_norm + eps * 2**-90)`` (the true
+    coefficient is ``coef_s * 2**-90``), in float32 at least, as the JAX
+    twin computes it. Nothing changes when the true coefficient is >= 1."""
+    coef_s = max_norm / (scaled_norm + eps * _NORM_SCALE)
+    if bool(coef_s >= _NORM_UNSCALE):
+        return
+    for g in grads:
+        if not (g.is_floating_point() or g.is_complex()):
+            continue
+        target = g._values() if g.is_sparse else g
+        compute = target.to(_compute_dtype(target))
+        target.copy_((compute * _NORM_SCALE) * coef_s.to(target.device))
+
+
 def clip_by_global_norm(
     max_norm: float, *, eps: float = 1e-6
 ) -> Callable[[Any], torch.Tensor]:
@@ -126,6 +199,15 @@ def clip_by_global_norm(
     `get_total_norm` and the scaling through `clip_grads_with_norm_`, so for
     float32 grads the result equals `clip_grad_norm_` bit for bit. Any other
     `eps` applies the same formula explicitly (torch hard-codes 1e-6).
+
+    Deviations from `clip_grad_norm_`, each where torch fails: sparse
+    gradients are clipped (torch raises NotImplementedError); when the
+    float32 sum of squares overflows (norm above 1.8e19) the clip is done in
+    a domain scaled by 2**-90, ``(g * 2**-90) * (max_norm / (scaled_norm +
+    eps * 2**-90))``, so finite gradients give a finite update of norm
+    `max_norm` (torch's norm is inf and it multiplies every gradient by 0),
+    as `jaxstable.transforms.clip_by_global_norm` does. One host sync per
+    call (is the norm finite?).
 
     Args:
         max_norm: largest allowed global norm, > 0.
@@ -141,6 +223,10 @@ def clip_by_global_norm(
         >>> clip = clip_by_global_norm(1.0)
         >>> round(float(clip([p])), 4), [round(v, 4) for v in p.grad.tolist()]
         (5.0, [0.6, 0.8])
+        >>> p.grad = torch.tensor([1e20, 1e20])
+        >>> _ = clip([p])
+        >>> [round(v, 4) for v in p.grad.tolist()]
+        [0.7071, 0.7071]
     """
     max_norm = _check_max_norm(max_norm)
     if not (isinstance(eps, int | float) and eps >= 0):
@@ -148,8 +234,10 @@ def clip_by_global_norm(
 
     def clip(parameters: Any) -> torch.Tensor:
         params, grads = _grads(parameters)
-        total = _total_norm(grads)
-        if grads:
+        total, scaled = _norms(grads)
+        if scaled is not None:
+            _apply_scaled_clip(grads, max_norm, scaled, float(eps))
+        elif grads:
             _apply_clip(params, grads, max_norm, total, float(eps))
         return total.to(torch.float32)
 
@@ -273,11 +361,13 @@ class _StepUndo:
         _foreach_copy_by_device(self._saved_params + saved, live)
 
     def written_finite(self) -> bool:
+        # Every tensor: all_finite checks the floating AND complex ones (a
+        # complex64 Adam moment that overflows is caught) and skips integers.
         state = [
             v
             for p in self.params
             for v in self.optimizer.state.get(p, {}).values()
-            if isinstance(v, torch.Tensor) and v.is_floating_point()
+            if isinstance(v, torch.Tensor)
         ]
         return all_finite(self._live_params + state)
 
@@ -314,6 +404,15 @@ def _foreach_copy_by_device(dst: list[torch.Tensor], src: list[torch.Tensor]) ->
         pair[1].append(s)
     for d, s in groups.values():
         torch._foreach_copy_(d, s)
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` must be given a closure (LBFGS's must)."""
+    try:
+        param = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -374,6 +473,7 @@ class SkipNonFinite:
         self.check_update = _check_bool("check_update", check_update)
         self.skip_state = SkipNonFiniteState()
         self._undo = _StepUndo()
+        self._needs_closure = _needs_closure(optimizer)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -398,9 +498,27 @@ class SkipNonFinite:
             if p.grad is not None
         ]
 
+    def _guards(self) -> bool:
+        """Whether steps are checked and skipped (StableOptimizer may not)."""
+        return True
+
+    def _check(self, grads_finite: bool | None) -> bool:
+        """The gradients' flag: the caller's when given, else `all_finite`."""
+        if not self._guards():
+            return True
+        if grads_finite is not None:
+            return bool(grads_finite)
+        return all_finite(self.grads())
+
+    def _prepare(self, finite: bool) -> None:
+        """Runs between the check and the step (StableOptimizer clips here)."""
+
     def _apply(self, grads_ok: bool) -> bool:
         """``optimizer.step()`` if `grads_ok`, undone if it wrote a non-finite
         value (with `check_update`); whether the step was applied."""
+        if not self._guards():
+            self.optimizer.step()
+            return True
         if not grads_ok:
             return False
         if not self.check_update:
@@ -424,21 +542,63 @@ class SkipNonFinite:
         Args:
             closure: forwarded to the wrapped `step` (evaluated before the
                 check, so its backward produces the grads that are checked).
+                Required by an optimizer whose `step` needs one
+                (`torch.optim.LBFGS`): every evaluation it makes is checked,
+                and the whole step is undone when one of them had non-finite
+                gradients or loss, or when it wrote a non-finite value (with
+                `check_update`; the copy is taken even without it, since the
+                optimizer acts on its evaluations before any check can).
             grads_finite: a finiteness flag already computed by the caller;
                 REUSED when given (no second check), else `all_finite(grads)`.
 
         Returns:
             The closure's loss (or None); None on a skipped step.
         """
+        if self._needs_closure:
+            return self._closure_step(closure, grads_finite)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        finite = (
-            all_finite(self.grads()) if grads_finite is None else bool(grads_finite)
-        )
+        finite = self._check(grads_finite)
+        self._prepare(finite)
         applied = self._apply(finite)
         self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
+        return loss
+
+    def _closure_step(self, closure: Callable[[], Any] | None, grads_finite: Any):
+        """A step of an optimizer that evaluates `closure` itself (LBFGS)."""
+        name = type(self.optimizer).__name__
+        if closure is None:
+            raise TypeError(
+                f"{name}.step() re-evaluates the loss, so it needs a closure: call "
+                "step(closure) with a closure that zeroes the grads, computes the "
+                "loss, calls backward() and returns the loss"
+            )
+        if grads_finite is not None:
+            raise ValueError(
+                f"grads_finite cannot be given to a {name} step: its closure runs "
+                "several times per step and every evaluation is checked"
+            )
+        flags: list[bool] = []
+
+        def guarded():
+            with torch.enable_grad():
+                loss = closure()
+            ok = not self._guards() or all_finite([loss, *self.grads()])
+            flags.append(ok)
+            self._prepare(ok)
+            return loss
+
+        if not self._guards():
+            return self.optimizer.step(guarded)
+        self._undo.take(self.optimizer)
+        loss = self.optimizer.step(guarded)
+        grads_ok = all(flags)
+        applied = grads_ok and (not self.check_update or self._undo.written_finite())
+        if not applied:
+            self._undo.restore()
+        self.skip_state.record(applied, self.max_consecutive, grads_finite=grads_ok)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -531,6 +691,16 @@ class StableOptimizer(SkipNonFinite):
         check_update: bool = True,
     ):
         super().__init__(optimizer, max_consecutive, check_update)
+        if max_grad_norm is not None and self._needs_closure:
+            # Measured: LBFGS on a 2-parameter quadratic went to 1e6 with
+            # max_grad_norm=1.0 and converged without it.
+            raise ValueError(
+                f"max_grad_norm cannot be used with {type(optimizer).__name__}: "
+                "its step re-evaluates the loss through the closure and builds "
+                "its curvature estimate from the gradients, which a clip would "
+                "change; leave max_grad_norm=None and bound its steps with lr "
+                "and line_search_fn='strong_wolfe'"
+            )
         self.skip = bool(skip)
         self.clip = (
             None
@@ -542,36 +712,17 @@ class StableOptimizer(SkipNonFinite):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def step(
-        self,
-        closure: Callable[[], Any] | None = None,
-        *,
-        grads_finite: bool | None = None,
-    ):
-        """Check (once) -> clip -> step unless non-finite; see `stable_optimizer`."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        params = self._params()
-        if self.skip:
-            finite = (
-                all_finite(self.grads()) if grads_finite is None else bool(grads_finite)
-            )
-        else:
-            finite = True
+    def _guards(self) -> bool:
+        return self.skip
+
+    def _prepare(self, finite: bool) -> None:
+        """Clips when finite and `max_grad_norm` is set; records `grad_norm`."""
         if self.clip is not None and finite:
-            self.grad_norm = self.clip(params)
+            self.grad_norm = self.clip(self._params())
         else:
             # Non-finite: the norm is reported (inf/nan) but not multiplied
             # into the grads, so a later report still names the bad leaves.
             self.grad_norm = global_norm(self.grads())
-        if not self.skip:
-            self.optimizer.step()
-            return loss
-        applied = self._apply(finite)
-        self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
-        return loss
 
 
 def stable_optimizer(
@@ -595,7 +746,8 @@ def stable_optimizer(
 
     Args:
         optimizer: any `torch.optim.Optimizer`.
-        max_grad_norm: clip threshold (> 0) or None for no clipping.
+        max_grad_norm: clip threshold (> 0) or None for no clipping (None for
+            an optimizer whose step needs a closure, such as LBFGS).
         skip_non_finite: skip non-finite steps (default True). If False the
             step is always applied and `find_skip_state` returns None.
         max_consecutive: see `skip_non_finite`.

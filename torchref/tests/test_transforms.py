@@ -237,3 +237,142 @@ def test_update_check_refuses_sharded_dtensor_params(tmp_path):
             opt.step()
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------- sparse gradients (item 14)
+def _embedding(dtype=torch.float32, scale=1.0, indices=(1, 1, 2)):
+    """An nn.Embedding(sparse=True) whose backward leaves an UNcoalesced
+    sparse gradient (index 1 twice) of `scale` per occurrence."""
+    emb = torch.nn.Embedding(4, 2, sparse=True).to(dtype)
+    with torch.no_grad():
+        emb.weight.fill_(0.5)
+    (emb(torch.tensor(indices)).sum() * scale).backward()
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    return emb
+
+
+def _grad_scaler_finds_inf(opt):
+    """GradScaler's own decision (its fp16-aware sparse check), at scale 1."""
+    scaler = torch.amp.GradScaler("cpu")
+    found = torch.zeros(1)
+    out = scaler._unscale_grads_(opt, torch.ones(1), found, allow_fp16=True)
+    return bool(sum(v.item() for v in out.values()))
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "scale", "finite"),
+    [
+        (torch.float32, 1.0, True),
+        (torch.float32, float("nan"), False),
+        # 40000 per occurrence is a finite float16; the two occurrences of
+        # index 1 sum to 80000 > 65504 when coalesced (GradScaler coalesces
+        # float16 sparse grads for this reason, and so do we for all dtypes).
+        (torch.float16, 40000.0, False),
+    ],
+)
+def test_skip_non_finite_with_sparse_grads_decides_like_grad_scaler(
+    coalesced, dtype, scale, finite
+):
+    emb = _embedding(dtype, scale)
+    if coalesced:
+        emb.weight.grad = emb.weight.grad.coalesce()
+    before = emb.weight.detach().clone()
+    ref = copy.deepcopy(emb)
+    ref.weight.grad = emb.weight.grad.clone()
+    assert _grad_scaler_finds_inf(torch.optim.SGD(ref.parameters(), lr=0.1)) == (
+        not finite
+    )
+    opt = tr.skip_non_finite(torch.optim.SGD(emb.parameters(), lr=0.1))
+    opt.step()
+    assert opt.skip_state.last_finite == finite
+    if finite:
+        torch.optim.SGD(ref.parameters(), lr=0.1).step()  # the plain step
+        assert torch.equal(emb.weight, ref.weight)
+    else:
+        assert torch.equal(emb.weight.detach(), before)
+
+
+def test_sparse_grads_norm_and_clip_equal_the_dense_ones(tol):
+    # torch's get_total_norm / clip_grad_norm_ raise NotImplementedError on
+    # sparse grads; ours use the coalesced values: the dense tensor's norm.
+    emb = _embedding(scale=3.0)
+    dense = emb.weight.grad.to_dense()
+    assert float(tr.global_norm([emb.weight.grad])) == float(dense.norm())
+    norm = tr.clip_by_global_norm(1.0)(emb.parameters())
+    assert float(norm) == float(dense.norm())
+    torch.testing.assert_close(
+        emb.weight.grad.to_dense(), dense / dense.norm(), **tol("float32")
+    )
+
+
+def test_sparse_adam_in_stable_optimizer_and_train_step():
+    from torchref import loss_scale, train
+
+    emb = _embedding()
+    opt = tr.stable_optimizer(
+        torch.optim.SparseAdam(emb.parameters(), lr=0.1), max_grad_norm=0.5
+    )
+    opt.step()
+    assert opt.skip_state.last_finite and float(opt.grad_norm) > 0.5
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    step = train.TrainStep(
+        emb,
+        torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+        lambda m, b: (m(b[0]) * b[1]).sum(),
+        max_grad_norm=0.5,
+        scaler=loss_scale.DynamicLossScale(),
+    )
+    assert step((torch.tensor([1, 1, 2]), 1.0))["finite"]
+    before = emb.weight.detach().clone()
+    m = step((torch.tensor([1, 1, 2]), float("nan")))
+    assert not m["finite"] and torch.equal(emb.weight.detach(), before)
+
+
+# ------------------------------------------- closure optimizers (item 12)
+def _lbfgs_problem():
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    target = {"v": torch.tensor([1.0, 2.0])}
+    return w, target
+
+
+def test_lbfgs_needs_a_closure_and_every_evaluation_is_checked():
+    w, target = _lbfgs_problem()
+    opt = tr.skip_non_finite(torch.optim.LBFGS([w], lr=0.5, max_iter=5))
+
+    def closure():
+        opt.zero_grad()
+        loss = ((w - target["v"]) ** 2).sum()
+        loss.backward()
+        return loss
+
+    with pytest.raises(TypeError, match=r"LBFGS.step\(\) re-evaluates the loss"):
+        opt.step()
+    with pytest.raises(ValueError, match="grads_finite cannot be given"):
+        opt.step(closure, grads_finite=True)
+    opt.step(closure)
+    assert opt.skip_state.last_finite and opt.state
+    moved = w.detach().clone()
+    saved = copy.deepcopy(opt.optimizer.state_dict())
+    target["v"] = torch.tensor([float("nan"), 1.0])
+    opt.step(closure)
+    assert (opt.skip_state.skipped_total, opt.skip_state.last_grads_finite) == (
+        1,
+        False,
+    )
+    assert torch.equal(w.detach(), moved)
+    assert str(opt.optimizer.state_dict()) == str(saved)
+    target["v"] = torch.tensor([3.0, 1.0])
+    opt.step(closure)  # and it goes on
+    assert opt.skip_state.last_finite and torch.isfinite(w).all()
+
+
+def test_lbfgs_refused_with_a_clip_and_by_train_step():
+    from torchref import train
+
+    w, _ = _lbfgs_problem()
+    with pytest.raises(ValueError, match="max_grad_norm cannot be used with LBFGS"):
+        tr.stable_optimizer(torch.optim.LBFGS([w]), max_grad_norm=1.0)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError, match=r"TrainStep cannot drive LBFGS.*step\(closure"):
+        train.TrainStep(model, torch.optim.LBFGS(model.parameters()), lambda m, b: 0)

@@ -1,0 +1,175 @@
+"""`make_train_step(axis_name=...)` under `jax.shard_map` equals one device:
+float16 headroom and gradients near float32's max (issue 22 item 6, issue 26
+item 5 for JAX).
+
+Each replica differentiates ``scale * loss / N`` and the step sums the
+replicas' gradients, so a replica's backward holds what one device's holds
+for its rows. Before, each replica differentiated ``scale * its own mean``:
+N times its share, so float16 overflowed at scale / N (more skips, a lower
+scale) and two replica gradients of 2.5e38 overflowed when summed for the
+mean, so every replica skipped a step one device applies.
+
+The runs need several devices, and JAX fixes its device count when it first
+starts (conftest.py has started it with one CPU device), so they happen in
+ONE subprocess (``python -m jaxstable.tests.test_shard_map_scale OUT``) with
+``--xla_force_host_platform_device_count=4``; it writes an .npz the tests
+read (as jaxstable/tests/test_distributed.py does).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import tolerance
+from jaxstable import distributed, train, transforms
+from jaxstable import loss_scale as jls
+
+DEVICES = 4
+STEPS = 24
+ROWS = 8  # global batch; 4 or 2 rows per replica
+TIMEOUT_S = 120
+
+
+def fp16_loss(params, batch):
+    """A float32 matmul, then float16 elementwise work whose backward
+    carries ``scale * 2 * 64 * r / rows`` per element: it overflows float16
+    (65504) by rows, never in a sum over rows, so one device and N replicas
+    see the same overflows when each replica's cotangents equal one device's."""
+    x, y = batch
+    h = (x @ params["w"]).astype(jnp.float16)
+    r = (h - y.astype(jnp.float16)) * jnp.float16(64)
+    return jnp.mean(jnp.sum(jnp.square(r.astype(jnp.float32)), axis=-1))
+
+
+def huge_loss(params, batch):
+    """Gradient of w[0] = mean(x[:, 0]) = 2.5e38 on one device."""
+    return jnp.mean(batch @ params["w"])
+
+
+def _fp16_problem():
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.5, (4, 3)).astype(np.float32)
+    batches = []
+    for _ in range(STEPS):
+        x = rng.normal(0, 1, (ROWS, 4)).astype(np.float32)
+        y = rng.normal(0, 1, (ROWS, 3)).astype(np.float32)
+        batches.append((x, y))
+    return {"w": w}, batches
+
+
+def _state(params, loss_scale):
+    tx = transforms.stable_optimizer(optax.sgd(1e-3), max_grad_norm=1.0)
+    params = {k: jnp.asarray(v) for k, v in params.items()}
+    return train.TrainState.create(params=params, optimizer=tx, loss_scale=loss_scale)
+
+
+def _run(loss_fn, params, batches, loss_scale, n):
+    """Per-step (finite, scale) and final params; n = 1: one device, no mesh."""
+    state = _state(params, loss_scale)
+    if n == 1:
+        step = train.make_train_step(loss_fn)
+    else:
+        mesh = distributed.make_mesh(n)
+        spec = jax.sharding.PartitionSpec
+        inner = train.make_train_step(loss_fn, axis_name=distributed.DATA_AXIS)
+        step = jax.jit(
+            jax.shard_map(
+                inner.raw,
+                mesh=mesh,
+                in_specs=(spec(), spec(distributed.DATA_AXIS)),
+                out_specs=spec(),
+            )
+        )
+        state = distributed.shard_state(state, mesh)
+        batches = [distributed.shard_batch(b, mesh) for b in batches]
+    finite, scales = [], []
+    for b in batches:
+        state, m = step(state, b)
+        finite.append(bool(m["finite"]))
+        scales.append(float(state.loss_scale.loss_scale))
+    w = np.asarray(jax.device_get(state.params["w"]))
+    return np.array(finite), np.array(scales), w
+
+
+def _worker(out_path: str) -> None:
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    assert jax.device_count() == DEVICES, jax.devices()
+    results = {}
+    params, batches = _fp16_problem()
+    # period 2: the scale grows until float16 overflows, backs off, grows...
+    for n in (1, 2, 4):
+        ls = jls.DynamicLossScale(loss_scale=2.0**6, period=2)
+        finite, scales, w = _run(fp16_loss, params, batches, ls, n)
+        results.update({f"fp16/{n}/finite": finite, f"fp16/{n}/scale": scales})
+        results[f"fp16/{n}/w"] = w
+    x = np.ones((ROWS, 4), np.float32)
+    x[:, 0] = 2.5e38
+    huge_params = {"w": np.full((4, 1), 1e-3, np.float32)}
+    for n in (1, 2):
+        finite, _, w = _run(huge_loss, huge_params, [x], jls.NoOpLossScale(), n)
+        results.update({f"huge/{n}/finite": finite, f"huge/{n}/w": w})
+    np.savez(out_path, **results)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shard_map_scale") / "runs.npz"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+    )
+    # As in test_distributed: more PjRt CPU threads than forced devices, or
+    # the devices' parts of an all-reduce may wait on one another forever.
+    env["PJRT_NPROC"] = str(2 * DEVICES)
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxstable.tests.test_shard_map_scale", str(out)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(out) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_float16_overflows_and_scales_equal_one_device(runs, n):
+    one_finite, one_scale = runs["fp16/1/finite"], runs["fp16/1/scale"]
+    # The run is not vacuous: float16 overflowed on several steps and the
+    # scale both grew and backed off.
+    assert 2 <= (~one_finite).sum() < STEPS // 2, one_finite
+    np.testing.assert_array_equal(runs[f"fp16/{n}/finite"], one_finite)
+    np.testing.assert_array_equal(runs[f"fp16/{n}/scale"], one_scale)
+    np.testing.assert_allclose(
+        runs[f"fp16/{n}/w"], runs["fp16/1/w"], **tolerance("float32_trajectory")
+    )
+
+
+def test_replica_gradients_near_float32_max_are_applied_like_one_device(runs):
+    # One device's gradient is 2.5e38 (finite; clipped to norm 1 and
+    # applied). Two replicas' gradients of their own means (2.5e38 each)
+    # overflowed in the sum; their shares (1.25e38) do not.
+    assert runs["huge/1/finite"].tolist() == [True]
+    assert runs["huge/2/finite"].tolist() == [True]
+    # The clipped update (norm 1, all of it on w[0]) moved w[0] by lr=1e-3.
+    np.testing.assert_allclose(runs["huge/1/w"][:, 0], [0.0, 1e-3, 1e-3, 1e-3])
+    np.testing.assert_allclose(
+        runs["huge/2/w"], runs["huge/1/w"], **tolerance("float32")
+    )
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
