@@ -189,6 +189,19 @@ def _digest(body: dict, arrays: list) -> str:
     return h.hexdigest()
 
 
+def _migrate_v1(raw: Any) -> Any:
+    """A format-1 (or msgpack) state dict in today's field names: its
+    `DynamicLossScale` had one ``factor`` (growth; back-off 1 / factor),
+    today's has GradScaler's two, ``growth_factor`` and ``backoff_factor``."""
+    ls = raw.get("loss_scale") if isinstance(raw, dict) else None
+    if isinstance(ls, dict) and "factor" in ls and "growth_factor" not in ls:
+        ls = dict(ls)
+        factor = float(np.asarray(ls.pop("factor")))
+        ls["growth_factor"], ls["backoff_factor"] = factor, 1.0 / factor
+        raw = {**raw, "loss_scale": ls}
+    return raw
+
+
 def _leaves_v1(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{path: leaf}`` of a format-1 state dict (as its digest saw it)."""
     if tree is None:
@@ -286,7 +299,7 @@ def _read(path: Any, step: int | None = None) -> _Loaded:
         ) from e
     meta = out.meta if isinstance(out.meta, dict) else {}
     if meta.get("format") == _FORMAT_1 and meta.get("sha256") == _digest_v1(out.state):
-        raw = out.state
+        raw = _migrate_v1(out.state)
         values = _flat(raw)
         specs = {p: _spec(v) for p, v in values.items()}
         return _Loaded(values, specs, meta.get("types"), meta, raw, None)
@@ -469,6 +482,7 @@ def load_checkpoint(path: str | os.PathLike, target: Any) -> Any:
         with open(path, "rb") as f:
             raw = serialization.msgpack_restore(f.read())
         saved_types = raw.pop(_TYPES_KEY, None) if isinstance(raw, dict) else None
+        raw = _migrate_v1(raw)
         values = _flat(raw)
         specs = {p: _spec(v) for p, v in values.items()}
         loaded = _Loaded(values, specs, saved_types, {}, raw, None)
@@ -857,8 +871,9 @@ def _loss_scale_kind(fields: dict) -> str:
         frozenset(serialization.to_state_dict(cls())): cls.__name__
         for cls in (NoOpLossScale, StaticLossScale, DynamicLossScale)
     }
-    return known.get(
-        frozenset(fields), f"an unknown loss scale with fields {sorted(fields)}"
+    name = known.get(frozenset(fields))
+    return (
+        f"a {name}" if name else f"an unknown loss scale with fields {sorted(fields)}"
     )
 
 
@@ -872,7 +887,7 @@ def _check_loss_scale_type(path: Any, raw: Any, target: Any) -> None:
         return  # a loss scale flax does not serialise field by field (jmp's)
     if set(saved) != set(expected):
         raise ValueError(
-            f"checkpoint {os.fspath(path)!r} holds a {_loss_scale_kind(saved)} "
+            f"checkpoint {os.fspath(path)!r} holds {_loss_scale_kind(saved)} "
             f"but target.loss_scale is a {type(ls).__name__}: build the target "
             "with the loss-scale type the checkpoint was saved with"
         )

@@ -170,3 +170,39 @@ def test_a_leaf_that_is_no_array_is_refused_by_its_path(tmp_path):
         train.save_checkpoint(
             tmp_path / "ck", {"w": jnp.ones(2), "opts": {"name": "adam"}}
         )
+
+
+def test_a_format_1_checkpoint_with_one_loss_scale_factor_restores(tmp_path):
+    # Format 1 stored DynamicLossScale's single ``factor`` (growth; back-off
+    # 1 / factor); today's loss scale has GradScaler's two factors.
+    import orbax.checkpoint as ocp
+    from flax import serialization
+
+    from jaxstable._src.checkpoint import _digest_v1, _state_types
+
+    tx = transforms.stable_optimizer(optax.sgd(0.1))
+    saved = train.TrainState.create(
+        params={"w": jnp.arange(3.0)}, optimizer=tx,
+        loss_scale=loss_scale.DynamicLossScale(jnp.float32(1024.0), period=7),
+    )  # fmt: skip
+    tree = serialization.to_state_dict(jax.device_get(saved))
+    ls = dict(tree["loss_scale"])
+    del ls["growth_factor"], ls["backoff_factor"]
+    tree["loss_scale"] = {**ls, "factor": 4.0}
+    meta = {"format": "jaxstable-checkpoint-1", "step": 3, "data_position": 3,
+            "types": {"opt_state": _state_types(saved.opt_state)},
+            "sha256": _digest_v1(tree)}  # fmt: skip
+    args = ocp.args.Composite(
+        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
+    )
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(str(tmp_path / "ck"), args=args)
+    target = saved.replace(
+        params={"w": jnp.zeros(3)},
+        loss_scale=loss_scale.DynamicLossScale(period=7, growth_factor=4.0,
+                                               backoff_factor=0.25),
+    )  # fmt: skip
+    out = train.load_checkpoint(tmp_path / "ck", target)
+    assert out.params["w"].tolist() == [0.0, 1.0, 2.0]
+    assert float(out.loss_scale.loss_scale) == 1024.0
+    assert (out.loss_scale.growth_factor, out.loss_scale.backoff_factor) == (4.0, 0.25)
