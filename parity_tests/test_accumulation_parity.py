@@ -330,3 +330,26 @@ def test_fit_runs_microbatch_steps_with_the_same_record_keys():
         keys.add(frozenset(hist[2]))
         keys.add(frozenset(thist[2]))
     assert len(keys) == 1, keys
+
+
+def test_microbatches_inside_shard_map_equal_one_device():
+    # axis_name and microbatches together: each replica accumulates its own
+    # micro-batches (the carry marked varying), then the sum is psum-ed.
+    from jax.sharding import PartitionSpec as P
+
+    from jaxstable import distributed
+
+    mesh = distributed.make_mesh(1)
+    loss = lambda p, b: jnp.mean((p - b) ** 2)  # noqa: E731
+    dp = jtrain.make_train_step(loss, axis_name="data", microbatches=2)
+    dp = jax.jit(jax.shard_map(dp, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    one = jtrain.make_train_step(loss, microbatches=2)
+    state = jtrain.TrainState.create(
+        params=jnp.zeros(2), optimizer=_TX, loss_scale=jls.DynamicLossScale()
+    )
+    batch = jnp.arange(8.0).reshape(4, 2)
+    a, ma = dp(
+        distributed.shard_state(state, mesh), distributed.shard_batch(batch, mesh)
+    )
+    b, mb = one(state, batch)
+    chex.assert_trees_all_equal((a.params, ma["loss"]), (b.params, mb["loss"]))

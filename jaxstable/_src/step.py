@@ -725,8 +725,15 @@ def make_train_step(
             ),
             state.params,
         )
+        ms = state.model_state
+        if axis_name is not None:
+            # The carry comes back varying over the axis (each replica's own
+            # rows); under shard_map it must go in so.
+            acc, ms = jax.tree_util.tree_map(
+                lambda x: jax.lax.pcast(x, axis_name, to="varying"), (acc, ms)
+            )
         (acc, ms), (losses, aux) = jax.lax.scan(
-            micro, (acc, state.model_state), _split_batch(batch, k)
+            micro, (acc, ms), _split_batch(batch, k)
         )
         return losses, (None if aux is None else _combine_aux(aux)), ms, acc
 
