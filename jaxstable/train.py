@@ -13,3 +13,4 @@ from jaxstable._src.fit import fit as fit
 from jaxstable._src.step import TrainState as TrainState
 from jaxstable._src.step import TrainStep as TrainStep
 from jaxstable._src.step import make_train_step as make_train_step
+from jaxstable._src.step import nnx_loss as nnx_loss

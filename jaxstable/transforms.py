@@ -3,7 +3,11 @@
 Implementation in `jaxstable._src.transforms`.
 """
 
+from jaxstable._src.transforms import (
+    AccumulateGradientsState as AccumulateGradientsState,
+)
 from jaxstable._src.transforms import SkipNonFiniteState as SkipNonFiniteState
+from jaxstable._src.transforms import accumulate_gradients as accumulate_gradients
 from jaxstable._src.transforms import clip_by_global_norm as clip_by_global_norm
 from jaxstable._src.transforms import find_skip_state as find_skip_state
 from jaxstable._src.transforms import global_norm as global_norm

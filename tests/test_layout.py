@@ -25,8 +25,13 @@ JAX_ONLY = {
     # loss with GradScaler.scale(loss) before .backward().
     "loss_scale": {"scaled_value_and_grad"},
     # A functional step needs its state as a pytree and a factory; torch's
-    # TrainStep object holds the model and optimizer itself.
-    "train": {"TrainState", "make_train_step"},
+    # TrainStep object holds the model and optimizer itself. nnx_loss turns a
+    # Flax NNX module into that pytree step's loss (a torch module is its
+    # own state).
+    "train": {"TrainState", "make_train_step", "nnx_loss"},
+    # optax keeps a transformation's state in a NamedTuple; torch's
+    # AccumulateGradients wrapper holds its position in the window itself.
+    "transforms": {"AccumulateGradientsState"},
     # Shardings are JAX's way to place arrays (torch wraps the module in
     # DDP/fully_shard instead), and only XLA exposes a compiled program whose
     # collectives can be counted.
@@ -38,7 +43,7 @@ TORCH_ONLY = {
     "loss_scale": {"DynamicGradScaler", "StaticGradScaler"},
     # The optimizer-wrapper classes that torch's `skip_non_finite` and
     # `stable_optimizer` return (optax returns GradientTransformations).
-    "transforms": {"SkipNonFinite", "StableOptimizer"},
+    "transforms": {"AccumulateGradients", "SkipNonFinite", "StableOptimizer"},
     # torch keeps gradients on the parameters; in JAX they are a pytree and
     # `non_finite_report(grads)` already covers them.
     "diagnostics": {"non_finite_grad_report"},

@@ -3,9 +3,11 @@
 Implementation in `torchref._src.transforms`.
 """
 
+from torchref._src.transforms import AccumulateGradients as AccumulateGradients
 from torchref._src.transforms import SkipNonFinite as SkipNonFinite
 from torchref._src.transforms import SkipNonFiniteState as SkipNonFiniteState
 from torchref._src.transforms import StableOptimizer as StableOptimizer
+from torchref._src.transforms import accumulate_gradients as accumulate_gradients
 from torchref._src.transforms import clip_by_global_norm as clip_by_global_norm
 from torchref._src.transforms import find_skip_state as find_skip_state
 from torchref._src.transforms import global_norm as global_norm

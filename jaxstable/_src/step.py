@@ -8,23 +8,27 @@ It is pure and jitted, contains no `lax.cond` and moves nothing to the host.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jaxstable._src.loss_scale import (
-    NoOpLossScale,
-    all_finite,
-    scaled_value_and_grad,
-)
+from jaxstable._src.diagnostics import CheckPoints
+from jaxstable._src.loss_scale import NoOpLossScale, all_finite
 from jaxstable._src.precision import get_policy
-from jaxstable._src.transforms import SkipNonFiniteState, global_norm
+from jaxstable._src.transforms import (
+    AccumulateGradientsState,
+    SkipNonFiniteState,
+    _check_optimizer,
+    global_norm,
+)
 
-__all__ = ["TrainState", "TrainStep", "make_train_step"]
+__all__ = ["TrainState", "TrainStep", "make_train_step", "nnx_loss"]
 
 
 @flax.struct.dataclass
@@ -90,6 +94,7 @@ class TrainState:
           >>> int(s.step), type(s.loss_scale).__name__
           (0, 'NoOpLossScale')
         """
+        _check_optimizer(optimizer, "TrainState.create")
         return cls(
             step=jnp.zeros([], jnp.int32),
             params=params,
@@ -100,9 +105,274 @@ class TrainState:
             tx=optimizer,
         )
 
+    @classmethod
+    def from_nnx(
+        cls,
+        model: Any,
+        optimizer: optax.GradientTransformation,
+        *,
+        loss_scale: Any = None,
+        wrt: Any = None,
+    ) -> TrainState:
+        """The state of a Flax NNX model: its ``wrt`` variables as params,
+        everything else (batch statistics, ``nnx.Rngs`` streams) as
+        ``model_state``.
+
+        ``params, model_state = nnx.split(model, wrt, ...)[1:]``; pair it with
+        ``make_train_step(nnx_loss(model, loss), has_state=True)``. Write the
+        trained values back with ``nnx.update(model, state.params,
+        state.model_state)``.
+
+        Args:
+          model: an `nnx.Module`.
+          optimizer: an optax transformation (e.g. `stable_optimizer(...)`).
+          loss_scale: a loss scale; None means `NoOpLossScale()`.
+          wrt: the trainable variables, an NNX filter (default `nnx.Param`);
+            give `nnx_loss` the same.
+
+        Returns:
+          A `TrainState` whose ``params`` and ``model_state`` are `nnx.State`.
+
+        Example:
+          >>> import optax
+          >>> from flax import nnx
+          >>> from jaxstable import train
+          >>> model = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+          >>> state = train.TrainState.from_nnx(model, optax.sgd(0.1))
+          >>> sorted(state.params), sorted(state.model_state)
+          (['bias', 'scale'], ['mean', 'var'])
+        """
+        from flax import nnx
+
+        _check_nnx_module(model, "TrainState.from_nnx")
+        _, params, model_state = nnx.split(
+            model, nnx.Param if wrt is None else wrt, ...
+        )
+        return cls.create(
+            params=params,
+            optimizer=optimizer,
+            loss_scale=loss_scale,
+            model_state=model_state,
+        )
+
+
+def _check_nnx_module(model: Any, where: str) -> None:
+    from flax import nnx
+
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{where} needs a flax.nnx.Module, got {type(model).__name__} (for "
+            "a linen model or a params pytree use TrainState.create)"
+        )
+
+
+def nnx_loss(model: Any, loss: Callable, *, wrt: Any = None) -> Callable:
+    """A ``make_train_step(..., has_state=True)`` loss for a Flax NNX model.
+
+    ``loss(model, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``) is
+    written as for eager NNX code; this returns ``loss_fn(params,
+    model_state, batch) -> (out, new_model_state)`` that rebuilds the model
+    from the traced state (fresh variables inside the traced function, so
+    batch norm and dropout can update their state under `jax.grad`: merging
+    the outer variables raises "Cannot mutate BatchStat from a different
+    trace level"), calls ``loss`` and returns the updated batch statistics
+    and RNG streams. On a skipped step the train step keeps the statistics
+    and advances the RNG streams (see `make_train_step`).
+
+    The model's mode is the one it has now: call ``model.train()`` before
+    (``model.eval()`` for an evaluation loss).
+
+    Args:
+      model: the `nnx.Module` (its graph structure and mode are captured).
+      loss: ``loss(model, batch)``.
+      wrt: the trainable variables (default `nnx.Param`), as given to
+        `TrainState.from_nnx`.
+
+    Returns:
+      ``loss_fn(params, model_state, batch)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from jaxstable import train, transforms
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.fc = nnx.Linear(3, 2, rngs=rngs)
+      ...         self.bn = nnx.BatchNorm(2, rngs=rngs)
+      ...         self.drop = nnx.Dropout(0.5, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return self.drop(self.bn(self.fc(x)))
+      >>> model = Net(nnx.Rngs(0))
+      >>> state = train.TrainState.from_nnx(model, transforms.stable_optimizer(
+      ...     optax.adam(1e-2)))
+      >>> step = train.make_train_step(
+      ...     train.nnx_loss(model, lambda m, b: jnp.mean(m(b) ** 2)), has_state=True)
+      >>> state, m = step(state, jnp.ones((4, 3)))
+      >>> bool(m["finite"]), int(state.model_state["drop"]["rngs"]["count"][...])
+      (True, 1)
+      >>> nnx.update(model, state.params, state.model_state)  # back into the model
+    """
+    from flax import nnx
+
+    _check_nnx_module(model, "nnx_loss")
+    if not callable(loss):
+        raise TypeError("loss must be callable as loss(model, batch)")
+    graphdef = nnx.graphdef(model)
+    wrt = nnx.Param if wrt is None else wrt
+
+    def loss_fn(params, model_state, batch):
+        # copy=True: fresh Variables at this trace level, which the forward
+        # may then update (batch statistics, RNG counts).
+        m = nnx.merge(graphdef, params, model_state, copy=True)
+        out = loss(m, batch)
+        return out, nnx.split(m, wrt, ...)[2]
+
+    return loss_fn
+
 
 def _select(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def _is_rng(x: Any) -> bool:
+    """A random-number stream of a model state: a typed PRNG key array
+    (`jax.random.key`) or an NNX `RngState` variable (``nnx.Rngs`` keys and
+    counts). A raw uint32 key (`jax.random.PRNGKey`) cannot be told from
+    other integers and is treated as any other leaf."""
+    nnx = sys.modules.get("flax.nnx")  # loaded whenever the state holds NNX types
+    if nnx is not None and isinstance(x, nnx.RngState):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _keep_model_state(keep: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``keep``, else ``old`` — but random-number streams are
+    always advanced (``new``), as torch's generator is by a skipped step: a
+    NaN that depends on a dropout mask is then skipped once, not on every
+    later step with the same mask. Statistics (batch norm) stay ``old``."""
+    try:
+        same = jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(old)
+    except TypeError:  # pragma: no cover - structures that cannot compare
+        same = False
+    if not same:
+        raise ValueError(
+            "loss_fn returned a model state whose structure differs from the "
+            "state it was given (it must return the same collections, e.g. "
+            f"the whole state, not a part):\n  given:    "
+            f"{jax.tree_util.tree_structure(old)}\n  returned: "
+            f"{jax.tree_util.tree_structure(new)}"
+        )
+
+    def pick(n: Any, o: Any) -> Any:
+        if _is_rng(n):
+            return n
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), n, o)
+
+    return jax.tree_util.tree_map(pick, new, old, is_leaf=_is_rng)
+
+
+def _check_microbatches(microbatches: Any) -> int | None:
+    # Same text as torchref.train.TrainStep.
+    if microbatches is None:
+        return None
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int | np.integer):
+        raise TypeError(
+            "microbatches must be None or an int >= 1 (the number of equal "
+            f"micro-batches the batch is split into), got {microbatches!r}"
+        )
+    if microbatches < 1:
+        raise ValueError(
+            "microbatches must be None or an int >= 1 (the number of equal "
+            f"micro-batches the batch is split into), got {microbatches}"
+        )
+    return int(microbatches)
+
+
+def _split_batch(batch: Any, k: int) -> Any:
+    """Every leaf ``x`` as ``x.reshape(k, n // k, ...)``: micro-batch ``i`` is
+    rows ``i*n/k`` to ``(i+1)*n/k`` of the leading axis, as torch.chunk."""
+
+    def split(path, x):
+        shape = jnp.shape(x)
+        if not shape or shape[0] % k:
+            # Same text as torchref.train.TrainStep.
+            name = jax.tree_util.keystr(path) or "(the batch)"
+            raise ValueError(
+                f"microbatches={k}: batch leaf {name} has shape {tuple(shape)}; "
+                "every batch leaf needs a leading axis "
+                f"divisible by {k} (micro-batch i is its i-th of {k} equal "
+                "consecutive slices)"
+            )
+        return jnp.reshape(x, (k, shape[0] // k, *shape[1:]))
+
+    return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def _combine_aux(aux: Any) -> Any:
+    """One ``aux`` from the micro-batches' stacked ones (leading axis k):
+    floating leaves averaged (a mean over equal micro-batches is the whole
+    batch's), boolean leaves ANDed, integer leaves summed (counts add up); a
+    `CheckPoints` collector is finite where every micro-batch was, with the
+    largest ``max_abs`` (nan only when no micro-batch had a finite entry).
+    The same rule as `torchref.train.TrainStep`."""
+
+    def one(x):
+        if isinstance(x, CheckPoints):
+            return CheckPoints(
+                x.names,
+                tuple(jnp.all(f, axis=0) for f in x.finite),
+                tuple(jnp.nanmax(m, axis=0) for m in x.max_abs),
+            )
+        dtype = jnp.result_type(x)
+        if dtype == jnp.bool_:
+            return jnp.all(x, axis=0)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.mean(x, axis=0)
+        return jnp.sum(x, axis=0)
+
+    return jax.tree_util.tree_map(
+        one, aux, is_leaf=lambda x: isinstance(x, CheckPoints)
+    )
+
+
+def _check_param_dtypes(params: Any, pol: Any, spec: Any) -> None:
+    """Refuses a policy whose parameter dtype is not that of ``params``.
+
+    The step casts params to the compute dtype and never to the policy's
+    parameter dtype: a single-dtype policy such as ``"bf16"`` (params,
+    compute AND output bfloat16) over float32 params would otherwise be
+    taken silently as "float32 params computed in bfloat16".
+    """
+    want = jnp.dtype(pol.param_dtype)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.floating) and dtype != want:
+            have, compute = dtype.name, jnp.dtype(pol.compute_dtype).name
+            mixed = f" or 'mixed_{compute}'" if have == "float32" else ""
+            # Same text as torchref.train.TrainStep (leaf named its way).
+            raise ValueError(
+                f"policy {spec!r} stores params in {want.name}, but params "
+                f"leaf {jax.tree_util.keystr(path) or '(the params)'} is {have} "
+                "(a single dtype name such as 'bf16' sets params, compute and "
+                f"output). For {have} params computed in {compute} say "
+                f"'params={have},compute={compute},output=float32'{mixed}; for "
+                f"{want.name} params, cast them first. Policy grammar: one dtype "
+                "name for params, compute and output (bf16, f16, f32, ...), "
+                "mixed_float16 or mixed_bfloat16 (float32 params and output), or "
+                "comma-separated key=dtype pairs with keys params|p, compute|c, "
+                "output|o"
+            )
+
+
+def _find_accumulation(opt_state: Any) -> Any:
+    def is_acc(x):
+        return isinstance(x, optax.MultiStepsState | AccumulateGradientsState)
+
+    for node in jax.tree_util.tree_leaves(opt_state, is_leaf=is_acc):
+        if is_acc(node):
+            return node
+    return None
 
 
 def _as_varying(params: Any, axis_name: str) -> Any:
@@ -224,32 +494,52 @@ def make_train_step(
     jit: bool = True,
     donate: bool = False,
     axis_name: str | None = None,
+    microbatches: int | None = None,
 ) -> TrainStep:
     """Builds the guarded train step ``step(state, batch) -> (state, metrics)``.
 
     Per step, with ``ls = state.loss_scale``::
 
-        value, grads, finite = scaled_value_and_grad(loss)(ls, params, ...)
+        (loss, grads) = value_and_grad(ls.scale(loss_fn(...)))(params); unscale
+        finite = all_finite(grads) and isfinite(loss)
         updates, opt_state = tx.update(grads, opt_state, params, grads_finite=finite)
         params = params + updates     # tx skips (zero update) unless applied
         loss_scale = ls.adjust(finite)
 
     The invariant: no step writes a non-finite value into the parameters,
     the optimizer state or the model state. A step is *applied* only when
-    its gradients are finite AND the update, the new parameters and the new
-    optimizer state are finite (float16 Adam state can turn finite gradients
-    into ``m / 0``); otherwise it is skipped and counted in ``skipped_total``.
-    ``finite`` (the gradient flag) is reduced once and reused by the skip
-    transform and the loss scale, which reacts to the gradients only, as
+    its loss and gradients are finite AND the update, the new parameters and
+    the new optimizer state are finite (float16 Adam state can turn finite
+    gradients into ``m / 0``); otherwise it is skipped and counted in
+    ``skipped_total``. A non-finite loss skips the step even when its
+    gradients are finite (``log`` of an activation that dropout zeroed is
+    -inf, and the mask zeroes its gradient), as `torchref.train.TrainStep`
+    does. ``finite`` (the loss-and-gradient flag) is reduced once and reused
+    by the skip transform and the loss scale, which reacts to it only, as
     GradScaler does: a non-finite update is no overflow of the scaled loss.
     When ``tx``'s OUTERMOST state is a `SkipNonFiniteState` (as with
     `stable_optimizer`, possibly inside `optax.inject_hyperparams`) the skip
     transform makes both checks (``check_update=False`` there leaves the
     second out); otherwise the step itself checks the new params and
     optimizer state and keeps the old ones: a skip nested inside a chain
-    would zero only its own part of the update. The model state (batch
-    stats) is kept unchanged on a skipped step, and also when it is itself
-    non-finite.
+    would zero only its own part of the update.
+
+    On a skipped step the model state's statistics (batch norm) are kept as
+    they were (and also when the new ones are non-finite), while its
+    random-number streams advance, as torch's generator does: typed PRNG
+    keys (`jax.random.key`) and NNX `RngState` variables (``nnx.Rngs``
+    counts and keys) take their new values, so a NaN that depends on a
+    dropout mask is skipped once, not on every later step. A raw uint32 key
+    (`jax.random.PRNGKey`) cannot be told from other integers and is kept.
+
+    With `optax.inject_hyperparams` around the skip (``inject(skip(...))``)
+    the schedule's count advances on a skipped step (a torch scheduler
+    stepped every iteration), and the hyperparameters of a skipped step
+    (a schedule that gave NaN) are not kept in ``opt_state.hyperparams``:
+    the previous ones stay. With the skip around it (``skip(inject(...))``)
+    the count stays too. A ``tx`` that accumulates gradients itself
+    (`optax.MultiSteps`, `jaxstable.transforms.accumulate_gradients`) is
+    refused: use ``microbatches``.
 
     Contracts of ``loss_fn``:
       - ``has_state=False``: ``loss_fn(params, batch) -> loss`` or, with
@@ -270,7 +560,11 @@ def make_train_step(
         (``"params=float32,compute=float16,output=float32"``): params and
         the floating leaves of the batch are cast to the compute dtype inside
         the differentiated function, so gradients come back in the params'
-        dtype. The model state is passed uncast.
+        dtype. The model state is passed uncast. The policy's params dtype
+        must be that of the floating params (checked when the step is
+        traced): ``"bf16"`` means params, compute and output bfloat16, so
+        over float32 params it is refused with the fix
+        (``"mixed_bfloat16"``) rather than read as "compute in bfloat16".
       jit: jit the step.
       donate: donate the input state's buffers to the output (saves memory;
         the input state must not be used after the call).
@@ -299,13 +593,33 @@ def make_train_step(
         rounds once in float32 (a relative 6e-8). Not needed (leave None)
         under plain `jax.jit` with shardings (`jaxstable.distributed`):
         there XLA makes every reduction global itself.
+      microbatches: None, or k >= 1: gradient accumulation with torch's
+        GradScaler recipe (``scaler.scale(loss / k).backward()`` k times,
+        then one ``unscale_``, clip, ``step``, ``update``). Every batch leaf's
+        leading axis is split into k equal consecutive micro-batches; a
+        `lax.scan` adds the gradients of ``scale * loss_i / k`` in float32
+        (cast back to the params' dtype at the end; torch adds in the grads'
+        dtype, the same for float32 params), threading the model state
+        through the micro-batches in order. Then ONE check (the k losses and
+        the summed gradients), one clip, one skip decision, one
+        ``skipped_total`` count and one loss-scale update per call. With a
+        mean loss over equal micro-batches a finite step's gradient is the
+        full batch's, to float32 rounding. ``metrics["loss"]`` is the mean of
+        the k losses; ``metrics["aux"]`` combines the micro-batches' (floating
+        leaves averaged, booleans ANDed, integers summed, a
+        `jaxstable.diagnostics.CheckPoints` finite where all were, with the
+        largest ``max_abs``), as `torchref.train.TrainStep` does. A batch leaf
+        whose leading axis k does not divide raises ValueError; a k that is
+        not an int >= 1, TypeError/ValueError. No ``conditional``, no host
+        transfer.
 
     Returns:
       A `TrainStep`; calling it returns ``(new_state, metrics)`` where metrics
       holds device scalars: ``loss`` (unscaled, float32), ``grad_norm``
       (pre-clip, unscaled, float32), ``loss_scale`` (float32, the scale used
       for this step), ``finite`` (bool: the step was applied, see the
-      invariant above), ``grads_finite`` (bool: the gradients alone),
+      invariant above), ``grads_finite`` (bool: the loss and the gradients,
+      the flag the loss scale reacts to),
       ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
 
     Example:
@@ -337,12 +651,22 @@ def make_train_step(
       >>> state, m = dp(state, batch)
       >>> bool(m["finite"]), int(m["skipped_total"])
       (True, 1)
+
+      Gradient accumulation, 2 micro-batches of 2 rows (one optimizer step):
+
+      >>> acc = train.make_train_step(lambda p, b: jnp.mean((p - b) ** 2),
+      ...                             microbatches=2)
+      >>> state, m = acc(state, jnp.array([[1.0, 2.0], [3.0, 4.0],
+      ...                                  [5.0, 6.0], [jnp.nan, 0.0]]))
+      >>> bool(m["finite"]), int(m["skipped_total"])
+      (False, 2)
     """
     for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be None or a str, got {axis_name!r}")
+    k = _check_microbatches(microbatches)
     pol = None if policy is None else get_policy(policy)
 
     def compute_loss(params, model_state, batch):
@@ -363,32 +687,84 @@ def make_train_step(
             )
         return loss, (aux, new_model_state)
 
-    grad_fn = scaled_value_and_grad(compute_loss, has_aux=True)
-
-    def replica_loss(params, ls, model_state, batch):
-        # The replica's share of the mean over all replicas: its own mean
-        # divided by their number, scaled. Its backward then holds what one
-        # device's backward holds for these rows (same float16 headroom).
+    def share_loss(params, ls, model_state, batch, parts):
+        # This call's share of the mean over all `parts` (micro-batches times
+        # replicas), scaled: each backward then holds what one device's
+        # backward holds for these rows (the same float16 headroom). For
+        # parts = 1 the division is exact (loss / 1 == loss).
         loss, rest = compute_loss(params, model_state, batch)
-        share = loss / jax.lax.axis_size(axis_name)
-        return ls.scale(share), (loss, rest)
+        return ls.scale(loss / parts if parts > 1 else loss), (loss, rest)
+
+    share_grad = jax.value_and_grad(share_loss, has_aux=True)
+
+    def summed_grads(state: TrainState, batch: Any):
+        """``(losses, aux, model_state, scaled gradient sum)`` over the
+        micro-batches (one call without ``microbatches``)."""
+        ls = state.loss_scale
+        replicas = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+        params = state.params
+        if axis_name is not None:
+            params = _as_varying(params, axis_name)
+        if k is None:
+            (_, (loss, (aux, ms))), grads = share_grad(
+                params, ls, state.model_state, batch, replicas
+            )
+            return loss[None], aux, ms, grads
+
+        def micro(carry, mb):
+            acc, ms = carry
+            (_, (loss, (aux, ms))), g = share_grad(params, ls, ms, mb, k * replicas)
+            acc = jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g)
+            return (acc, ms), (loss, aux)
+
+        # Accumulated in float32 at least (torch adds into p.grad, in the
+        # params' dtype: the same for float32 params), cast back at the end.
+        acc = jax.tree_util.tree_map(
+            lambda p: jnp.zeros(
+                jnp.shape(p), jnp.promote_types(jnp.result_type(p), jnp.float32)
+            ),
+            state.params,
+        )
+        ms = state.model_state
+        if axis_name is not None:
+            # The carry comes back varying over the axis (each replica's own
+            # rows); under shard_map it must go in so.
+            acc, ms = jax.tree_util.tree_map(
+                lambda x: jax.lax.pcast(x, axis_name, to="varying"), (acc, ms)
+            )
+        (acc, ms), (losses, aux) = jax.lax.scan(
+            micro, (acc, ms), _split_batch(batch, k)
+        )
+        return losses, (None if aux is None else _combine_aux(aux)), ms, acc
 
     def reduced_grads(state: TrainState, batch: Any):
-        if axis_name is None:
-            return grad_fn(state.loss_scale, state.params, state.model_state, batch)
-        # Each replica differentiates scale * loss / N; the SUM of these over
-        # the replicas, unscaled, is one device's gradient of the mean. The
-        # flag is taken from that sum, so it is the same on every replica.
+        if pol is not None:
+            _check_param_dtypes(state.params, pol, policy)
         ls = state.loss_scale
-        params = _as_varying(state.params, axis_name)
-        (_, (loss, (aux, model_state))), grads = jax.value_and_grad(
-            replica_loss, has_aux=True
-        )(params, ls, state.model_state, batch)
-        grads = ls.unscale(jax.lax.psum(grads, axis_name))
-        out = _pmean_floating((loss, aux, model_state), axis_name)
-        return (out[0], out[1:]), grads, all_finite(grads)
+        losses, aux, model_state, grads = summed_grads(state, batch)
+        if axis_name is not None:
+            # The SUM of the replicas' scaled shares, unscaled, is one
+            # device's gradient of the mean; the flag taken from that sum is
+            # the same on every replica.
+            grads = jax.lax.psum(grads, axis_name)
+        grads = ls.unscale(grads)
+        grads = jax.tree_util.tree_map(
+            lambda g, p: g.astype(jnp.result_type(p)), grads, state.params
+        )
+        if axis_name is not None:
+            losses, aux, model_state = _pmean_floating(
+                (losses, aux, model_state), axis_name
+            )
+        loss = losses[0] if k is None else jnp.mean(losses)
+        # A non-finite loss is a non-finite step even when its gradients are
+        # finite (a -inf from log of a dropped activation whose gradient the
+        # mask zeroes), as in torchref: one flag for the skip and the scale.
+        finite = jnp.logical_and(all_finite(grads), jnp.all(jnp.isfinite(losses)))
+        return (loss, (aux, model_state)), grads, finite
 
     def step(state: TrainState, batch: Any):
+        if _find_accumulation(state.opt_state) is not None:
+            raise ValueError(_ACCUMULATION_IN_TX)
         ls = state.loss_scale
         (loss, (aux, new_model_state)), grads, finite = reduced_grads(state, batch)
         grad_norm = global_norm(grads)
@@ -405,6 +781,16 @@ def make_train_step(
             # The skip transform checked gradients, update, new params and
             # new optimizer state (unless built with check_update=False).
             applied = skip.last_finite
+            if isinstance(opt_state, _INJECT_STATES):
+                # inject_hyperparams around the skip: its count advances on
+                # a skipped step (a torch scheduler stepped every iteration
+                # does), but hyperparameters of a skipped step (a schedule
+                # that gave NaN) are not kept in the state nor checkpointed.
+                hyper = opt_state.hyperparams
+                keep = jnp.logical_and(applied, all_finite(hyper))
+                opt_state = opt_state._replace(
+                    hyperparams=_select(keep, hyper, state.opt_state.hyperparams)
+                )
         else:
             # No skip transform around the whole of tx: guard here, with the
             # same two checks (the gradient flag is reused).
@@ -413,7 +799,9 @@ def make_train_step(
             opt_state = _select(applied, opt_state, state.opt_state)
         if state.model_state is not None:
             keep = jnp.logical_and(applied, all_finite(new_model_state))
-            new_model_state = _select(keep, new_model_state, state.model_state)
+            new_model_state = _keep_model_state(
+                keep, new_model_state, state.model_state
+            )
         skipped_total = (state.skipped_total + jnp.logical_not(applied)).astype(
             jnp.int32
         )
@@ -421,8 +809,8 @@ def make_train_step(
             step=(state.step + 1).astype(jnp.int32),
             params=params,
             opt_state=opt_state,
-            # The scale reacts to the gradients only, as GradScaler's does: a
-            # non-finite update is no overflow of the scaled loss.
+            # The scale reacts to the gradients (and the loss) only, as
+            # GradScaler's does: a non-finite update is no overflow.
             loss_scale=ls.adjust(finite),
             model_state=new_model_state,
             skipped_total=skipped_total,
@@ -451,4 +839,19 @@ def make_train_step(
         has_state,
         has_aux,
     )
+    out.microbatches = k
     return out
+
+
+_ACCUMULATION_IN_TX = (
+    "the optimizer accumulates gradients itself (optax.MultiSteps or "
+    "transforms.accumulate_gradients): inside make_train_step each call would "
+    "be one micro-batch, so the loss scale would move per micro-batch and a "
+    "non-finite micro-batch would be dropped (its window stretched) instead of "
+    "skipping the whole step; with MultiSteps around the skip a NaN stays in "
+    "its accumulator for good. Give the step the plain optimizer and let it "
+    "accumulate: make_train_step(loss_fn, microbatches=k) with each batch "
+    "holding the k micro-batches along its leading axis (one check, one clip, "
+    "one skip decision and one loss-scale update per optimizer step, as "
+    "torch's GradScaler accumulation recipe)"
+)

@@ -1,9 +1,12 @@
 """Guarded optax transformations: torch-style clipping and non-finite skipping.
 
 Every transformation here is an optax `GradientTransformation` built from two
-closures, composable with `optax.chain`, `optax.MultiSteps` and
-`optax.inject_hyperparams`. None uses `lax.cond`: on a GPU a `conditional`
-copies its predicate to the host every step, so branches are `jnp.where`.
+closures, composable with `optax.chain` and `optax.inject_hyperparams`. For
+gradient accumulation use `accumulate_gradients` (one skip decision per
+window): `optax.MultiSteps` around the skip keeps a NaN in its accumulator
+for good, and inside it stretches the window. None uses `lax.cond`: on a GPU
+a `conditional` copies its predicate to the host every step, so branches
+are `jnp.where`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import optax
 from jaxstable._src.loss_scale import all_finite
 
 __all__ = [
+    "AccumulateGradientsState",
     "SkipNonFiniteState",
+    "accumulate_gradients",
     "clip_by_global_norm",
     "find_skip_state",
     "global_norm",
@@ -309,6 +314,7 @@ def skip_non_finite(
       >>> u.tolist(), bool(state.last_grads_finite), int(state.non_finite_updates)
       ([0.0, 0.0], True, 1)
     """
+    _check_optimizer(inner, "skip_non_finite")
     _check_optional_count("max_consecutive", max_consecutive)
     _check_bool("check_update", check_update)
     inner = optax.with_extra_args_support(inner)
@@ -421,6 +427,7 @@ def stable_optimizer(
       >>> [round(v, 3) for v in u.tolist()], type(state).__name__
       ([-0.6, -0.8], 'SkipNonFiniteState')
     """
+    _check_optimizer(optimizer, "stable_optimizer")
     _check_bool("skip_non_finite", skip_non_finite)
     _check_bool("check_update", check_update)
     parts = []
@@ -466,3 +473,188 @@ def find_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
         if isinstance(node, SkipNonFiniteState):
             return node
     return None
+
+
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    """Refuses what is not an optax transformation, naming the fix.
+
+    The common slip is the factory itself (``optax.adam`` for
+    ``optax.adam(1e-3)``), which otherwise fails only at ``init`` with
+    "'function' object has no attribute 'init'".
+    """
+    if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
+        return
+    if callable(optimizer):
+        name = getattr(optimizer, "__name__", type(optimizer).__name__)
+        module = getattr(optimizer, "__module__", None) or ""
+        call = f"optax.{name}(1e-3)" if module.startswith("optax") else f"{name}(...)"
+        raise TypeError(
+            f"{where} needs an optimizer (an optax GradientTransformation), got "
+            f"{name}, the function that makes one: call it: {call}"
+        )
+    raise TypeError(
+        f"{where} needs an optimizer (an optax GradientTransformation such as "
+        f"optax.adam(1e-3)), got {type(optimizer).__name__}"
+    )
+
+
+class AccumulateGradientsState(NamedTuple):
+    """State of `accumulate_gradients`.
+
+    Attributes:
+      inner_state: the wrapped optimizer's state; it changes only at the last
+        micro-step of a window, and only when that window's step is applied.
+      acc: the sum of this window's finite micro-gradients so far, each leaf
+        in float32 at least (a non-finite micro-gradient is never added, so
+        the state stays finite).
+      mini_step: int32, micro-steps already taken in the current window
+        (0 to ``every_k - 1``).
+      window_finite: bool, whether every micro-gradient of the current window
+        so far was finite.
+    """
+
+    inner_state: Any
+    acc: Any
+    mini_step: jax.Array
+    window_finite: jax.Array
+
+
+def _guards_itself(inner_state: Any) -> bool:
+    # The skip transform outermost (stable_optimizer, skip_non_finite),
+    # possibly inside optax.inject_hyperparams: it takes grads_finite= and
+    # makes the whole decision itself, and counts it.
+    if isinstance(inner_state, SkipNonFiniteState):
+        return True
+    inject = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    return isinstance(inner_state, inject) and isinstance(
+        inner_state.inner_state, SkipNonFiniteState
+    )
+
+
+def accumulate_gradients(
+    optimizer: optax.GradientTransformation, every_k: int
+) -> optax.GradientTransformationExtraArgs:
+    """Gradient accumulation with ONE skip decision per optimizer step.
+
+    For plain ``tx.update`` loops that feed one micro-batch per call (with
+    `jaxstable.train.make_train_step`, use ``microbatches=k`` instead). Each
+    call adds the micro-gradient to a float32 sum; the ``every_k``-th call
+    passes the mean of the window, ``sum / every_k``, to ``optimizer`` and
+    returns its update (the other calls return zeros)::
+
+        finite_i = all_finite(g_i)
+        acc      = acc + g_i if finite_i else acc     # NaN never enters the state
+        window   = window and finite_i
+        at the k-th call:  update = optimizer(acc / k, grads_finite=window)
+                           acc, window, mini_step = 0, True, 0   # a select
+
+    A window with one non-finite micro-gradient is skipped as a whole, once,
+    as torch's GradScaler recipe (``scaler.scale(loss / k).backward()`` k
+    times, then one ``scaler.step``) skips it; the next window starts clean.
+    The clip, the skip check and the counters of a guarded ``optimizer``
+    (`stable_optimizer`, `skip_non_finite`) act once per window, on the mean.
+    An unguarded ``optimizer`` is guarded here the same way (the window is
+    applied only when its micro-gradients, the update, the new params and
+    the new optimizer state are finite), without counters.
+
+    Place it OUTSIDE the guard. ``optax.MultiSteps(stable_optimizer(...), k)``
+    keeps a NaN in its accumulator for good (it resets it as
+    ``(1 - emit) * acc`` and ``0 * nan`` is nan: every later window is
+    skipped); ``stable_optimizer(optax.MultiSteps(...))`` drops the bad
+    micro-batch and stretches its window to k + 1 micro-batches.
+    `make_train_step` refuses both, and this transform too.
+
+    Args:
+      optimizer: the optimizer to step once per window, typically
+        ``stable_optimizer(optax.adam(1e-3), max_grad_norm=1.0)``.
+      every_k: micro-steps per optimizer step, an int >= 1.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` with state
+      `AccumulateGradientsState`; ``update`` accepts ``grads_finite=`` (the
+      micro-gradient's flag, when already computed).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import transforms
+      >>> tx = transforms.accumulate_gradients(
+      ...     transforms.stable_optimizer(optax.sgd(1.0)), every_k=2)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> for g in ([1.0, 3.0], [jnp.nan, 0.0], [1.0, 3.0], [3.0, 5.0]):
+      ...     u, state = tx.update(jnp.array(g), state, jnp.zeros(2))
+      ...     print(u.tolist(), int(transforms.find_skip_state(state).skipped_total))
+      [0.0, 0.0] 0
+      [0.0, 0.0] 1
+      [0.0, 0.0] 1
+      [-2.0, -4.0] 1
+    """
+    _check_optimizer(optimizer, "accumulate_gradients")
+    if isinstance(every_k, bool) or not isinstance(every_k, int | np.integer):
+        raise TypeError(f"every_k must be an int >= 1, got {every_k!r}")
+    if every_k < 1:
+        raise ValueError(f"every_k must be an int >= 1, got {every_k}")
+    every_k = int(every_k)
+    inner = optax.with_extra_args_support(optimizer)
+
+    def acc_dtype(x):
+        return jnp.promote_types(jnp.result_type(x), jnp.float32)
+
+    def init_fn(params):
+        return AccumulateGradientsState(
+            inner_state=inner.init(params),
+            acc=jax.tree_util.tree_map(
+                lambda p: jnp.zeros(jnp.shape(p), acc_dtype(p)), params
+            ),
+            mini_step=jnp.zeros([], jnp.int32),
+            window_finite=jnp.ones([], jnp.bool_),
+        )
+
+    def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
+        ok = all_finite(updates) if grads_finite is None else grads_finite
+        ok = jnp.asarray(ok, jnp.bool_)
+        acc = jax.tree_util.tree_map(
+            lambda a, g: jnp.where(ok, a + jnp.asarray(g, a.dtype), a),
+            state.acc,
+            updates,
+        )
+        window = jnp.logical_and(state.window_finite, ok)
+        mean = jax.tree_util.tree_map(
+            lambda a, g: (a / every_k).astype(jnp.result_type(g)), acc, updates
+        )
+        if _guards_itself(state.inner_state):
+            new_updates, new_inner = inner.update(
+                mean, state.inner_state, params, grads_finite=window, **extra_args
+            )
+        else:
+            new_updates, new_inner = inner.update(
+                mean, state.inner_state, params, **extra_args
+            )
+            written = (
+                new_updates
+                if params is None
+                else optax.apply_updates(params, new_updates)
+            )
+            applied = jnp.logical_and(window, all_finite((written, new_inner)))
+            new_updates = jax.tree_util.tree_map(
+                lambda u: jnp.where(applied, u, jnp.zeros_like(u)), new_updates
+            )
+            new_inner = jax.tree_util.tree_map(
+                lambda n, o: jnp.where(applied, n, o), new_inner, state.inner_state
+            )
+        emit = state.mini_step == every_k - 1
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(emit, u, jnp.zeros_like(u)), new_updates
+        )
+        # Reset by a select: (1 - emit) * acc would keep a NaN (0 * nan).
+        return new_updates, AccumulateGradientsState(
+            inner_state=jax.tree_util.tree_map(
+                lambda n, o: jnp.where(emit, n, o), new_inner, state.inner_state
+            ),
+            acc=jax.tree_util.tree_map(
+                lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc
+            ),
+            mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
+            window_finite=jnp.logical_or(emit, window),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

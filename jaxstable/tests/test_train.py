@@ -119,8 +119,8 @@ def test_compiled_step_has_no_conditional_and_one_finiteness_reduction():
     state, batch = _state(), _batch(0)
     lowered = _STEP.lower(state, batch)
     assert not has_conditional(lowered)
-    # One is_finite per gradient leaf (the single all_finite over the
-    # gradients, reused by the skip and the loss scale), one on the grown
+    # One is_finite per gradient leaf and one on the (scalar) loss (the
+    # single flag, reused by the skip and the loss scale), one on the grown
     # scalar scale inside DynamicLossScale.adjust, and one per float leaf the
     # step writes (new params, Adam's mu and nu): the update check.
     n_leaves = len(jax.tree.leaves(state.params))
@@ -130,7 +130,7 @@ def test_compiled_step_has_no_conditional_and_one_finiteness_reduction():
         if jnp.issubdtype(x.dtype, jnp.floating)
     ]
     assert len(written) == 3 * n_leaves
-    assert lowered.as_text().count("is_finite") == n_leaves + 1 + len(written)
+    assert lowered.as_text().count("is_finite") == n_leaves + 2 + len(written)
 
 
 def test_step_runs_under_transfer_guard_without_retracing():

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from torchref._src.diagnostics import CheckPoints
 from torchref._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -29,6 +31,7 @@ from torchref._src.transforms import (
     SkipNonFiniteState,
     _check_bool,
     _check_max_consecutive,
+    _check_optimizer,
     _needs_closure,
     _StepUndo,
     clip_by_global_norm,
@@ -51,17 +54,143 @@ def _make_scaler(scaler: Any, device_type: str) -> torch.amp.GradScaler | None:
     )
 
 
-def _autocast_dtype(dtype: Any) -> torch.dtype | None:
+_MIXED_NAMES = ("mixed_float16", "mixed_bfloat16")
+
+
+def _autocast_dtype(dtype: Any, model: torch.nn.Module) -> torch.dtype | None:
     if dtype is None:
         return None
     if isinstance(dtype, str):
-        dtype = get_policy(dtype).compute_dtype
+        policy = get_policy(dtype)
+        spec = dtype.strip().lower()
+        # A bare dtype name is the autocast dtype (the argument's meaning);
+        # a policy that states the params' dtype must match the model's, as
+        # jaxstable.train.make_train_step(policy=...) requires.
+        if "=" in spec or spec in _MIXED_NAMES:
+            _check_param_dtypes(model, policy, dtype)
+        dtype = policy.compute_dtype
     if dtype not in _AUTOCAST_DTYPES:
         raise ValueError(
             "autocast_dtype must be None, torch.float16 or torch.bfloat16, "
             f"got {dtype!r}"
         )
     return dtype
+
+
+def _check_microbatches(microbatches: Any) -> int | None:
+    # Same text as jaxstable.train.make_train_step.
+    if microbatches is None:
+        return None
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int):
+        raise TypeError(
+            "microbatches must be None or an int >= 1 (the number of equal "
+            f"micro-batches the batch is split into), got {microbatches!r}"
+        )
+    if microbatches < 1:
+        raise ValueError(
+            "microbatches must be None or an int >= 1 (the number of equal "
+            f"micro-batches the batch is split into), got {microbatches}"
+        )
+    return microbatches
+
+
+def _split_batch(batch: Any, k: int, path: str = "") -> list[Any]:
+    """The k micro-batches: every tensor's first dimension in k equal
+    consecutive slices (as ``torch.chunk``); other leaves go to each."""
+    if isinstance(batch, torch.Tensor):
+        if batch.ndim == 0 or batch.shape[0] % k:
+            # Same text as jaxstable.train.make_train_step.
+            raise ValueError(
+                f"microbatches={k}: batch leaf {path or '(the batch)'} has shape "
+                f"{tuple(batch.shape)}; every batch leaf needs a leading axis "
+                f"divisible by {k} (micro-batch i is its i-th of {k} equal "
+                "consecutive slices)"
+            )
+        return list(batch.split(batch.shape[0] // k))
+    if isinstance(batch, Mapping):
+        parts = {
+            key: _split_batch(v, k, f"{path}[{key!r}]") for key, v in batch.items()
+        }
+        return [type(batch)((key, v[i]) for key, v in parts.items()) for i in range(k)]
+    if isinstance(batch, list | tuple):
+        parts = [_split_batch(v, k, f"{path}[{i}]") for i, v in enumerate(batch)]
+        rows = [[p[i] for p in parts] for i in range(k)]
+        if hasattr(batch, "_fields"):  # a NamedTuple
+            return [type(batch)(*row) for row in rows]
+        return [type(batch)(row) for row in rows]
+    return [batch] * k
+
+
+def _nanmax(values: Any) -> torch.Tensor:
+    """The largest of 0-d tensors ignoring nan; nan when all are nan."""
+    x = torch.stack(list(values))
+    big = torch.where(torch.isnan(x), torch.full_like(x, -math.inf), x).amax()
+    return torch.where(big == -math.inf, torch.full_like(big, math.nan), big)
+
+
+def _combine_aux(auxes: list[Any]) -> Any:
+    """One ``aux`` from the micro-batches': floating tensors and floats
+    averaged (a mean over equal micro-batches is the whole batch's), booleans
+    ANDed, integers summed; a `CheckPoints` collector is finite where every
+    micro-batch was, with the largest ``max_abs`` (nan only when no
+    micro-batch had a finite entry). The rule of
+    `jaxstable.train.make_train_step`."""
+    first = auxes[0]
+    if isinstance(first, CheckPoints):
+        return CheckPoints(
+            first.names,
+            [
+                torch.stack(f).all()
+                for f in zip(*(a.finite for a in auxes), strict=True)
+            ],
+            [_nanmax(m) for m in zip(*(a.max_abs for a in auxes), strict=True)],
+        )
+    if isinstance(first, Mapping):
+        return type(first)(
+            (key, _combine_aux([a[key] for a in auxes])) for key in first
+        )
+    if isinstance(first, list | tuple):
+        items = [_combine_aux(list(v)) for v in zip(*auxes, strict=True)]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    if isinstance(first, torch.Tensor):
+        stacked = torch.stack([a.detach() for a in auxes])
+        if stacked.dtype == torch.bool:
+            return stacked.all(dim=0)
+        if stacked.is_floating_point() or stacked.is_complex():
+            return stacked.mean(dim=0)
+        return stacked.sum(dim=0)
+    if isinstance(first, bool):
+        return all(auxes)
+    if isinstance(first, int):
+        return sum(auxes)
+    if isinstance(first, float):
+        return sum(auxes) / len(auxes)
+    return first if all(a is first for a in auxes) else list(auxes)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_param_dtypes(model: torch.nn.Module, policy: Any, spec: str) -> None:
+    want = _dtype_name(policy.param_dtype)
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != policy.param_dtype:
+            have, compute = _dtype_name(p.dtype), _dtype_name(policy.compute_dtype)
+            mixed = f" or 'mixed_{compute}'" if have == "float32" else ""
+            # Same text as jaxstable.train.make_train_step (leaf named its way).
+            raise ValueError(
+                f"policy {spec!r} stores params in {want}, but params "
+                f"leaf {name} is {have} "
+                "(a single dtype name such as 'bf16' sets params, compute and "
+                f"output). For {have} params computed in {compute} say "
+                f"'params={have},compute={compute},output=float32'{mixed}; for "
+                f"{want} params, cast them first. Policy grammar: one dtype "
+                "name for params, compute and output (bf16, f16, f32, ...), "
+                "mixed_float16 or mixed_bfloat16 (float32 params and output), or "
+                "comma-separated key=dtype pairs with keys params|p, compute|c, "
+                "output|o"
+            )
 
 
 class TrainStep:
@@ -74,6 +203,11 @@ class TrainStep:
     2. ``loss = loss_fn(model, batch)`` under ``torch.autocast(device_type,
        dtype=autocast_dtype)`` when `autocast_dtype` is set.
     3. ``scaler.scale(loss).backward()``; ``scaler.unscale_(optimizer)``.
+       With ``microbatches=k``, steps 2-3 are GradScaler's accumulation
+       recipe: the batch's first dimension is split into k equal
+       consecutive micro-batches and ``scaler.scale(loss_i / k).backward()``
+       runs for each (the gradients add up in ``.grad``; the buffers are
+       updated by each forward in turn), then one ``unscale_``.
     4. ONE finiteness check. With an enabled GradScaler this is GradScaler's
        own ``found_inf`` recorded by `unscale_` (read through its private
        ``_found_inf_per_device(optimizer)``: it is the flag `scaler.step`
@@ -81,7 +215,11 @@ class TrainStep:
        With a scale below 1 the unscaled gradients are tested too (the
        multiply by 1/scale can overflow after GradScaler's test) and a
        non-finite one is written into GradScaler's flag, so the step is
-       skipped and the scale backs off, as in the JAX step.
+       skipped and the scale backs off, as in the JAX step. A non-finite
+       loss (any micro-batch's) makes the step non-finite even when the
+       gradients are finite (``log`` of an activation a mask zeroed is -inf
+       and the mask zeroes its gradient): it is written into GradScaler's
+       flag the same way (skip and back-off), as the JAX step decides.
     5. ``grad_norm`` = pre-clip global norm (float32); when finite and
        `max_grad_norm` is set, grads are clipped (`clip_grads_with_norm_`,
        i.e. `clip_grad_norm_`). On a non-finite step the NaN coefficient is
@@ -119,6 +257,15 @@ class TrainStep:
         check_update: undo a step that wrote a non-finite parameter or
             optimizer-state value (default True; costs a copy of both and
             one more host sync per step).
+        microbatches: None, or k >= 1: gradient accumulation (see step 2-3;
+            ``jaxstable.train.make_train_step(microbatches=k)`` does the
+            same). One check, clip, skip decision, count and scaler update
+            per call. ``metrics["loss"]`` is the mean of the k losses and
+            ``metrics["aux"]`` combines the micro-batches' (floats averaged,
+            booleans ANDed, integers summed, a `CheckPoints` finite where all
+            were with the largest ``max_abs``). A tensor whose first
+            dimension k does not divide raises ValueError, a k that is not
+            an int >= 1 TypeError/ValueError (the JAX step's texts).
 
     Example:
         >>> import torch
@@ -137,6 +284,9 @@ class TrainStep:
         >>> m = step((torch.full((4, 3), float("nan")), torch.zeros(4, 1)))
         >>> m["finite"], m["skipped_total"], step.scaler.get_scale()
         (False, 1, 512.0)
+        >>> acc = TrainStep(model, opt, mse, microbatches=2)  # 2 x 2 rows
+        >>> acc((torch.ones(4, 3), torch.zeros(4, 1)))["finite"]
+        True
     """
 
     def __init__(
@@ -152,6 +302,7 @@ class TrainStep:
         clip_eps: float = 1e-6,
         restore_buffers_on_skip: bool = True,
         check_update: bool = True,
+        microbatches: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -162,11 +313,7 @@ class TrainStep:
                 "pass the plain torch optimizer (TrainStep skips non-finite steps "
                 "itself), not a torchref.transforms wrapper: use wrapper.optimizer"
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "optimizer must be a torch.optim.Optimizer, "
-                f"got {type(optimizer).__name__}"
-            )
+        _check_optimizer(optimizer, "TrainStep")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable as loss_fn(model, batch)")
         if _needs_closure(optimizer):
@@ -195,7 +342,7 @@ class TrainStep:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scaler = _make_scaler(scaler, self.device_type)
-        self.autocast_dtype = _autocast_dtype(autocast_dtype)
+        self.autocast_dtype = _autocast_dtype(autocast_dtype, model)
         self.max_consecutive = _check_max_consecutive(max_consecutive)
         self.clip = (
             None
@@ -204,6 +351,7 @@ class TrainStep:
         )
         self.restore_buffers_on_skip = bool(restore_buffers_on_skip)
         self.check_update = _check_bool("check_update", check_update)
+        self.microbatches = _check_microbatches(microbatches)
         self._undo = _StepUndo()
         self.skip_state = SkipNonFiniteState()
         self.steps_done = 0
@@ -250,6 +398,16 @@ class TrainStep:
             for flag in found.values():
                 flag.fill_(1.0)
 
+    def _flag_non_finite(self) -> None:
+        """Sets GradScaler's found_inf for this iteration (recorded by
+        `unscale_`), so that `scaler.step` skips and `scaler.update` backs off."""
+        try:
+            found = self.scaler._found_inf_per_device(self.optimizer)
+        except AttributeError:  # a GradScaler without the (private) hook
+            return
+        for flag in found.values():
+            flag.fill_(1.0)
+
     def reset(self) -> None:
         """Discards a step that raised half-way, so that `step` can run again.
 
@@ -276,8 +434,8 @@ class TrainStep:
             unscaled, float32; inf/nan on a non-finite step), "loss_scale":
             float (the scale USED for this step), "finite": bool (the step
             was applied: gradients and what the step wrote all finite),
-            "grads_finite": bool (the gradients alone; the flag the loss
-            scale reacts to), "skipped_total": int}`` plus ``"aux"`` when
+            "grads_finite": bool (the loss and the gradients; the flag the
+            loss scale reacts to), "skipped_total": int}`` plus ``"aux"`` when
             `loss_fn` returns ``(loss, aux)``.
         """
         if self._stage != "ready":
@@ -299,33 +457,25 @@ class TrainStep:
 
     def _step(self, batch: Any) -> dict[str, Any]:
         model, opt, scaler = self.model, self.optimizer, self.scaler
+        k = self.microbatches
+        parts = [batch] if k is None else _split_batch(batch, k)
         opt.zero_grad(set_to_none=True)
         saved = None
         if self.restore_buffers_on_skip:
             saved = [b.detach().clone() for b in model.buffers()]
-        ctx = (
-            torch.autocast(self.device_type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with ctx:
-            out = self.loss_fn(model, batch)
-        loss, aux = out if isinstance(out, tuple) else (out, None)
-        if not isinstance(loss, torch.Tensor):
-            raise ValueError(
-                "loss_fn must return a scalar (0-d) loss tensor (or (loss, aux)), "
-                f"got {type(loss).__name__}"
-            )
-        if loss.ndim != 0:
-            # Same text as jaxstable.train.make_train_step.
-            raise ValueError(
-                "loss_fn must return a scalar (0-d) loss, got shape "
-                f"{tuple(loss.shape)}; reduce it, e.g. with .mean()"
-            )
         # The scale USED for this step (read before update changes it).
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        self._stage = "backward"
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        losses, auxes = [], []
+        for part in parts:
+            # GradScaler's accumulation recipe: scaler.scale(loss / k).backward()
+            # for each micro-batch, the gradients adding up in .grad.
+            self._stage = "forward"
+            loss, aux = self._forward(part)
+            self._stage = "backward"
+            share = loss if k is None else loss / k
+            (scaler.scale(share) if scaler is not None else share).backward()
+            losses.append(loss.detach().float())
+            auxes.append(aux)
         if scaler is not None:
             scaler.unscale_(opt)
         self._stage = "check"
@@ -333,7 +483,14 @@ class TrainStep:
         grads = [p.grad for p in params if p.grad is not None]
         if loss_scale < 1.0 and self._scaler_enabled():
             self._flag_unscaled_overflow(grads)
-        finite = self._finite(grads)
+        # A non-finite loss is a non-finite step even when its gradients are
+        # finite (a -inf from log of a dropped activation whose gradient the
+        # mask zeroes): written into GradScaler's flag, so that scaler.step
+        # skips and the scale backs off, as in the JAX step (one host sync).
+        loss_finite = bool(torch.isfinite(torch.stack(losses)).all())
+        if not loss_finite and self._scaler_enabled():
+            self._flag_non_finite()
+        finite = loss_finite and self._finite(grads)
         if self.clip is not None and finite:
             grad_norm = self.clip(params)
         else:
@@ -363,16 +520,39 @@ class TrainStep:
         self.steps_done += 1
         self._stage = "ready"
         metrics = {
-            "loss": float(loss.detach().float()),
+            "loss": float(losses[0] if k is None else torch.stack(losses).mean()),
             "grad_norm": float(grad_norm),
             "loss_scale": loss_scale,
             "finite": applied,
             "grads_finite": bool(finite),
             "skipped_total": int(self.skip_state.skipped_total),
         }
-        if aux is not None:
-            metrics["aux"] = aux
+        if auxes[0] is not None:
+            metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics
+
+    def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """``loss_fn(model, batch)`` under autocast, checked: ``(loss, aux)``."""
+        ctx = (
+            torch.autocast(self.device_type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            out = self.loss_fn(self.model, batch)
+        loss, aux = out if isinstance(out, tuple) else (out, None)
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                "loss_fn must return a scalar (0-d) loss tensor (or (loss, aux)), "
+                f"got {type(loss).__name__}"
+            )
+        if loss.ndim != 0:
+            # Same text as jaxstable.train.make_train_step.
+            raise ValueError(
+                "loss_fn must return a scalar (0-d) loss, got shape "
+                f"{tuple(loss.shape)}; reduce it, e.g. with .mean()"
+            )
+        return loss, aux
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -26,9 +26,11 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from torchref._src.loss_scale import _tensors, all_finite
 
 __all__ = [
+    "AccumulateGradients",
     "SkipNonFinite",
     "SkipNonFiniteState",
     "StableOptimizer",
+    "accumulate_gradients",
     "clip_by_global_norm",
     "find_skip_state",
     "global_norm",
@@ -425,6 +427,31 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    """Refuses what is not a `torch.optim.Optimizer`, naming the fix.
+
+    The common slip is the class itself (``torch.optim.Adam`` for
+    ``torch.optim.Adam(model.parameters(), lr=1e-3)``), the twin of passing
+    ``optax.adam`` for ``optax.adam(1e-3)`` in JAX.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        name = f"{optimizer.__module__.split('.')[0]}.optim.{optimizer.__name__}"
+        if not optimizer.__module__.startswith("torch.optim"):
+            name = optimizer.__name__
+        raise TypeError(
+            f"{where} needs an optimizer (a torch.optim.Optimizer), got the class "
+            f"{optimizer.__name__}: construct it: {name}(model.parameters(), "
+            "lr=1e-3)"
+        )
+    raise TypeError(
+        f"{where} needs an optimizer (a torch.optim.Optimizer such as "
+        "torch.optim.Adam(model.parameters(), lr=1e-3)), got "
+        f"{type(optimizer).__name__}"
+    )
+
+
 def _check_max_consecutive(max_consecutive: Any) -> int | None:
     if max_consecutive is None:
         return None
@@ -463,11 +490,7 @@ class SkipNonFinite:
         max_consecutive: int | None,
         check_update: bool = True,
     ):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "optimizer must be a torch.optim.Optimizer, "
-                f"got {type(optimizer).__name__}"
-            )
+        _check_optimizer(optimizer, type(self).__name__)
         self.optimizer = optimizer
         self.max_consecutive = _check_max_consecutive(max_consecutive)
         self.check_update = _check_bool("check_update", check_update)
@@ -775,6 +798,138 @@ def stable_optimizer(
         clip_eps=clip_eps,
         check_update=check_update,
     )
+
+
+class AccumulateGradients:
+    """An optimizer wrapper that steps once every ``every_k`` calls, guarded.
+
+    Made by `accumulate_gradients`. `param_groups` and `state` are the
+    wrapped optimizer's; `skip_state` holds its counters (one per window);
+    `mini_step` is the number of micro-steps already taken in this window.
+
+    Example:
+        >>> import torch
+        >>> from torchref import transforms
+        >>> w = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = transforms.accumulate_gradients(torch.optim.SGD([w], lr=1.0), 2)
+        >>> for g in (1.0, 3.0):
+        ...     opt.zero_grad()
+        ...     (w * g).sum().backward()
+        ...     opt.step()
+        >>> w.tolist(), opt.mini_step
+        ([-2.0], 0)
+    """
+
+    def __init__(self, optimizer: Any, every_k: int):
+        if isinstance(every_k, bool) or not isinstance(every_k, int):
+            raise TypeError(f"every_k must be an int >= 1, got {every_k!r}")
+        if every_k < 1:
+            raise ValueError(f"every_k must be an int >= 1, got {every_k}")
+        if isinstance(optimizer, AccumulateGradients):
+            raise TypeError("accumulate_gradients is already around this optimizer")
+        if not isinstance(optimizer, SkipNonFinite):
+            _check_optimizer(optimizer, "accumulate_gradients")
+            optimizer = SkipNonFinite(optimizer, None)
+        if optimizer._needs_closure:
+            name = type(optimizer.optimizer).__name__
+            raise TypeError(
+                f"accumulate_gradients cannot drive {name}: its step() "
+                "re-evaluates the loss through a closure"
+            )
+        self.optimizer = optimizer
+        self.every_k = every_k
+        self.mini_step = 0
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    @property
+    def skip_state(self) -> SkipNonFiniteState:
+        """The guard's counters: one decision (and count) per window."""
+        return self.optimizer.skip_state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the grads at the start of a window only (they add up inside)."""
+        if self.mini_step == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        """Counts a micro-step; the ``every_k``-th steps on the mean gradient.
+
+        The guarded step (check, clip for a `StableOptimizer`, step, undo of
+        a non-finite write) runs on ``sum / every_k`` of the window's
+        gradients: a NaN in any micro-batch skips the whole window, once.
+        The grads are then zeroed, so the next window starts clean.
+        """
+        if closure is not None:
+            raise TypeError("accumulate_gradients takes no closure")
+        self.mini_step += 1
+        if self.mini_step < self.every_k:
+            return
+        self.mini_step = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(self.every_k)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped guard's state dict and the position in the window."""
+        return {"optimizer": self.optimizer.state_dict(), "mini_step": self.mini_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.mini_step = int(state_dict["mini_step"])
+
+
+def accumulate_gradients(optimizer: Any, every_k: int) -> AccumulateGradients:
+    """Gradient accumulation with ONE skip decision per optimizer step.
+
+    The twin of `jaxstable.transforms.accumulate_gradients`, for plain loops
+    that call ``zero_grad(); loss.backward(); step()`` once per micro-batch:
+    ``zero_grad`` acts at the start of a window only, so the k micro-batch
+    gradients add up in ``.grad``; the k-th ``step()`` divides them by k
+    (the mean, as the JAX transform takes) and runs the guarded step once:
+    a window with a non-finite micro-batch is skipped as a whole and counted
+    once, and the next window starts from zeroed grads. A plain optimizer is
+    guarded with `skip_non_finite`; a `stable_optimizer` also clips the mean
+    once. For a GradScaler, use ``TrainStep(..., microbatches=k)``, which
+    runs its accumulation recipe (the scaler must unscale once per window).
+
+    Args:
+        optimizer: a `torch.optim.Optimizer`, or a `skip_non_finite` /
+            `stable_optimizer` wrapper.
+        every_k: micro-steps per optimizer step, an int >= 1.
+
+    Returns:
+        An `AccumulateGradients` wrapper.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(1))
+        >>> sgd = torch.optim.SGD([w], lr=1.0)
+        >>> opt = accumulate_gradients(stable_optimizer(sgd), 2)
+        >>> for g in (1.0, float("nan"), 1.0, 3.0):
+        ...     opt.zero_grad()
+        ...     (w * g).sum().backward()
+        ...     opt.step()
+        ...     print(w.tolist(), opt.skip_state.skipped_total)
+        [0.0] 0
+        [0.0] 1
+        [0.0] 1
+        [-2.0] 1
+    """
+    return AccumulateGradients(optimizer, every_k)
 
 
 def find_skip_state(obj: Any) -> SkipNonFiniteState | None:
