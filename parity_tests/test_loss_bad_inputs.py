@@ -925,20 +925,20 @@ CASES += [
     (
         "box_x2_below_x1_differentiated",  # a training step: NaN, the guard skips
         lambda: jax.value_and_grad(
-            lambda b: jl.box_iou_loss(b, j(BOX_B), reduction="mean")
+            lambda b: jl.box_iou_loss(b, j(BOX_B), kind="iou", reduction="mean")
         )(j(BOX_INVERTED))[0],
         lambda: tl.box_iou_loss(
-            t(BOX_INVERTED).requires_grad_(), t(BOX_B), reduction="mean"
+            t(BOX_INVERTED).requires_grad_(), t(BOX_B), kind="iou", reduction="mean"
         ),
         ("nan",),
     ),
     (
         "box_target_y2_below_y1_prediction_differentiated",
         lambda: jax.value_and_grad(
-            lambda b: jl.box_iou_loss(b, j(BOX_INVERTED_Y), reduction="sum")
+            lambda b: jl.box_iou_loss(b, j(BOX_INVERTED_Y), kind="iou", reduction="sum")
         )(j(BOX_A))[0],
         lambda: tl.box_iou_loss(
-            t(BOX_A).requires_grad_(), t(BOX_INVERTED_Y), reduction="sum"
+            t(BOX_A).requires_grad_(), t(BOX_INVERTED_Y), kind="iou", reduction="sum"
         ),
         ("nan",),
     ),

@@ -468,11 +468,12 @@ def test_issue_numbers_at_logit_zero():
     # alpha (2 q q' bce + q^2 bce') at q = 1/2, q' = -1/4, bce = ln 2, bce' = -1/2
     focal = -0.25 * (0.25 * np.log(2.0) + 0.125)
     assert round(focal, 4) == -0.0746
-    g = jax.grad(lambda v: jl.sigmoid_focal_loss(v, jnp.ones(1)).sum())(jnp.zeros(1))
-    x = torch.zeros(1, requires_grad=True)
-    tl.sigmoid_focal_loss(x, torch.ones(1)).sum().backward()
-    np.testing.assert_allclose(float(g[0]), focal, **tolerance("float32"))
-    np.testing.assert_allclose(x.grad.item(), focal, **tolerance("float32"))
+    ones = np.ones(16, np.float32)  # 16: the shape of CASES (compiled once)
+    g = jax.grad(lambda v: jl.sigmoid_focal_loss(v, ones).sum())(jnp.zeros(16))
+    x = torch.zeros(16, requires_grad=True)
+    tl.sigmoid_focal_loss(x, torch.tensor(ones)).sum().backward()
+    np.testing.assert_allclose(np.asarray(g), focal, **tolerance("float32"))
+    np.testing.assert_allclose(x.grad.numpy(), focal, **tolerance("float32"))
 
 
 HEAD_LOSSES = {

@@ -976,6 +976,9 @@ def db_loss(
       >>> print(round(float(total), 4), sorted(terms))
       0.0124 ['bce', 'dice', 'l1']
     """
+    # the options first: a bad k or eps raises before any term is computed
+    _check_positive("k", k, finite=True)
+    _check_eps("eps", eps)
     for name, weight in (("bce_weight", bce_weight), ("l1_weight", l1_weight),
                          ("dice_weight", dice_weight)):  # fmt: skip
         _check_positive(name, weight, allow_zero=True, finite=True)

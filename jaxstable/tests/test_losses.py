@@ -345,26 +345,6 @@ def test_masked_l1_gradient_is_zero_where_pred_equals_target():
     np.testing.assert_array_equal(gt, [0.0, 0.25, 0.0, -0.25])
 
 
-def test_info_nce_clamp_ties_pass_the_whole_gradient():
-    """A row of norm exactly eps and a temperature exactly min_temperature
-    get the unclamped branch's gradient (torch's clamp_min), not half."""
-    a = jnp.array([[0.5, 0.0, 0.0], [0.0, 1.0, 1.0]])
-    b = jnp.array([[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-
-    def grads(eps, min_temperature):
-        def f(a, t):
-            return losses.info_nce(
-                a, b, temperature=t, min_temperature=min_temperature, eps=eps
-            )
-
-        return jax.grad(f, argnums=(0, 1))(a, jnp.float32(0.25))
-
-    at_ties = grads(eps=0.5, min_temperature=0.25)
-    unclamped = grads(eps=0.125, min_temperature=0.0)
-    np.testing.assert_allclose(at_ties[0], unclamped[0], rtol=1e-6)
-    np.testing.assert_allclose(at_ties[1], unclamped[1], rtol=1e-6)
-
-
 def test_float64_inputs_compute_in_float64_with_x64():
     """The precision rule: with x64 on, float64 logits give a float64 loss
     and a float64 target alone does not widen (the predictions decide); with

@@ -655,6 +655,9 @@ def db_loss(
         shrink_logits=shrink_logits, thresh=thresh, gt=gt, mask=mask,
         thresh_map=thresh_map, thresh_mask=thresh_mask,
     )  # fmt: skip
+    # the options first: a bad k or eps raises before any term is computed
+    _check_positive("k", k, finite=True)
+    _check_eps("eps", eps)
     for name, weight in (("bce_weight", bce_weight), ("l1_weight", l1_weight),
                          ("dice_weight", dice_weight)):  # fmt: skip
         _check_positive(name, weight, allow_zero=True, finite=True)
