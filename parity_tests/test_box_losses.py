@@ -542,3 +542,91 @@ def test_focal_loss_matches_torchvision(reduction, tol):
     for out, grad in (jax_out[0], torch_out):
         _close(out, ref, tol("float32"))
         _close(grad, xt.grad, tol("float32"))
+
+
+# ---------------------------------------------------------------------------
+# issue 21 (item 4): a degenerate box in a guarded train step
+# ---------------------------------------------------------------------------
+
+GOOD = np.array([[0.0, 0.0, 2.0, 2.0], [1.0, 1.0, 4.0, 3.0]], np.float32)
+INVERTED = np.array([[0.0, 0.0, 2.0, 2.0], [4.0, 1.0, 1.0, 3.0]], np.float32)
+TARGETS = np.array([[1.0, 1.0, 3.0, 3.0], [0.0, 1.0, 2.0, 5.0]], np.float32)
+
+
+@functools.cache
+def _jax_guarded_step():
+    """The optimizer and a jitted guarded train step on predicted boxes (one
+    of each: the step compiles once)."""
+    import optax
+
+    from jaxstable import train, transforms
+
+    step = train.make_train_step(
+        lambda p, b: jl.box_iou_loss(p, b, kind="giou", reduction="mean")
+    )
+    return transforms.stable_optimizer(optax.sgd(0.1)), step
+
+
+def _jax_box_step(pred, target):
+    """One guarded SGD step: (finite, skipped_total, new params)."""
+    from jaxstable import train
+
+    tx, step = _jax_guarded_step()
+    state = train.TrainState.create(params=jnp.asarray(pred), optimizer=tx)
+    state, metrics = step(state, jnp.asarray(target))
+    return (
+        bool(metrics["finite"]),
+        int(metrics["skipped_total"]),
+        np.asarray(state.params),
+    )
+
+
+def _torch_box_step(pred, target):
+    from torchref import train
+
+    model = torch.nn.Module()
+    model.boxes = torch.nn.Parameter(torch.tensor(pred))
+    step = train.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, b: tl.box_iou_loss(m.boxes, b, kind="giou", reduction="mean"),
+    )
+    metrics = step(torch.tensor(target))
+    return metrics["finite"], metrics["skipped_total"], model.boxes.detach().numpy()
+
+
+@pytest.mark.parametrize(
+    "pred,target",
+    [(INVERTED, TARGETS), (GOOD, TARGETS[:, [2, 1, 0, 3]])],
+    ids=["predicted_box_inverted", "target_box_inverted"],
+)
+@pytest.mark.parametrize("run", [_jax_box_step, _torch_box_step])
+def test_inverted_box_in_a_guarded_step_is_skipped_not_raised(run, pred, target):
+    """Both twins: the bad pair's loss is NaN (JAX: traced boxes; torch: the
+    predicted boxes require grad), the guard skips the step and counts it,
+    the parameters are unchanged (torch used to raise mid-training). A
+    plain eager call raises in both: test_loss_bad_inputs.py's table."""
+    finite, skipped, params = run(pred, target)
+    assert not finite and skipped == 1
+    np.testing.assert_array_equal(params, pred)
+    finite, skipped, params = run(GOOD, TARGETS)  # the same step, good boxes
+    assert finite and skipped == 0 and not np.array_equal(params, GOOD)
+
+
+def test_inverted_box_requiring_grad_is_nan_for_its_pair_only():
+    """torch: a box tensor that requires grad is JAX's traced box: the
+    inverted pair's loss and gradient are NaN, the other pair finite, every
+    kind; JAX's eager jax.grad with concrete targets gives the same (CIoU,
+    the kind with every term)."""
+    target = torch.tensor(TARGETS)
+    for kind in KINDS:
+        boxes = torch.tensor(INVERTED, requires_grad=True)
+        loss = tl.box_iou_loss(boxes, target, kind=kind)
+        loss.sum().backward()
+        assert np.isnan(loss[1].item()) and np.isfinite(loss[0].item()), kind
+        assert boxes.grad[1].isnan().all() and boxes.grad[0].isfinite().all()
+    value, grad = jax.value_and_grad(
+        lambda b: jl.box_iou_loss(b, TARGETS, kind="ciou").sum()
+    )(jnp.asarray(INVERTED))
+    assert np.isnan(float(value)) and np.isnan(np.asarray(grad)[1]).all()
+    assert np.isfinite(np.asarray(grad)[0]).all()

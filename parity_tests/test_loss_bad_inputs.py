@@ -445,7 +445,7 @@ CASES += [
         lambda: tl.balanced_binary_cross_entropy(
             t(P), t(T), t(T), negative_ratio=float("nan")
         ),
-        ("raises", ValueError, r"negative_ratio must be > 0, got nan"),
+        ("raises", ValueError, r"negative_ratio must be a finite number > 0, got nan"),
     ),
     (
         "balanced_bce_negative_ratio_beyond_int32",  # keeps every negative
@@ -770,6 +770,177 @@ CASES += [
         None,
         lambda: tl.sigmoid_focal_loss(t(P), _meta(T)),
         ("raises", ValueError, DEVICES.format("targets")),
+    ),
+]
+# ---------------------------------------------------------------------------
+# issue 22 (item 12): every scalar option is a finite number (an eps at least
+# float32's smallest normal); issue 21 (item 4): a bad box in a computation
+# being differentiated is NaN for that pair in both twins (JAX: traced boxes;
+# torch: a box tensor that requires grad), not an exception mid-training.
+# ---------------------------------------------------------------------------
+
+
+def _option_case(name, jax_call, torch_call, pattern):
+    return (name, jax_call, torch_call, ("raises", ValueError, pattern))
+
+
+INF, NAN, SUBNORMAL = float("inf"), float("nan"), 1e-45
+FINITE = r"{} must be a finite number {} 0, got {}"
+TINY_EPS = r"eps must be >= 1\.1754944e-38 \(float32's smallest normal.*got 1e-45"
+DB = (P, P, T, T, T, T)  # db_loss(shrink_logits, thresh, gt, mask, map, mask)
+
+CASES += [
+    _option_case(
+        "info_nce_temperature_inf",
+        lambda: jl.info_nce(j(P), j(P), temperature=INF),
+        lambda: tl.info_nce(t(P), t(P), temperature=INF),
+        FINITE.format("temperature", ">", "inf"),
+    ),
+    _option_case(
+        "info_nce_temperature_nan",
+        lambda: jl.info_nce(j(P), j(P), temperature=j(NAN)),
+        lambda: tl.info_nce(t(P), t(P), temperature=torch.tensor(NAN)),
+        FINITE.format("temperature", ">", "nan"),
+    ),
+    _option_case(
+        "info_nce_min_temperature_inf",
+        lambda: jl.info_nce(j(P), j(P), min_temperature=INF),
+        lambda: tl.info_nce(t(P), t(P), min_temperature=INF),
+        FINITE.format("min_temperature", ">=", "inf"),
+    ),
+    _option_case(
+        "info_nce_eps_inf",
+        lambda: jl.info_nce(j(P), j(P), eps=INF),
+        lambda: tl.info_nce(t(P), t(P), eps=INF),
+        FINITE.format("eps", ">", "inf"),
+    ),
+    _option_case(
+        "info_nce_eps_nan",
+        lambda: jl.info_nce(j(P), j(P), eps=NAN),
+        lambda: tl.info_nce(t(P), t(P), eps=NAN),
+        FINITE.format("eps", ">", "nan"),
+    ),
+    _option_case(  # XLA:CPU flushes it: a zero row would be 0 / 0
+        "info_nce_eps_subnormal",
+        lambda: jl.info_nce(j(P), j(P), eps=SUBNORMAL),
+        lambda: tl.info_nce(t(P), t(P), eps=SUBNORMAL),
+        TINY_EPS,
+    ),
+    _option_case(
+        "dice_eps_inf",
+        lambda: jl.dice_loss(j(P), j(T), eps=INF),
+        lambda: tl.dice_loss(t(P), t(T), eps=INF),
+        FINITE.format("eps", ">", "inf"),
+    ),
+    _option_case(  # an empty mask: 0 / (0 + eps) = NaN once eps is flushed
+        "dice_eps_subnormal",
+        lambda: jl.dice_loss(j(P), j(T), eps=SUBNORMAL),
+        lambda: tl.dice_loss(t(P), t(T), eps=SUBNORMAL),
+        TINY_EPS,
+    ),
+    _option_case(
+        "balanced_bce_eps_inf",
+        lambda: jl.balanced_binary_cross_entropy(j(P), j(T), j(T), eps=INF),
+        lambda: tl.balanced_binary_cross_entropy(t(P), t(T), t(T), eps=INF),
+        FINITE.format("eps", ">", "inf"),
+    ),
+    _option_case(
+        "balanced_bce_eps_subnormal",
+        lambda: jl.balanced_binary_cross_entropy(j(P), j(T), j(T), eps=SUBNORMAL),
+        lambda: tl.balanced_binary_cross_entropy(t(P), t(T), t(T), eps=SUBNORMAL),
+        TINY_EPS,
+    ),
+    _option_case(
+        "box_eps_nan",
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_B), eps=NAN),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_B), eps=NAN),
+        FINITE.format("eps", ">", "nan"),
+    ),
+    _option_case(
+        "box_eps_subnormal",
+        lambda: jl.box_iou_loss(j(BOX_A), j(BOX_B), eps=SUBNORMAL),
+        lambda: tl.box_iou_loss(t(BOX_A), t(BOX_B), eps=SUBNORMAL),
+        TINY_EPS,
+    ),
+    _option_case(  # a step function with NaN at prob == thresh (inf * 0)
+        "db_step_k_inf",
+        lambda: jl.db_step(j(P), j(T), k=INF),
+        lambda: tl.db_step(t(P), t(T), k=INF),
+        FINITE.format("k", ">", "inf"),
+    ),
+    _option_case(
+        "db_step_k_nan",
+        lambda: jl.db_step(j(P), j(T), k=NAN),
+        lambda: tl.db_step(t(P), t(T), k=NAN),
+        FINITE.format("k", ">", "nan"),
+    ),
+    _option_case(
+        "db_loss_k_inf",
+        lambda: jl.db_loss(*map(j, DB), k=INF),
+        lambda: tl.db_loss(*map(t, DB), k=INF),
+        FINITE.format("k", ">", "inf"),
+    ),
+    _option_case(
+        "db_loss_bce_weight_nan",
+        lambda: jl.db_loss(*map(j, DB), bce_weight=NAN),
+        lambda: tl.db_loss(*map(t, DB), bce_weight=NAN),
+        FINITE.format("bce_weight", ">=", "nan"),
+    ),
+    _option_case(
+        "db_loss_l1_weight_inf",
+        lambda: jl.db_loss(*map(j, DB), l1_weight=INF),
+        lambda: tl.db_loss(*map(t, DB), l1_weight=INF),
+        FINITE.format("l1_weight", ">=", "inf"),
+    ),
+    _option_case(
+        "db_loss_dice_weight_negative",
+        lambda: jl.db_loss(*map(j, DB), dice_weight=-1.0),
+        lambda: tl.db_loss(*map(t, DB), dice_weight=-1.0),
+        r"dice_weight must be >= 0, got -1.0",
+    ),
+    _option_case(
+        "db_loss_eps_subnormal",
+        lambda: jl.db_loss(*map(j, DB), eps=SUBNORMAL),
+        lambda: tl.db_loss(*map(t, DB), eps=SUBNORMAL),
+        TINY_EPS,
+    ),
+    _option_case(
+        "focal_gamma_nan",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T), gamma=NAN),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T), gamma=NAN),
+        FINITE.format("gamma", ">=", "nan"),
+    ),
+    _option_case(
+        "focal_alpha_nan",
+        lambda: jl.sigmoid_focal_loss(j(P), j(T), alpha=NAN),
+        lambda: tl.sigmoid_focal_loss(t(P), t(T), alpha=NAN),
+        r"alpha must be a number in \[0, 1\], or None / -1 .*got nan",
+    ),
+    _option_case(
+        "ce_label_smoothing_nan",
+        lambda: jl.softmax_cross_entropy(j(X), j(Y), label_smoothing=NAN),
+        lambda: tl.softmax_cross_entropy(xt(), t(Y), label_smoothing=NAN),
+        r"label_smoothing must be in \[0, 1\], got nan",
+    ),
+    (
+        "box_x2_below_x1_differentiated",  # a training step: NaN, the guard skips
+        lambda: jax.value_and_grad(
+            lambda b: jl.box_iou_loss(b, j(BOX_B), kind="iou", reduction="mean")
+        )(j(BOX_INVERTED))[0],
+        lambda: tl.box_iou_loss(
+            t(BOX_INVERTED).requires_grad_(), t(BOX_B), kind="iou", reduction="mean"
+        ),
+        ("nan",),
+    ),
+    (
+        "box_target_y2_below_y1_prediction_differentiated",
+        lambda: jax.value_and_grad(
+            lambda b: jl.box_iou_loss(b, j(BOX_INVERTED_Y), kind="iou", reduction="sum")
+        )(j(BOX_A))[0],
+        lambda: tl.box_iou_loss(
+            t(BOX_A).requires_grad_(), t(BOX_INVERTED_Y), kind="iou", reduction="sum"
+        ),
+        ("nan",),
     ),
 ]
 IDS = [c[0] for c in CASES]

@@ -1,16 +1,34 @@
 """Float32-safe losses for low-precision (fp16/bf16) JAX training.
 
-Every loss here computes in float32 and returns float32 whatever the dtype of
-its inputs. The cross-entropy reads bf16/fp16 logits directly: the cast to
-float32 is fused into its reductions and its custom VJP writes the gradient in
-the logits' dtype, so no float32 copy of the logits is ever materialised.
+Precision, one rule for every loss (and for torchref's twins): a loss computes
+in at least float32. It computes and returns float32 for bf16, fp16 and
+float32 predictions, and float64 when its predictions are float64 (the input
+named in its docstring's "Precision" line: `logits`, `probs`, `pred`,
+`prob`/`thresh`, `a`/`b`, `boxes1`/`boxes2`); targets, masks and weights are
+cast to that dtype. With x64 off (JAX's default) no array is float64: `jnp.asarray`
+has already made a float64 numpy input float32, so the loss is float32 there.
+The cross-entropy reads bf16/fp16 logits directly: the cast to float32 is
+fused into its reductions and its custom VJP writes the gradient in the
+logits' dtype, so no float32 copy of the logits is ever materialised.
+
+Gradients at kinks and ties are those of the PyTorch reference formula
+(autograd's conventions, tested against torch): BCE-with-logits' gradient is
+``sigmoid(x) - t`` at every logit, 0 included (as torch's
+``binary_cross_entropy_with_logits``); ``|d|`` has gradient ``sign(d)``, 0 at
+``d = 0`` (torch's ``abs``); a clamp passes the whole gradient at the tie
+(torch's ``clamp_min``); ``maximum``/``minimum`` of two equal values give
+each half (torch's too); among equal hard negatives the lowest index is kept
+(a stable sort, in both twins: ``torch.topk``'s choice among ties is
+unspecified).
 
 No bad input gives a finite wrong number: it raises a ValueError/TypeError
 naming the value and what is allowed when the inputs are concrete (eager
 calls, numpy inputs), and makes the loss NaN when it can only be seen under
-`jit` (traced values cannot raise), so a finiteness guard sees it. What JAX
-does before a loss sees its inputs is documented where it matters: int64
-labels under `jit` (softmax_cross_entropy), subnormal masks (masked_l1_loss).
+`jit` (traced values cannot raise), so a finiteness guard sees it. Scalar
+options (eps, temperature, k, ratios, weights) must be finite; an eps must
+also be at least float32's smallest normal number. What JAX does before a
+loss sees its inputs is documented where it matters: int64 labels under
+`jit` (softmax_cross_entropy), subnormal masks (masked_l1_loss).
 """
 
 from __future__ import annotations
@@ -26,6 +44,10 @@ Array = Any  # jax.Array or anything jnp.asarray accepts
 
 _REDUCTIONS = ("mean", "sum", "none")
 _F32 = jnp.float32
+# float32's smallest normal number 1.1754944e-38: the floor of every eps (a
+# subnormal one is flushed to 0 by XLA on CPU: 0 / (0 + eps) = NaN) and of
+# the focal loss' modulating base (see sigmoid_focal_loss)
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 # ---------------------------------------------------------------------------
@@ -57,6 +79,13 @@ def _as_arrays(**inputs):
     return out
 
 
+def _compute_dtype(*predictions) -> Any:
+    """The dtype a loss computes in: float64 when a prediction is float64
+    (possible only with x64 on), float32 otherwise ("at least float32")."""
+    wide = any(x is not None and x.dtype == jnp.float64 for x in predictions)
+    return jnp.float64 if wide else _F32
+
+
 def _check_reduction(reduction: str) -> None:
     if reduction not in _REDUCTIONS:
         raise ValueError(
@@ -81,17 +110,28 @@ def _check_positive(
     name: str, value, *, allow_zero: bool = False, finite: bool = False
 ) -> None:
     """Raise for a non-scalar `value` (traced or not), and ValueError for a
-    concrete one <= 0 (< 0 with allow_zero), NaN, or inf when `finite`."""
+    concrete one <= 0 (< 0 with allow_zero), NaN, or inf when `finite`
+    (torchref's `_check_positive` twin: the same messages)."""
     if np.ndim(value) != 0:  # static shape: checked for tracers too
         raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
     if not _is_concrete(value):
         return  # a traced (e.g. learnable) value cannot be checked here
     v = float(np.asarray(value, dtype=np.float64))
     rule = ">= 0" if allow_zero else "> 0"
-    if finite and np.isinf(v):
+    if finite and not np.isfinite(v):
         raise ValueError(f"{name} must be a finite number {rule}, got {value}")
     if (v < 0 if allow_zero else v <= 0) or np.isnan(v):
         raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _check_eps(name: str, value) -> None:
+    """A finite eps >= float32's smallest normal number (see `_TINY`)."""
+    _check_positive(name, value, finite=True)
+    if _is_concrete(value) and float(np.asarray(value, np.float64)) < _TINY:
+        raise ValueError(
+            f"{name} must be >= {_TINY:.8g} (float32's smallest normal number; "
+            f"XLA on CPU flushes a smaller one to 0), got {value}"
+        )
 
 
 def _check_non_negative_values(name: str, x) -> None:
@@ -118,11 +158,11 @@ def _isnan(x):
     )
 
 
-def _nan_if(condition):
+def _nan_if(condition, dtype=_F32):
     """1.0, or NaN where `condition`: a factor that makes a loss and its
     gradient NaN for an input that has no defined loss (under jit, where
     nothing can raise), so a finiteness guard sees it."""
-    return jnp.where(condition, jnp.nan, 1.0).astype(_F32)
+    return jnp.where(condition, jnp.nan, 1.0).astype(dtype)
 
 
 def _bad_label_message(bad_values: np.ndarray, n_classes: int, ignore_index) -> str:
@@ -224,8 +264,8 @@ def _max_chunk(n_classes: int) -> int | None:
     return None
 
 
-def _row_max(logits):
-    """Exact row max over the last axis, as float32 (a max never rounds).
+def _row_max(logits, ct):
+    """Exact row max over the last axis, as `ct` (a max never rounds).
 
     Short rows: XLA:CPU splits a float max over rows > 32 into a
     reduce-window that it runs in float32 after storing a float32 copy of
@@ -246,25 +286,25 @@ def _row_max(logits):
             head, tail = _split_last(logits, _SUM_CHUNK)
             partial = jax.lax.reduce(head, lowest, _select_max, (last + 1,))
             partial = jnp.concatenate([partial, tail], axis=-1)
-        return jax.lax.reduce(partial, lowest, _select_max, (last,)).astype(_F32)
+        return jax.lax.reduce(partial, lowest, _select_max, (last,)).astype(ct)
     int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[logits.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(logits, int_dtype)
     lowest = jax.lax.bitcast_convert_type(jnp.array(-jnp.inf, logits.dtype), int_dtype)
     m_bits = jax.lax.reduce(bits, lowest, _ordered_bits_max, (last,))
-    return jax.lax.bitcast_convert_type(m_bits, logits.dtype).astype(_F32)
+    return jax.lax.bitcast_convert_type(m_bits, logits.dtype).astype(ct)
 
 
 def _row_sums(summands, logits, weights):
-    """Sums over the last axis of `summands(x, classes, w)`: float32 arrays
-    made from logits `x`, their class indices and class weights `w` (float32
-    or None), as one variadic reduce (two stages for long rows, see
-    `_LONG_ROW`)."""
+    """Sums over the last axis of `summands(x, classes, w)`: arrays in the
+    compute dtype made from logits `x`, their class indices and class weights
+    `w` (compute dtype or None), as one variadic reduce (two stages for long
+    rows, see `_LONG_ROW`)."""
     n_classes = logits.shape[-1]
     last = logits.ndim - 1
     classes = jnp.arange(n_classes)
     if n_classes <= _LONG_ROW:
         operands = summands(logits, classes, weights)
-        inits = (jnp.zeros((), _F32),) * len(operands)
+        inits = (jnp.zeros((), operands[0].dtype),) * len(operands)
         return jax.lax.reduce(operands, inits, _sum_reducer, (last,))
     # The remainder's summands are built from a slice of the logits, not
     # sliced from whole-row summands: XLA stores a summand read by two
@@ -272,7 +312,7 @@ def _row_sums(summands, logits, weights):
     parts = [_split_last(v, _SUM_CHUNK) for v in (logits, classes)]
     w_parts = (None, None) if weights is None else _split_last(weights, _SUM_CHUNK)
     head_ops = summands(parts[0][0], parts[1][0], w_parts[0])
-    inits = (jnp.zeros((), _F32),) * len(head_ops)
+    inits = (jnp.zeros((), head_ops[0].dtype),) * len(head_ops)
     partial = jax.lax.reduce(head_ops, inits, _sum_reducer, (last + 1,))
     if parts[0][1].shape[-1]:
         tail_ops = summands(parts[0][1], parts[1][1], w_parts[1])
@@ -284,47 +324,50 @@ def _row_sums(summands, logits, weights):
 
 
 def _ce_stats(logits, safe_labels, weights):
-    """Row max m, log-sum-exp minus m, sum_c w_c (m - x_c), m - x_y; float32.
+    """Row max m, log-sum-exp minus m, sum_c w_c (m - x_c), m - x_y, in the
+    compute dtype (float32, or float64 for float64 logits).
 
     Two passes over the low-precision logits with the cast to float32 fused
     into each: a max, then one variadic sum of (exp(x - m), [c == y](m - x_c),
     w_c (m - x_c)). Every summand is >= 0 (no cancellation) and exp only sees
     numbers <= 0 (fp16 exp overflows above 11.09).
     """
-    m = _row_max(logits)
+    ct = _compute_dtype(logits)
+    m = _row_max(logits, ct)
 
     def summands(x, classes, w):
         # x: logits (*lead, *classes.shape); m and labels broadcast over the
         # class dims (one for a whole row, two for a row split in chunks).
         per_row = (Ellipsis,) + (None,) * classes.ndim
-        gap = m[per_row] - x.astype(_F32)  # >= 0
+        gap = m[per_row] - x.astype(ct)  # >= 0
         is_label = classes == safe_labels[per_row]
         gap_w = gap if w is None else gap * w
         return (jnp.exp(-gap), jnp.where(is_label, gap, 0.0), gap_w)
 
-    w = None if weights is None else weights.astype(_F32)
+    w = None if weights is None else weights.astype(ct)
     sum_exp, gap_y, gap_w = _row_sums(summands, logits, w)
     return m, jnp.log(sum_exp), gap_w, gap_y
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _ce_rows(logits, labels, weights, ignore_index, smoothing):
-    """Per-element cross-entropy, class axis last, float32 result."""
+    """Per-element cross-entropy, class axis last, in the compute dtype."""
     return _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing)[0]
 
 
 def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing):
     n_classes = logits.shape[-1]
+    ct = _compute_dtype(logits)
     valid, bad, safe = _label_masks(labels, n_classes, ignore_index)
     m, lse_m, gap_w, gap_y = _ce_stats(logits, safe, weights)
     # lse - x_y = (lse - m) + (m - x_y): two non-negative terms, no cancellation.
     nll = lse_m + gap_y
     if weights is not None:
-        nll = nll * weights.astype(_F32)[safe]
+        nll = nll * weights.astype(ct)[safe]
     loss = (1.0 - smoothing) * nll
     if smoothing:
         # sum_c w_c (lse - x_c) = (lse - m) sum(w) + sum_c w_c (m - x_c) >= 0
-        w_sum = n_classes if weights is None else jnp.sum(weights.astype(_F32))
+        w_sum = n_classes if weights is None else jnp.sum(weights.astype(ct))
         loss = loss + (smoothing / n_classes) * (lse_m * w_sum + gap_w)
     loss = jnp.where(valid, loss, 0.0)
     # An out-of-range label under jit: NaN, never a finite wrong loss.
@@ -335,18 +378,19 @@ def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing):
 def _ce_rows_bwd(ignore_index, smoothing, res, g):
     logits, labels, weights, m, lse_m, gap_y = res
     n_classes = logits.shape[-1]
+    ct = _compute_dtype(logits)
     valid, bad, safe = _label_masks(labels, n_classes, ignore_index)
-    g = jnp.where(bad, jnp.nan, jnp.where(valid, g.astype(_F32), 0.0))
+    g = jnp.where(bad, jnp.nan, jnp.where(valid, g.astype(ct), 0.0))
     if weights is None:
         w_y = jnp.ones_like(g)
         w_sum = float(n_classes)
     else:
-        w = weights.astype(_F32)
+        w = weights.astype(ct)
         w_y = w[safe]
         w_sum = jnp.sum(w)
     # d loss / d x_c = p_c ((1-s) w_y + s W / C) - (1-s) w_y [c == y] - s w_c / C
-    z = logits.astype(_F32) - m[..., None]
-    p = jnp.exp(z - lse_m[..., None])  # softmax, recomputed in float32
+    z = logits.astype(ct) - m[..., None]
+    p = jnp.exp(z - lse_m[..., None])  # softmax, recomputed in float32 (or 64)
     coef = g * ((1.0 - smoothing) * w_y + smoothing * w_sum / n_classes)
     onehot = jnp.arange(n_classes) == safe[..., None]
     # The label column from the saved m - x_y (same value as p there). Using
@@ -367,10 +411,10 @@ def _ce_rows_bwd(ignore_index, smoothing, res, g):
         nll_raw = (
             lse_m
             + m
-            - jnp.take_along_axis(logits, safe[..., None], -1)[..., 0].astype(_F32)
+            - jnp.take_along_axis(logits, safe[..., None], -1)[..., 0].astype(ct)
         )
         gz = jnp.where(valid, g, 0.0) * (1.0 - smoothing) * nll_raw
-        d_w = jnp.zeros((n_classes,), _F32).at[safe.ravel()].add(gz.ravel())
+        d_w = jnp.zeros((n_classes,), ct).at[safe.ravel()].add(gz.ravel())
         if smoothing:
             lse_minus_x = lse_m[..., None] - z
             d_w = d_w + (smoothing / n_classes) * jnp.sum(
@@ -396,7 +440,8 @@ def _weighted_mean(total, count, weight_sum):
     their weights sum to 0 (torch: +-inf or NaN, x / 0)."""
     counted = count > 0
     mean = total / jnp.where(counted, weight_sum, 1.0)
-    return jnp.where(counted, mean * _nan_if(counted & (weight_sum == 0)), 0.0)
+    nan_if_zero = _nan_if(counted & (weight_sum == 0), mean.dtype)
+    return jnp.where(counted, mean * nan_if_zero, 0.0)
 
 
 def softmax_cross_entropy(
@@ -409,7 +454,7 @@ def softmax_cross_entropy(
     weights: Array | None = None,
     reduction: str = "mean",
 ) -> jax.Array:
-    r"""Cross-entropy with integer labels, computed in float32 for any logits dtype.
+    r"""Cross-entropy with integer labels, computed in at least float32.
 
     Same result as ``torch.nn.functional.cross_entropy`` (class weights, label
     smoothing, ``ignore_index``). For an element ``n`` with label ``y``, ``C``
@@ -431,6 +476,10 @@ def softmax_cross_entropy(
     float32 copy of the logits is materialised (fp16 ``exp`` overflows above
     11.09; float32 after max-subtraction never does).
 
+    Precision: float32; float64 for float64 ``logits`` (x64 on; the module
+    docstring's rule). All-equal logits have the gradient ``1/C - [c == y]``
+    (the analytic softmax, as ``F.cross_entropy``).
+
     Args:
       logits: floating array with the class axis at ``axis`` (NHWC: -1).
       labels: integer array, ``logits.shape`` without the class axis.
@@ -438,10 +487,11 @@ def softmax_cross_entropy(
       ignore_index: label value that contributes nothing (e.g. 255).
       label_smoothing: ``s`` in [0, 1] (a Python number, static).
       weights: optional per-class weights, shape ``(C,)``.
-      reduction: "mean", "sum" or "none" (per-element losses, float32).
+      reduction: "mean", "sum" or "none" (per-element losses).
 
     Returns:
-      float32 scalar (or per-element array for reduction="none"). A label
+      float32 scalar (or per-element array for reduction="none"); float64
+      for float64 logits. A label
       outside [0, C) that is not ``ignore_index`` raises ``ValueError`` naming
       the bad values when ``labels`` are concrete; under ``jit`` that
       element's loss (and so the mean) is NaN, so finiteness guards see it.
@@ -523,9 +573,10 @@ def softmax_cross_entropy(
     if reduction == "sum":
         return total
     valid, _, safe = _label_masks(labels, n_classes, ignore_index)
+    ct = per_elem.dtype
     if weights is None:
-        return _masked_mean(total, jnp.sum(valid, dtype=_F32))
-    w_y = jnp.where(valid, weights.astype(_F32)[safe], 0.0)
+        return _masked_mean(total, jnp.sum(valid, dtype=ct))
+    w_y = jnp.where(valid, weights.astype(ct)[safe], 0.0)
     return _weighted_mean(total, jnp.sum(valid), jnp.sum(w_y))
 
 
@@ -534,9 +585,36 @@ def softmax_cross_entropy(
 # ---------------------------------------------------------------------------
 
 
+@jax.custom_jvp
 def _bce_with_logits(x, t):
-    """max(x, 0) - x t + log(1 + exp(-|x|)): exp never sees a positive number."""
+    """max(x, 0) - x t + log(1 + exp(-|x|)): exp never sees a positive number.
+
+    Its derivatives are torch's (``binary_cross_entropy_with_logits``'s
+    backward): ``sigmoid(x) - t`` in x and ``-x`` in t, at every x. Autodiff
+    of the formula would give ``-t`` at x = 0 (``jax.grad(abs)(0)`` is 1 and
+    ``maximum`` gives the tie half): a zero-initialised head starts exactly
+    there.
+    """
     return jnp.maximum(x, 0.0) - x * t + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+@functools.partial(_bce_with_logits.defjvp, symbolic_zeros=True)
+def _bce_with_logits_jvp(primals, tangents):
+    x, t = primals
+    dx, dt = tangents
+    out = _bce_with_logits(x, t)
+    # a symbolic zero stays out of the sum: -x * 0 would be NaN at x = +-inf
+    d_out = jnp.zeros_like(out)
+    if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+        d_out = d_out + (jax.nn.sigmoid(x) - t) * dx
+    if not isinstance(dt, jax.custom_derivatives.SymbolicZero):
+        d_out = d_out - x * dt
+    return out, d_out
+
+
+def _abs(d):
+    """|d| with torch's gradient sign(d): 0 at d = 0 (jax.grad(abs)(0) is 1)."""
+    return d * jnp.sign(d)
 
 
 def sigmoid_binary_cross_entropy(
@@ -550,7 +628,10 @@ def sigmoid_binary_cross_entropy(
 
     ``l = w * (max(x, 0) - x t + log(1 + exp(-|x|)))``; "mean" divides the sum
     by the number of elements (as torch does, not by the sum of weights); the
-    mean of an empty array is 0.0 (torch: NaN).
+    mean of an empty array is 0.0 (torch: NaN). The gradient is torch's
+    ``w (sigmoid(x) - t)`` at every logit, ``x = 0`` included.
+
+    Precision: float32; float64 for float64 ``logits`` (x64 on).
 
     Args:
       logits: floating array of any shape (any float dtype).
@@ -559,15 +640,19 @@ def sigmoid_binary_cross_entropy(
       reduction: "mean", "sum" or "none".
 
     Returns:
-      float32 scalar, or float32 array of ``logits.shape`` for "none".
+      float32 scalar, or float32 array of ``logits.shape`` for "none"
+      (float64 for float64 logits).
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> from jaxstable import losses
       >>> x = jnp.array([-20000.0, 0.0, 20000.0], jnp.float16)
       >>> loss = losses.sigmoid_binary_cross_entropy(x, jnp.array([0.0, 1.0, 1.0]))
       >>> print(loss.dtype, round(float(loss), 4))
       float32 0.231
+      >>> t = jnp.array([1.0, 0.0, 1.0, 0.0])  # at logit 0: (sigmoid(0) - t) / 4
+      >>> print(jax.grad(losses.sigmoid_binary_cross_entropy)(jnp.zeros(4), t))
+      [-0.125  0.125 -0.125  0.125]
     """
     _check_reduction(reduction)
     logits, targets, weights = _as_arrays(
@@ -575,7 +660,8 @@ def sigmoid_binary_cross_entropy(
     )
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
-    loss = _bce_with_logits(logits.astype(_F32), targets.astype(_F32))
+    ct = _compute_dtype(logits)
+    loss = _bce_with_logits(logits.astype(ct), targets.astype(ct))
     if weights is not None:
         try:
             fits = jnp.broadcast_shapes(weights.shape, logits.shape) == logits.shape
@@ -586,7 +672,7 @@ def sigmoid_binary_cross_entropy(
                 f"weights.shape={weights.shape} does not broadcast to "
                 f"logits.shape={logits.shape}"
             )
-        loss = loss * weights.astype(_F32)
+        loss = loss * weights.astype(ct)
     if reduction == "none":
         return jnp.broadcast_to(loss, logits.shape)
     if reduction == "sum":
@@ -602,7 +688,7 @@ def balanced_binary_cross_entropy(
     negative_ratio: float = 3.0,
     eps: float = 1e-6,
 ) -> jax.Array:
-    r"""DBNet's balanced BCE with online hard negative mining, on logits, in float32.
+    r"""DBNet's balanced BCE with online hard negative mining, on logits.
 
     Positives are ``targets > 0.5`` inside ``mask > 0.5``; negatives the rest of
     the mask. With ``P`` positives and ``N`` negatives, ``k = min(N,
@@ -612,6 +698,17 @@ def balanced_binary_cross_entropy(
 
     Works under ``jit``: the hardest negatives come from a full sort with a
     mask ``rank < k`` instead of a top-k with a data-dependent ``k``.
+
+    Ties: among equal negative losses at the k-th place the lowest (flat)
+    index is kept, here (a stable sort) and in torchref (whose reference,
+    DBNet's ``torch.topk``, picks some of the tied ones, which ones being
+    unspecified and different on CPU and CUDA). This decides which pixels get
+    a gradient when a zero-initialised head gives every negative the loss
+    log 2. A pixel's BCE gradient is torch's ``sigmoid(x) - t``, ``x = 0``
+    included.
+
+    Precision: float32; float64 for float64 ``logits`` (x64 on). ``k`` is
+    always taken in float32 (below).
 
     ``ratio * P`` is taken in float32 on both sides (jaxstable and torchref),
     so they pick the same ``k``. DBNet's reference takes it in float64; for a
@@ -633,10 +730,11 @@ def balanced_binary_cross_entropy(
       mask: binary training mask, same shape.
       negative_ratio: negatives kept per positive, a finite number > 0 (a
         ratio at least #neg / #pos keeps every negative).
-      eps: added to the count (> 0); an image without positives gives 0.0.
+      eps: added to the count, finite and >= 1.2e-38 (float32's smallest
+        normal number); an image without positives gives 0.0.
 
     Returns:
-      float32 scalar.
+      float32 scalar (float64 for float64 logits).
 
     Example:
       >>> import jax.numpy as jnp
@@ -653,11 +751,12 @@ def balanced_binary_cross_entropy(
     _check_same_shape("logits", logits, "targets", targets)
     _check_same_shape("logits", logits, "mask", mask)
     _check_positive("negative_ratio", negative_ratio, finite=True)
-    _check_positive("eps", eps)  # > 0: no positives and no negatives is 0 / eps
+    _check_eps("eps", eps)  # > 0: no positives and no negatives is 0 / eps
+    ct = _compute_dtype(logits)
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
     negative = ~(targets > 0.5) & in_mask
-    loss = _bce_with_logits(logits.astype(_F32), positive.astype(_F32)).ravel()
+    loss = _bce_with_logits(logits.astype(ct), positive.astype(ct)).ravel()
     n_pos = jnp.sum(positive, dtype=jnp.int32)
     n_neg = jnp.sum(negative, dtype=jnp.int32)
     ratio_p = n_pos.astype(_F32) * jnp.float32(negative_ratio)  # float32 (see above)
@@ -667,7 +766,9 @@ def balanced_binary_cross_entropy(
     floor_ratio_p = jnp.where(enough, 0.0, ratio_p).astype(jnp.int32)
     k = jnp.where(enough, n_neg, jnp.minimum(n_neg, floor_ratio_p))
     neg_loss = jnp.where(negative.ravel(), loss, 0.0)
-    hardest = -jnp.sort(-neg_loss)  # descending
+    # descending; stable: equal losses keep their order (the lowest index
+    # first), as torchref's stable sort does
+    hardest = -jnp.sort(-neg_loss, stable=True)
     top_k = jnp.sum(jnp.where(jnp.arange(hardest.size) < k, hardest, 0.0))
     pos_sum = jnp.sum(jnp.where(positive.ravel(), loss, 0.0))
     # The sort puts NaN last, torch.topk first: a NaN negative loss is in
@@ -676,8 +777,8 @@ def balanced_binary_cross_entropy(
     undefined = ((k > 0) & jnp.any(negative.ravel() & jnp.isnan(loss))) | jnp.any(
         _isnan(mask) | (_isnan(targets) & in_mask)
     )
-    total = (pos_sum + top_k) * _nan_if(undefined)
-    return total / ((n_pos + k).astype(_F32) + eps)
+    total = (pos_sum + top_k) * _nan_if(undefined, ct)
+    return total / ((n_pos + k).astype(ct) + eps)
 
 
 def dice_loss(
@@ -687,19 +788,23 @@ def dice_loss(
     *,
     eps: float = 1e-6,
 ) -> jax.Array:
-    r"""Dice loss in float32: ``1 - 2 sum(p g m) / (sum(p m) + sum(g m) + eps)``.
+    r"""Dice loss: ``1 - 2 sum(p g m) / (sum(p m) + sum(g m) + eps)``.
 
     An empty mask (or empty prediction and target) gives 1.0 with a finite
     gradient: the denominator is at least ``eps``.
+
+    Precision: float32; float64 for float64 ``probs`` (x64 on).
 
     Args:
       probs: predicted probabilities (any float dtype).
       targets: ground truth, same shape.
       mask: optional weights/mask, same shape (ones when None).
-      eps: > 0, keeps the ratio finite.
+      eps: keeps the ratio finite: finite and >= 1.2e-38 (float32's
+        smallest normal number).
 
     Returns:
-      float32 scalar in [-inf, 1] (in [0, 1] for probabilities in [0, 1]).
+      float32 scalar in [-inf, 1] (in [0, 1] for probabilities in [0, 1]);
+      float64 for float64 probs.
 
     Example:
       >>> import jax.numpy as jnp
@@ -711,23 +816,28 @@ def dice_loss(
     probs, targets, mask = _as_arrays(probs=probs, targets=targets, mask=mask)
     _check_float("probs", probs)
     _check_same_shape("probs", probs, "targets", targets)
-    _check_positive("eps", eps)
-    p, g = probs.astype(_F32), targets.astype(_F32)
+    _check_eps("eps", eps)
+    ct = _compute_dtype(probs)
+    p, g = probs.astype(ct), targets.astype(ct)
     if mask is None:
-        m = jnp.ones((), _F32)
+        m = jnp.ones((), ct)
     else:
         _check_same_shape("probs", probs, "mask", mask)
-        m = mask.astype(_F32)
+        m = mask.astype(ct)
     intersection = jnp.sum(p * g * m)
     union = jnp.sum(p * m) + jnp.sum(g * m) + eps
     return 1.0 - 2.0 * intersection / union
 
 
 def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
-    r"""Masked mean absolute error in float32: ``sum(|p - t| m) / sum(m)``.
+    r"""Masked mean absolute error: ``sum(|p - t| m) / sum(m)``.
 
     An empty mask gives 0.0 with a zero (finite) gradient, as DBNet's
-    reference returns the zero mask sum instead of dividing by it.
+    reference returns the zero mask sum instead of dividing by it. Where
+    ``p == t`` the gradient is 0, as torch's ``abs`` (``sign(0) = 0``) in
+    DBNet's reference (``jax.grad(jnp.abs)(0.0)`` is 1).
+
+    Precision: float32; float64 for float64 ``pred`` (x64 on).
 
     A negative mask value raises ``ValueError`` when ``mask`` is concrete;
     under ``jit`` it makes the loss and its gradient NaN (a sum of mixed-sign
@@ -743,7 +853,7 @@ def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
       mask: non-negative weights/mask, same shape.
 
     Returns:
-      float32 scalar.
+      float32 scalar (float64 for float64 pred).
 
     Example:
       >>> import jax.numpy as jnp
@@ -759,32 +869,38 @@ def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
     _check_same_shape("pred", pred, "target", target)
     _check_same_shape("pred", pred, "mask", mask)
     _check_non_negative_values("mask", mask)
-    m = mask.astype(_F32)
-    total = jnp.sum(jnp.abs(pred.astype(_F32) - target.astype(_F32)) * m)
+    ct = _compute_dtype(pred)
+    m = mask.astype(ct)
+    total = jnp.sum(_abs(pred.astype(ct) - target.astype(ct)) * m)
     mean = _masked_mean(total, jnp.sum(m))
     # A traced negative mask (a concrete one raised above): NaN value and
     # gradient. A NaN factor on `mean` would not do: for a mask sum <= 0 its
     # where() sends a zero gradient past the factor.
     negative = jnp.any(m < 0)
-    return jnp.where(negative, total * _nan_if(negative), mean)
+    return jnp.where(negative, total * _nan_if(negative, ct), mean)
 
 
 def db_step(prob: Array, thresh: Array, *, k: float = 50.0) -> jax.Array:
-    r"""DBNet's differentiable binarisation ``sigmoid(k (prob - thresh))`` in float32.
+    r"""DBNet's differentiable binarisation ``sigmoid(k (prob - thresh))``.
 
     Equal in value to the references' ``reciprocal(1 + exp(-k (x - y)))``,
     but that form overflows: with k=50, ``exp(-k (x - y))`` exceeds the fp16
     maximum once ``x - y < -0.222`` (exp overflows fp16 above 11.09) and its
     backward then multiplies inf by 0. ``jax.nn.sigmoid`` in float32 has a
-    finite gradient for every input in [0, 1].
+    finite gradient for every input in [0, 1] (``k / 4`` at ``prob ==
+    thresh``, as the reference's).
+
+    Precision: float32; float64 when ``prob`` or ``thresh`` is float64 (x64
+    on).
 
     Args:
       prob: probability map (any float dtype).
       thresh: threshold map, broadcastable with ``prob``.
-      k: amplification factor, > 0.
+      k: amplification factor, a finite number > 0.
 
     Returns:
-      float32 array, the broadcast shape of ``prob`` and ``thresh``.
+      float32 array, the broadcast shape of ``prob`` and ``thresh`` (float64
+      when either is float64).
 
     Example:
       >>> import jax.numpy as jnp
@@ -796,14 +912,15 @@ def db_step(prob: Array, thresh: Array, *, k: float = 50.0) -> jax.Array:
     """
     prob, thresh = _as_arrays(prob=prob, thresh=thresh)
     _check_float("prob", prob)
-    _check_positive("k", k)
+    _check_positive("k", k, finite=True)
     try:
         jnp.broadcast_shapes(prob.shape, thresh.shape)
     except ValueError:
         raise ValueError(
             f"prob.shape={prob.shape} and thresh.shape={thresh.shape} do not broadcast"
         ) from None
-    return jax.nn.sigmoid(k * (prob.astype(_F32) - thresh.astype(_F32)))
+    ct = _compute_dtype(prob, thresh)
+    return jax.nn.sigmoid(k * (prob.astype(ct) - thresh.astype(ct)))
 
 
 def db_loss(
@@ -822,12 +939,15 @@ def db_loss(
     eps: float = 1e-6,
     return_terms: bool = False,
 ):
-    r"""DBNet's total loss, in float32, on the shrink-map logits.
+    r"""DBNet's total loss, in at least float32, on the shrink-map logits.
 
     ``bce_weight * balanced_bce(shrink_logits, gt, mask)
     + l1_weight * masked_l1(thresh, thresh_map, thresh_mask)
     + dice_weight * dice(db_step(sigmoid(shrink_logits), thresh, k), gt, mask)``
     with DBNet's weights 5, 10 and 1 by default.
+
+    Precision: each term follows its own loss (float64 for float64
+    ``shrink_logits`` / ``thresh``, x64 on), the total their promotion.
 
     Args:
       shrink_logits: logits of the shrink (probability) map, e.g. (B, H, W).
@@ -836,13 +956,15 @@ def db_loss(
       mask: training mask for the shrink map, same shape.
       thresh_map: threshold-map ground truth, same shape.
       thresh_mask: mask of the threshold map, same shape.
-      k: step amplification for the approximate binary map (> 0).
-      bce_weight, l1_weight, dice_weight: weights of the three terms.
+      k: step amplification for the approximate binary map (finite, > 0).
+      bce_weight, l1_weight, dice_weight: weights of the three terms, finite
+        numbers >= 0 (0 turns a term off).
       negative_ratio, eps: passed to the balanced BCE (eps also to the dice).
       return_terms: also return ``{"bce", "l1", "dice"}`` (unweighted terms).
 
     Returns:
-      float32 scalar, or ``(total, terms)`` when ``return_terms``.
+      float32 scalar, or ``(total, terms)`` when ``return_terms`` (float64
+      for float64 inputs, above).
 
     Example:
       >>> import jax.numpy as jnp
@@ -854,12 +976,18 @@ def db_loss(
       >>> print(round(float(total), 4), sorted(terms))
       0.0124 ['bce', 'dice', 'l1']
     """
+    # the options first: a bad k or eps raises before any term is computed
+    _check_positive("k", k, finite=True)
+    _check_eps("eps", eps)
+    for name, weight in (("bce_weight", bce_weight), ("l1_weight", l1_weight),
+                         ("dice_weight", dice_weight)):  # fmt: skip
+        _check_positive(name, weight, allow_zero=True, finite=True)
     bce = balanced_binary_cross_entropy(
         shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
     )
     l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
     (shrink_logits,) = _as_arrays(shrink_logits=shrink_logits)
-    prob = jax.nn.sigmoid(shrink_logits.astype(_F32))
+    prob = jax.nn.sigmoid(shrink_logits.astype(_compute_dtype(shrink_logits)))
     binary = db_step(prob, thresh, k=k)
     dice = dice_loss(binary, gt, mask, eps=eps)
     total = bce_weight * bce + l1_weight * l1 + dice_weight * dice
@@ -873,11 +1001,21 @@ def db_loss(
 # ---------------------------------------------------------------------------
 
 
+def _clamp_min(x, low):
+    """max(x, low) with torch's ``clamp_min`` gradient: all of it to ``x`` at
+    the tie ``x == low`` (``jnp.maximum`` would give it half)."""
+    return jnp.where(x >= low, x, low)
+
+
 def _safe_normalize(x, eps):
-    """x / max(||x||, eps), with a finite gradient at x = 0 (as F.normalize)."""
+    """x / clamp_min(||x||, eps) along the last axis: ``F.normalize``'s
+    formula and its gradients, also at ``||x|| == eps`` and at x = 0."""
     sq = jnp.sum(x * x, axis=-1, keepdims=True)
-    # sqrt of the clamped square: the gradient of sqrt at 0 would be inf*0=NaN.
-    return x / jnp.sqrt(jnp.maximum(sq, eps * eps))
+    nonzero = sq > 0
+    # the norm's gradient at x = 0 is 0, as torch's vector_norm; sqrt's own
+    # there would be inf * 0 = NaN, so sqrt never sees the 0
+    norm = jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, sq, 1.0)), 0.0)
+    return x / _clamp_min(norm, eps)
 
 
 def info_nce(
@@ -888,7 +1026,7 @@ def info_nce(
     min_temperature: float = 0.01,
     eps: float = 1e-8,
 ) -> jax.Array:
-    r"""Symmetric InfoNCE (CLIP) loss in float32, with eps-safe normalisation.
+    r"""Symmetric InfoNCE (CLIP) loss, with eps-safe normalisation.
 
     ``a_i`` and ``b_i`` are a positive pair. With ``â = a / max(||a||, eps)``
     (rows), ``t = max(temperature, min_temperature)`` and
@@ -900,18 +1038,26 @@ def info_nce(
     inputs with tiny temperatures: ``|S| <= 1 / t`` and the log-softmax is
     max-subtracted in float32.
 
+    Gradients at the ties are torchref's (``F.normalize`` and ``clamp``): a
+    row of norm exactly ``eps`` and a temperature exactly
+    ``min_temperature`` get the whole gradient of the unclamped branch (a
+    max would give half), a zero row ``upstream / eps``.
+
+    Precision: float32; float64 when ``a`` or ``b`` is float64 (x64 on).
+
     Args:
       a, b: embeddings, shape (N, D), any float dtype.
-      temperature: > 0, a scalar: a Python number or a (learnable) 0-d
-        array, clamped from below by ``min_temperature``. A concrete value
-        <= 0 raises; a traced one (being differentiated) is clamped, not
-        checked. Any other shape raises, traced or not (a vector would divide
-        each column of the similarities by its own temperature).
-      min_temperature: >= 0.
-      eps: > 0, norm floor.
+      temperature: a finite number > 0, a scalar: a Python number or a
+        (learnable) 0-d array, clamped from below by ``min_temperature``. A
+        concrete value <= 0, inf or NaN raises; a traced one (being
+        differentiated) is clamped, not checked. Any other shape raises,
+        traced or not (a vector would divide each column of the similarities
+        by its own temperature).
+      min_temperature: a finite number >= 0.
+      eps: norm floor, finite and >= 1.2e-38 (float32's smallest normal).
 
     Returns:
-      float32 scalar.
+      float32 scalar (float64 for float64 embeddings).
 
     Example:
       >>> import jax.numpy as jnp
@@ -930,12 +1076,13 @@ def info_nce(
     _check_same_shape("a", a, "b", b)
     if a.shape[0] == 0:
         raise ValueError("info_nce needs at least one pair, got N=0")
-    _check_positive("temperature", temperature)
-    _check_positive("min_temperature", min_temperature, allow_zero=True)
-    _check_positive("eps", eps)
-    an = _safe_normalize(a.astype(_F32), eps)
-    bn = _safe_normalize(b.astype(_F32), eps)
-    t = jnp.maximum(jnp.asarray(temperature, _F32), min_temperature)
+    _check_positive("temperature", temperature, finite=True)
+    _check_positive("min_temperature", min_temperature, allow_zero=True, finite=True)
+    _check_eps("eps", eps)
+    ct = _compute_dtype(a, b)
+    an = _safe_normalize(a.astype(ct), eps)
+    bn = _safe_normalize(b.astype(ct), eps)
+    t = _clamp_min(jnp.asarray(temperature, ct), min_temperature)
     sim = jnp.matmul(an, bn.T, precision=jax.lax.Precision.HIGHEST) / t
     diag = jnp.diagonal(sim)
     loss_ab = jnp.mean(jax.nn.logsumexp(sim, axis=1) - diag)
@@ -958,15 +1105,13 @@ def _check_kind(kind: str) -> None:
 
 
 def _check_boxes(name: str, boxes) -> None:
-    """Floating (..., 4) boxes; concrete ones also need x1 <= x2, y1 <= y2."""
+    """Floating (..., 4) boxes."""
     _check_float(name, boxes)
     if boxes.ndim == 0 or boxes.shape[-1] != 4:
         raise ValueError(
             f"{name} must have shape (..., 4) as (x1, y1, x2, y2), got shape "
             f"{boxes.shape}"
         )
-    if _is_concrete(boxes):
-        _raise_inverted(name, np.asarray(boxes, np.float32).reshape(-1, 4), boxes)
 
 
 def _raise_inverted(name: str, flat: np.ndarray, boxes) -> None:
@@ -1003,7 +1148,8 @@ def _aspect_angle(w, h):
 
 
 def _box_terms(b1, b2, kind: str, eps: float):
-    """Per-box loss from float32 coordinate tuples, torchvision's formulas."""
+    """Per-box loss from coordinate tuples (compute dtype), torchvision's
+    formulas."""
     x1, y1, x2, y2 = b1
     x1g, y1g, x2g, y2g = b2
     iw = jnp.minimum(x2, x2g) - jnp.maximum(x1, x1g)
@@ -1051,7 +1197,7 @@ def box_iou_loss(
     reduction: str = "none",
     eps: float = 1e-7,
 ) -> jax.Array:
-    r"""IoU-family box regression loss in float32: torchvision's values.
+    r"""IoU-family box regression loss in at least float32: torchvision's values.
 
     Boxes are ``(..., 4)`` as ``(x1, y1, x2, y2)``; the loss of a pair, with
     ``iou = inter / (union + eps)`` and ``C`` the smallest enclosing box::
@@ -1083,10 +1229,20 @@ def box_iou_loss(
     comes back as inf (a skip guard skips the step).
 
     Bad boxes: ``x2 < x1`` or ``y2 < y1`` raises ``ValueError`` naming the
-    first such box when the boxes are concrete; under ``jit`` or when
-    differentiated (traced) that pair's loss and gradient are NaN instead, as
-    is any pair with a NaN or infinite coordinate, so a finiteness guard sees
-    it. A mean over zero boxes is 0.0 (as torchvision).
+    first such box when both box arrays are concrete (an eager call on
+    values). When either is traced (under ``jit``, or differentiated by an
+    eager ``jax.grad``: a training step) that pair's loss and gradient are
+    NaN instead, as is any pair with a NaN or infinite coordinate, so a
+    finiteness guard skips the step. torchref mirrors this with autograd:
+    it raises when neither box tensor requires grad and gives NaN when one
+    does. A mean over zero boxes is 0.0 (as torchvision).
+
+    Ties have torchvision's gradients: equal boxes and shared edges are the
+    ties of its ``max``/``min`` (each side gets half, in JAX and torch
+    alike), a touching edge (zero overlap) has a zero intersection gradient.
+
+    Precision: float32; float64 when ``boxes1`` or ``boxes2`` is float64 (x64
+    on).
 
     Args:
       boxes1: predicted boxes, floating array ``(..., 4)`` (any float dtype).
@@ -1094,10 +1250,12 @@ def box_iou_loss(
       kind: "iou", "giou", "diou" or "ciou".
       reduction: "none" (a loss per box, shape ``boxes1.shape[:-1]``),
         "mean" or "sum".
-      eps: > 0, added to the union, the enclosing area and diagonal.
+      eps: added to the union, the enclosing area and diagonal: finite and
+        >= 1.2e-38 (float32's smallest normal number).
 
     Returns:
-      float32 array of shape ``boxes1.shape[:-1]``, or a float32 scalar.
+      float32 array of shape ``boxes1.shape[:-1]``, or a float32 scalar
+      (float64 for float64 boxes).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -1113,20 +1271,24 @@ def box_iou_loss(
     """
     _check_kind(kind)
     _check_reduction(reduction)
-    _check_positive("eps", eps)
+    _check_eps("eps", eps)
     boxes1, boxes2 = _as_arrays(boxes1=boxes1, boxes2=boxes2)
     _check_boxes("boxes1", boxes1)
     _check_boxes("boxes2", boxes2)
     _check_same_shape("boxes1", boxes1, "boxes2", boxes2)
-    b1 = tuple(boxes1[..., i].astype(_F32) for i in range(4))
-    b2 = tuple(boxes2[..., i].astype(_F32) for i in range(4))
+    if _is_concrete(boxes1) and _is_concrete(boxes2):  # an eager call: raise
+        for name, boxes in (("boxes1", boxes1), ("boxes2", boxes2)):
+            _raise_inverted(name, np.asarray(boxes, np.float64).reshape(-1, 4), boxes)
+    ct = _compute_dtype(boxes1, boxes2)
+    b1 = tuple(boxes1[..., i].astype(ct) for i in range(4))
+    b2 = tuple(boxes2[..., i].astype(ct) for i in range(4))
     loss = _box_terms(b1, b2, kind, float(eps))
     # A traced bad box could not raise: its pair's loss and gradient are NaN.
     bad = jnp.zeros(loss.shape, bool)
     for x1, y1, x2, y2 in (b1, b2):
         finite = jnp.isfinite(x1) & jnp.isfinite(y1) & jnp.isfinite(x2)
         bad = bad | ~(finite & jnp.isfinite(y2)) | (x2 < x1) | (y2 < y1)
-    return _reduce(loss * _nan_if(bad), reduction)
+    return _reduce(loss * _nan_if(bad, ct), reduction)
 
 
 def _check_alpha(alpha) -> bool:
@@ -1156,11 +1318,6 @@ def _check_unit_interval(name: str, x) -> None:
         )
 
 
-# float32's smallest normal number: a floor for the modulating base, so that
-# its power's gradient gamma * q**(gamma - 1) stays finite for gamma < 1
-_TINY = float(np.finfo(np.float32).tiny)
-
-
 def sigmoid_focal_loss(
     logits: Array,
     targets: Array,
@@ -1169,7 +1326,7 @@ def sigmoid_focal_loss(
     gamma: float = 2.0,
     reduction: str = "none",
 ) -> jax.Array:
-    r"""Sigmoid focal loss (RetinaNet) in float32: torchvision's values.
+    r"""Sigmoid focal loss (RetinaNet) in at least float32: torchvision's values.
 
     With ``p = sigmoid(x)`` and ``q = p (1 - t) + (1 - p) t`` (``1 - p_t``)::
 
@@ -1182,7 +1339,11 @@ def sigmoid_focal_loss(
     float32's smallest normal number 1.2e-38: the gradient of ``q^gamma`` for
     ``0 < gamma < 1`` stays finite (torchvision: NaN at a saturated logit).
     The loss there is below 1e-38 either way. The BCE term is the stable
-    ``max(x, 0) - x t + log1p(exp(-|x|))``.
+    ``max(x, 0) - x t + log1p(exp(-|x|))`` with torch's gradient
+    ``sigmoid(x) - t`` at every logit, ``x = 0`` included (γ = 2, α = 0.25,
+    t = 1: -0.0746 at x = 0, as torchvision).
+
+    Precision: float32; float64 for float64 ``logits`` (x64 on).
 
     Deviation from torchvision: the mean of an empty array is 0.0 (theirs:
     NaN), as for every loss here.
@@ -1198,7 +1359,8 @@ def sigmoid_focal_loss(
       reduction: "none", "mean" or "sum".
 
     Returns:
-      float32 array of ``logits.shape`` ("none"), or a float32 scalar.
+      float32 array of ``logits.shape`` ("none"), or a float32 scalar
+      (float64 for float64 logits).
 
     Example:
       >>> import jax.numpy as jnp
@@ -1216,10 +1378,11 @@ def sigmoid_focal_loss(
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     _check_unit_interval("targets", targets)
-    x, t = logits.astype(_F32), targets.astype(_F32)
+    ct = _compute_dtype(logits)
+    x, t = logits.astype(ct), targets.astype(ct)
     q = jax.nn.sigmoid(x) * (1.0 - t) + jax.nn.sigmoid(-x) * t
     loss = _bce_with_logits(x, t) * jnp.where(q > _TINY, q, _TINY) ** gamma
     if weighted:
         loss = (alpha * t + (1.0 - alpha) * (1.0 - t)) * loss
     # a traced target outside [0, 1] could not raise: NaN, not a finite loss
-    return _reduce(loss * _nan_if((t < 0) | (t > 1)), reduction)
+    return _reduce(loss * _nan_if((t < 0) | (t > 1), ct), reduction)

@@ -317,3 +317,43 @@ def test_input_checks_add_no_host_transfer_under_jit():
     with jax.transfer_guard("disallow"):
         value, _ = step(x, p)
     assert np.isfinite(float(value))
+
+
+# ---------------------------------------------------------------------------
+# issue 22: gradients at kinks, the precision rule (parity: test_loss_kinks.py)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_bce_gradient_at_logit_zero_is_sigmoid_minus_target(jit):
+    """sigmoid(0) - t, not -t (autodiff of |x| and max(x, 0) at 0), also at
+    -0.0; the targets' gradient is -x = 0 there."""
+    grad = jax.grad(losses.sigmoid_binary_cross_entropy, argnums=(0, 1))
+    grad = jax.jit(grad) if jit else grad
+    t = jnp.array([1.0, 0.0, 1.0, 0.0, 0.25, 0.75])
+    gx, gt = grad(jnp.zeros(6).at[1].set(-0.0), t)
+    np.testing.assert_array_equal(gx, (0.5 - t) / 6)
+    np.testing.assert_array_equal(gt, np.zeros(6))
+
+
+def test_masked_l1_gradient_is_zero_where_pred_equals_target():
+    """torch's abs: sign(0) = 0 (jax.grad(jnp.abs)(0.0) is 1)."""
+    p = jnp.array([0.5, 0.25, 0.75, 0.5])
+    t = jnp.array([0.5, 0.5, 0.75, 0.25])
+    gp, gt = jax.grad(losses.masked_l1_loss, argnums=(0, 1))(p, t, jnp.ones(4))
+    np.testing.assert_array_equal(gp, [0.0, -0.25, 0.0, 0.25])
+    np.testing.assert_array_equal(gt, [0.0, 0.25, 0.0, -0.25])
+
+
+def test_float64_inputs_compute_in_float64_with_x64():
+    """The precision rule: with x64 on, float64 logits give a float64 loss
+    and a float64 target alone does not widen (the predictions decide); with
+    x64 off a float64 numpy input is float32 before the loss sees it. Every
+    loss, values included: parity_tests/test_loss_kinks.py."""
+    x = np.linspace(-3.0, 3.0, 6)
+    t = (x > 0).astype(np.float64)
+    with jax.enable_x64(True):
+        wide = losses.sigmoid_binary_cross_entropy(jnp.asarray(x), t)
+        narrow = losses.sigmoid_binary_cross_entropy(jnp.asarray(x, jnp.float32), t)
+        assert wide.dtype == jnp.float64 and narrow.dtype == jnp.float32
+    assert losses.sigmoid_binary_cross_entropy(x, t).dtype == jnp.float32

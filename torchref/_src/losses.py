@@ -12,6 +12,21 @@ Every loss takes tensors or array-likes: a list or numpy array is converted
 with `torch.as_tensor` onto the device of the tensor inputs (as jaxstable
 converts with `jnp.asarray`); tensors on different devices raise ValueError
 naming each input's device.
+
+Precision, one rule for every loss (jaxstable's too): a loss computes in at
+least float32. It computes and returns float32 for bf16, fp16 and float32
+predictions, and float64 when its predictions are float64 (the input named in
+its docstring's "Precision" line: `logits`, `probs`, `pred`, `prob`/`thresh`,
+`a`/`b`, `boxes1`/`boxes2`); targets, masks and weights are cast to that
+dtype (jaxstable holds float64 only with x64 on).
+
+Gradients at kinks and ties are those of the PyTorch reference formulas
+(`F.binary_cross_entropy_with_logits`: ``sigmoid(x) - t`` at x = 0; `abs`:
+0 at 0; `clamp_min`: all of it at the tie; `maximum`/`minimum`: half each),
+which jaxstable reproduces; among equal hard negatives the lowest index is
+kept (a stable sort, in both twins: `torch.topk`'s choice among ties is
+unspecified). Scalar options (eps, temperature, k, ratios, weights) must be
+finite; an eps must also be at least float32's smallest normal number.
 """
 
 from __future__ import annotations
@@ -22,11 +37,22 @@ import torch
 import torch.nn.functional as F
 
 _REDUCTIONS = ("mean", "sum", "none")
+# float32's smallest normal number 1.1754944e-38: the floor of every eps (as
+# jaxstable, where XLA on CPU flushes a subnormal eps to 0) and of the focal
+# loss' modulating base (see sigmoid_focal_loss)
+_TINY = torch.finfo(torch.float32).tiny
 
 
 # ---------------------------------------------------------------------------
 # validation helpers
 # ---------------------------------------------------------------------------
+
+
+def _compute_dtype(*predictions) -> torch.dtype:
+    """The dtype a loss computes in: float64 when a prediction is float64,
+    float32 otherwise ("at least float32", jaxstable's `_compute_dtype`)."""
+    wide = any(x is not None and x.dtype == torch.float64 for x in predictions)
+    return torch.float64 if wide else torch.float32
 
 
 def _check_reduction(reduction: str) -> None:
@@ -59,7 +85,7 @@ def _check_positive(
     name: str, value, *, allow_zero: bool = False, finite: bool = False
 ) -> None:
     """Raise ValueError for a non-scalar value, a value <= 0 (< 0 with
-    allow_zero), NaN, or inf when `finite`."""
+    allow_zero), NaN, or inf/NaN when `finite` (jaxstable's messages)."""
     if _shape_of(value) != ():
         raise ValueError(f"{name} must be a scalar, got shape {_shape_of(value)}")
     if isinstance(value, torch.Tensor):
@@ -69,10 +95,22 @@ def _check_positive(
     else:
         v = float(value)
     rule = ">= 0" if allow_zero else "> 0"
-    if finite and math.isinf(v):
+    if finite and not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number {rule}, got {value}")
     if (v < 0 if allow_zero else v <= 0) or math.isnan(v):
         raise ValueError(f"{name} must be {rule}, got {value}")
+
+
+def _check_eps(name: str, value) -> None:
+    """A finite eps >= float32's smallest normal number (see `_TINY`)."""
+    _check_positive(name, value, finite=True)
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return
+    if float(value) < _TINY:
+        raise ValueError(
+            f"{name} must be >= {_TINY:.8g} (float32's smallest normal number; "
+            f"XLA on CPU flushes a smaller one to 0), got {value}"
+        )
 
 
 def _check_non_negative_values(name: str, x: torch.Tensor) -> None:
@@ -113,10 +151,10 @@ def _as_tensors(**inputs):
     return out
 
 
-def _nan_if(condition: torch.Tensor) -> torch.Tensor:
+def _nan_if(condition: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """1.0, or NaN where `condition`: a factor that makes a loss and its
     gradient NaN for an input that has no defined loss (no host sync)."""
-    return torch.where(condition, math.nan, 1.0).float()
+    return torch.where(condition, math.nan, 1.0).to(dtype)
 
 
 def _isnan(x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +189,7 @@ def _weighted_mean(total, count, weight_sum) -> torch.Tensor:
     their weights sum to 0 (F.cross_entropy: +-inf or NaN, a division by 0)."""
     counted = count > 0
     safe = torch.where(counted, weight_sum, torch.ones_like(weight_sum))
-    mean = total / safe * _nan_if(counted & (weight_sum == 0))
+    mean = total / safe * _nan_if(counted & (weight_sum == 0), total.dtype)
     return torch.where(counted, mean, torch.zeros_like(mean))
 
 
@@ -170,7 +208,7 @@ def softmax_cross_entropy(
     weights: torch.Tensor | None = None,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    r"""``F.cross_entropy`` on a float32 upcast of the logits, any class dim.
+    r"""``F.cross_entropy`` on a float32 (at least) upcast of the logits, any class dim.
 
     For an element with label ``y``, ``C`` classes, class weights ``w`` and
     smoothing ``s``: ``l = (1 - s) w_y (lse - x_y) + (s / C) sum_c w_c (lse -
@@ -182,6 +220,9 @@ def softmax_cross_entropy(
     ``F.cross_entropy``'s value; a zero one, with valid elements, gives NaN
     (``F.cross_entropy``: +-inf or NaN, a division by 0), never 0.0.
 
+    Precision: float32; float64 for float64 ``logits`` (the module
+    docstring's rule).
+
     Args:
       logits: floating tensor with classes along ``dim`` (NCHW: 1).
       labels: integer class indices, ``logits.shape`` without ``dim``.
@@ -192,7 +233,8 @@ def softmax_cross_entropy(
       reduction: "mean", "sum" or "none".
 
     Returns:
-      float32 scalar (per-element float32 tensor for "none"). Labels outside
+      float32 scalar (per-element float32 tensor for "none"); float64 for
+      float64 logits. Labels outside
       [0, C) that are not ``ignore_index`` raise ``ValueError`` naming them
       (this check reads the labels on the host: one sync per call), an
       int64 label beyond the int32 range included.
@@ -251,7 +293,7 @@ def softmax_cross_entropy(
                 f"weights must have shape ({n_classes},) (one per class), got "
                 f"{tuple(weights.shape)}"
             )
-        weights = weights.float()
+        weights = weights.to(_compute_dtype(logits))
     labels = labels.long()
     bad = (labels < 0) | (labels >= n_classes)
     if ignore_index is not None:
@@ -259,7 +301,7 @@ def softmax_cross_entropy(
     if bool(bad.any()):  # torch's own message names one value, ours all of them
         raise ValueError(_bad_label_message(labels[bad], n_classes, ignore_index))
 
-    x = logits.float()
+    x = logits.to(_compute_dtype(logits))
     if x.ndim > 1 and dim != 1:
         x = x.movedim(dim, 1)
     # ignore_index=None: pass torch's default; every label was checked above.
@@ -273,7 +315,7 @@ def softmax_cross_entropy(
         return out
     valid = labels != ii
     if weights is None:
-        return _masked_mean(out, valid.sum().float())
+        return _masked_mean(out, valid.sum().to(out.dtype))
     w_y = weights[torch.where(valid, labels, 0)]
     w_sum = torch.where(valid, w_y, torch.zeros_like(w_y)).sum()
     return _weighted_mean(out, valid.sum(), w_sum)
@@ -295,7 +337,10 @@ def sigmoid_binary_cross_entropy(
 
     ``l = w * (max(x, 0) - x t + log(1 + exp(-|x|)))``; "mean" divides by the
     number of elements (as torch); the mean of an empty tensor is 0.0 (torch:
-    NaN).
+    NaN). The gradient is torch's ``w (sigmoid(x) - t)``, ``x = 0`` included
+    (jaxstable's too).
+
+    Precision: float32; float64 for float64 ``logits``.
 
     Args:
       logits: floating tensor, any shape and float dtype.
@@ -304,7 +349,8 @@ def sigmoid_binary_cross_entropy(
       reduction: "mean", "sum" or "none".
 
     Returns:
-      float32 scalar, or float32 tensor of ``logits.shape`` for "none".
+      float32 scalar, or float32 tensor of ``logits.shape`` for "none"
+      (float64 for float64 logits).
 
     Example:
       >>> import torch
@@ -313,6 +359,11 @@ def sigmoid_binary_cross_entropy(
       >>> loss = losses.sigmoid_binary_cross_entropy(x, torch.tensor([0.0, 1.0, 1.0]))
       >>> print(loss.dtype, round(float(loss), 4))
       torch.float32 0.231
+      >>> x = torch.zeros(4, requires_grad=True)  # (sigmoid(0) - t) / 4
+      >>> t = torch.tensor([1.0, 0.0, 1.0, 0.0])
+      >>> losses.sigmoid_binary_cross_entropy(x, t).backward()
+      >>> print(x.grad)
+      tensor([-0.1250,  0.1250, -0.1250,  0.1250])
     """
     _check_reduction(reduction)
     logits, targets, weights = _as_tensors(
@@ -330,10 +381,11 @@ def sigmoid_binary_cross_entropy(
                 f"weights.shape={tuple(weights.shape)} does not broadcast to "
                 f"logits.shape={tuple(logits.shape)}"
             )
-        weights = weights.float()
+        weights = weights.to(_compute_dtype(logits))
+    ct = _compute_dtype(logits)
     out = F.binary_cross_entropy_with_logits(
-        logits.float(),
-        targets.float(),
+        logits.to(ct),
+        targets.to(ct),
         weight=weights,
         reduction="sum" if reduction == "mean" else reduction,
     )
@@ -350,13 +402,22 @@ def balanced_binary_cross_entropy(
     negative_ratio: float = 3.0,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    r"""DBNet's balanced BCE with online hard negative mining, on logits, float32.
+    r"""DBNet's balanced BCE with online hard negative mining, on logits.
 
     Positives are ``targets > 0.5`` inside ``mask > 0.5``; negatives the rest
     of the mask. ``k = min(#neg, floor(ratio * #pos))`` hardest negatives are
-    kept (``torch.topk``, as DBNet's reference)::
+    kept (DBNet's reference takes them with ``torch.topk``)::
 
         loss = (sum positive BCE + sum of top-k negative BCE) / (#pos + k + eps)
+
+    Ties: the k hardest come from a stable descending sort, so among equal
+    negative losses at the k-th place the lowest (flat) index is kept, as in
+    jaxstable. ``torch.topk`` (the reference) keeps some of the tied ones,
+    which ones being unspecified (other indices on CPU and CUDA): the value
+    is the same, but the pixels that get a gradient differ, e.g. when a
+    zero-initialised head gives every negative the loss log 2.
+
+    Precision: float32; float64 for float64 ``logits``.
 
     Args:
       logits: shrink-map logits, any shape and float dtype.
@@ -367,10 +428,12 @@ def balanced_binary_cross_entropy(
         reference uses float64 and can pick one fewer for a ratio not exact
         in binary (100 * 0.57: 57 here, 56 there). The default 3.0 is exact
         below 2**22 positives.
-      eps: > 0 (no positives and no negatives gives 0 / eps = 0).
+      eps: finite and >= 1.2e-38 (float32's smallest normal number); no
+        positives and no negatives gives 0 / eps = 0.
 
     Returns:
-      float32 scalar (reads the counts on the host, as the reference does).
+      float32 scalar, float64 for float64 logits (reads the counts on the
+      host, as the reference does).
       A NaN loss on a negative pixel ranks first in ``topk`` (NaN when
       ``k >= 1``, as jaxstable); a NaN in ``mask``, or in ``targets`` inside
       the mask, gives NaN; a NaN logit outside the mask leaves the loss
@@ -391,12 +454,13 @@ def balanced_binary_cross_entropy(
     _check_same_shape("logits", logits, "targets", targets)
     _check_same_shape("logits", logits, "mask", mask)
     _check_positive("negative_ratio", negative_ratio, finite=True)
-    _check_positive("eps", eps)
+    _check_eps("eps", eps)
+    ct = _compute_dtype(logits)
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
     negative = ~(targets > 0.5) & in_mask
     loss = F.binary_cross_entropy_with_logits(
-        logits.float(), positive.float(), reduction="none"
+        logits.to(ct), positive.to(ct), reduction="none"
     )
     n_pos = int(positive.sum())
     n_neg = int(negative.sum())
@@ -405,11 +469,14 @@ def balanced_binary_cross_entropy(
     ratio_p = torch.tensor(n_pos, dtype=f32) * torch.tensor(negative_ratio, dtype=f32)
     k = min(n_neg, math.floor(ratio_p.item()))
     neg_loss = torch.where(negative, loss, torch.zeros_like(loss)).reshape(-1)
-    top_k = torch.topk(neg_loss, k).values.sum()  # a NaN ranks first here
+    # topk's order among ties is unspecified: a stable sort keeps the lowest
+    # index first (jaxstable's order); a NaN ranks first, as in topk
+    hardest = torch.sort(neg_loss, descending=True, stable=True).values
+    top_k = hardest[:k].sum()
     pos_sum = torch.where(positive, loss, torch.zeros_like(loss)).sum()
     # a NaN target or mask is neither positive nor negative (no host sync)
     undefined = (_isnan(mask) | (_isnan(targets) & in_mask)).any()
-    return (pos_sum + top_k) * _nan_if(undefined) / (n_pos + k + eps)
+    return (pos_sum + top_k) * _nan_if(undefined, ct) / (n_pos + k + eps)
 
 
 def dice_loss(
@@ -419,18 +486,20 @@ def dice_loss(
     *,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    r"""Dice loss in float32: ``1 - 2 sum(p g m) / (sum(p m) + sum(g m) + eps)``.
+    r"""Dice loss: ``1 - 2 sum(p g m) / (sum(p m) + sum(g m) + eps)``.
 
     An empty mask gives 1.0 with a finite gradient.
+
+    Precision: float32; float64 for float64 ``probs``.
 
     Args:
       probs: predicted probabilities (any float dtype).
       targets: ground truth, same shape.
       mask: optional mask/weights, same shape.
-      eps: > 0.
+      eps: finite and >= 1.2e-38 (float32's smallest normal number).
 
     Returns:
-      float32 scalar.
+      float32 scalar (float64 for float64 probs).
 
     Example:
       >>> import torch
@@ -442,13 +511,14 @@ def dice_loss(
     probs, targets, mask = _as_tensors(probs=probs, targets=targets, mask=mask)
     _check_float("probs", probs)
     _check_same_shape("probs", probs, "targets", targets)
-    _check_positive("eps", eps)
-    p, g = probs.float(), targets.float()
+    _check_eps("eps", eps)
+    ct = _compute_dtype(probs)
+    p, g = probs.to(ct), targets.to(ct)
     if mask is None:
-        m = torch.ones((), dtype=torch.float32, device=p.device)
+        m = torch.ones((), dtype=ct, device=p.device)
     else:
         _check_same_shape("probs", probs, "mask", mask)
-        m = mask.float()
+        m = mask.to(ct)
     intersection = (p * g * m).sum()
     union = (p * m).sum() + (g * m).sum() + eps
     return 1.0 - 2.0 * intersection / union
@@ -457,13 +527,17 @@ def dice_loss(
 def masked_l1_loss(
     pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    r"""Masked mean absolute error in float32: ``sum(|p - t| m) / sum(m)``.
+    r"""Masked mean absolute error: ``sum(|p - t| m) / sum(m)``.
 
     An empty mask gives 0.0 with a zero gradient (no division by zero,
     unlike the DBNet reference's ``if mask.sum().item() == 0``). A negative
     mask value raises ``ValueError`` (reads the mask on the host: one sync
     per call). A mask of subnormal floats (1e-40) is a tiny non-empty mask
     here; XLA on CPU flushes it to zero, so jaxstable returns 0.0 for it.
+    Where ``p == t`` the gradient is torch's ``abs``' 0 (``sign(0)``), as in
+    DBNet's reference and jaxstable.
+
+    Precision: float32; float64 for float64 ``pred``.
 
     Args:
       pred: predictions (any float dtype).
@@ -471,7 +545,7 @@ def masked_l1_loss(
       mask: non-negative mask/weights, same shape.
 
     Returns:
-      float32 scalar.
+      float32 scalar (float64 for float64 pred).
 
     Example:
       >>> import torch
@@ -487,25 +561,29 @@ def masked_l1_loss(
     _check_same_shape("pred", pred, "target", target)
     _check_same_shape("pred", pred, "mask", mask)
     _check_non_negative_values("mask", mask)
-    m = mask.float()
-    total = ((pred.float() - target.float()).abs() * m).sum()
+    ct = _compute_dtype(pred)
+    m = mask.to(ct)
+    total = ((pred.to(ct) - target.to(ct)).abs() * m).sum()
     return _masked_mean(total, m.sum())
 
 
 def db_step(prob: torch.Tensor, thresh: torch.Tensor, *, k: float = 50.0):
-    r"""DBNet's differentiable binarisation ``sigmoid(k (prob - thresh))``, float32.
+    r"""DBNet's differentiable binarisation ``sigmoid(k (prob - thresh))``.
 
     Equal in value to the references' ``torch.reciprocal(1 + torch.exp(-k (x -
     y)))``, whose ``exp`` overflows fp16 once ``x - y < -0.222`` at k=50 (exp
-    overflows fp16 above 11.09) and whose backward then yields NaN.
+    overflows fp16 above 11.09) and whose backward then yields NaN. At
+    ``prob == thresh`` the gradient is ``k / 4``, as the reference's.
+
+    Precision: float32; float64 when ``prob`` or ``thresh`` is float64.
 
     Args:
       prob: probability map (any float dtype).
       thresh: threshold map, broadcastable with ``prob``.
-      k: > 0.
+      k: a finite number > 0.
 
     Returns:
-      float32 tensor.
+      float32 tensor (float64 when prob or thresh is float64).
 
     Example:
       >>> import torch
@@ -517,7 +595,7 @@ def db_step(prob: torch.Tensor, thresh: torch.Tensor, *, k: float = 50.0):
     """
     prob, thresh = _as_tensors(prob=prob, thresh=thresh)
     _check_float("prob", prob)
-    _check_positive("k", k)
+    _check_positive("k", k, finite=True)
     try:
         torch.broadcast_shapes(prob.shape, thresh.shape)
     except RuntimeError:
@@ -525,7 +603,8 @@ def db_step(prob: torch.Tensor, thresh: torch.Tensor, *, k: float = 50.0):
             f"prob.shape={tuple(prob.shape)} and thresh.shape="
             f"{tuple(thresh.shape)} do not broadcast"
         ) from None
-    return torch.sigmoid(k * (prob.float() - thresh.float()))
+    ct = _compute_dtype(prob, thresh)
+    return torch.sigmoid(k * (prob.to(ct) - thresh.to(ct)))
 
 
 def db_loss(
@@ -544,16 +623,19 @@ def db_loss(
     eps: float = 1e-6,
     return_terms: bool = False,
 ):
-    r"""DBNet's total loss in float32, on the shrink-map logits.
+    r"""DBNet's total loss in at least float32, on the shrink-map logits.
 
     ``bce_weight * balanced_bce(shrink_logits, gt, mask) + l1_weight *
     masked_l1(thresh, thresh_map, thresh_mask) + dice_weight *
     dice(db_step(sigmoid(shrink_logits), thresh, k), gt, mask)`` (5, 10, 1).
 
+    Precision: each term follows its own loss (float64 for float64
+    ``shrink_logits`` / ``thresh``), the total their promotion.
+
     Args:
       shrink_logits, thresh, gt, mask, thresh_map, thresh_mask: same shape.
       k, bce_weight, l1_weight, dice_weight, negative_ratio, eps: see
-        ``jaxstable.losses.db_loss``.
+        ``jaxstable.losses.db_loss`` (the weights: finite numbers >= 0).
       return_terms: also return ``{"bce", "l1", "dice"}``.
 
     Returns:
@@ -573,11 +655,18 @@ def db_loss(
         shrink_logits=shrink_logits, thresh=thresh, gt=gt, mask=mask,
         thresh_map=thresh_map, thresh_mask=thresh_mask,
     )  # fmt: skip
+    # the options first: a bad k or eps raises before any term is computed
+    _check_positive("k", k, finite=True)
+    _check_eps("eps", eps)
+    for name, weight in (("bce_weight", bce_weight), ("l1_weight", l1_weight),
+                         ("dice_weight", dice_weight)):  # fmt: skip
+        _check_positive(name, weight, allow_zero=True, finite=True)
     bce = balanced_binary_cross_entropy(
         shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
     )
     l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
-    binary = db_step(torch.sigmoid(shrink_logits.float()), thresh, k=k)
+    prob = torch.sigmoid(shrink_logits.to(_compute_dtype(shrink_logits)))
+    binary = db_step(prob, thresh, k=k)
     dice = dice_loss(binary, gt, mask, eps=eps)
     total = bce_weight * bce + l1_weight * l1 + dice_weight * dice
     if return_terms:
@@ -598,23 +687,28 @@ def info_nce(
     min_temperature: float = 0.01,
     eps: float = 1e-8,
 ) -> torch.Tensor:
-    r"""Symmetric InfoNCE (CLIP) loss in float32 with ``F.normalize(eps=eps)``.
+    r"""Symmetric InfoNCE (CLIP) loss with ``F.normalize(eps=eps)``.
 
     ``S = normalize(a) normalize(b)^T / max(temperature, min_temperature)``;
-    ``loss = (CE(S, arange N) + CE(S^T, arange N)) / 2``.
+    ``loss = (CE(S, arange N) + CE(S^T, arange N)) / 2``. At the ties (a row
+    of norm exactly ``eps``, a temperature exactly ``min_temperature``)
+    ``clamp`` passes the whole gradient, as jaxstable.
+
+    Precision: float32; float64 when ``a`` or ``b`` is float64.
 
     Args:
       a, b: embeddings (N, D), any float dtype.
-      temperature: > 0, a scalar: a number or a (learnable) 0-d tensor,
-        clamped from below. A value <= 0 raises, except for a tensor that
-        requires grad: that one is clamped, not checked (a check would sync
-        with the device). Any other shape raises (a vector would divide each
-        column of the similarities by its own temperature).
-      min_temperature: >= 0.
-      eps: > 0, norm floor.
+      temperature: a finite number > 0, a scalar: a number or a
+        (learnable) 0-d tensor, clamped from below. A value <= 0, inf or NaN
+        raises, except for a tensor that requires grad: that one is clamped,
+        not checked (a check would sync with the device). Any other shape
+        raises (a vector would divide each column of the similarities by its
+        own temperature).
+      min_temperature: a finite number >= 0.
+      eps: norm floor, finite and >= 1.2e-38 (float32's smallest normal).
 
     Returns:
-      float32 scalar.
+      float32 scalar (float64 for float64 embeddings).
 
     Example:
       >>> import torch
@@ -635,13 +729,14 @@ def info_nce(
     _check_same_shape("a", a, "b", b)
     if a.shape[0] == 0:
         raise ValueError("info_nce needs at least one pair, got N=0")
-    _check_positive("temperature", temperature)
-    _check_positive("min_temperature", min_temperature, allow_zero=True)
-    _check_positive("eps", eps)
-    an = F.normalize(a.float(), dim=1, eps=eps)
-    bn = F.normalize(b.float(), dim=1, eps=eps)
+    _check_positive("temperature", temperature, finite=True)
+    _check_positive("min_temperature", min_temperature, allow_zero=True, finite=True)
+    _check_eps("eps", eps)
+    ct = _compute_dtype(a, b)
+    an = F.normalize(a.to(ct), dim=1, eps=eps)
+    bn = F.normalize(b.to(ct), dim=1, eps=eps)
     if isinstance(temperature, torch.Tensor):
-        t = temperature.float().clamp(min=min_temperature)
+        t = temperature.to(ct).clamp(min=min_temperature)
     else:
         t = max(float(temperature), min_temperature)
     # matmul is on autocast's lower-precision list: inside
@@ -668,15 +763,19 @@ def _check_kind(kind: str) -> None:
 
 
 def _check_boxes(name: str, boxes: torch.Tensor) -> None:
-    """Floating (..., 4) boxes with x1 <= x2 and y1 <= y2 (reads them on the
-    host: one sync)."""
+    """Floating (..., 4) boxes."""
     _check_float(name, boxes)
     if boxes.ndim == 0 or boxes.shape[-1] != 4:
         raise ValueError(
             f"{name} must have shape (..., 4) as (x1, y1, x2, y2), got shape "
             f"{tuple(boxes.shape)}"
         )
-    flat = boxes.detach().reshape(-1, 4).float()
+
+
+def _raise_inverted(name: str, boxes: torch.Tensor) -> None:
+    """ValueError naming the boxes with x2 < x1 or y2 < y1 (reads them on the
+    host: one sync)."""
+    flat = boxes.detach().reshape(-1, 4).double()
     inverted = (flat[:, 2] < flat[:, 0]) | (flat[:, 3] < flat[:, 1])
     if bool(inverted.any()):  # a NaN is not inverted: it gives a NaN loss
         first = int(inverted.int().argmax())
@@ -703,7 +802,8 @@ def _aspect_angle(w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def _box_terms(b1, b2, kind: str, eps: float) -> torch.Tensor:
-    """Per-box loss from float32 coordinate tuples, torchvision's formulas."""
+    """Per-box loss from coordinate tuples (compute dtype), torchvision's
+    formulas."""
     x1, y1, x2, y2 = b1
     x1g, y1g, x2g, y2g = b2
     iw = torch.minimum(x2, x2g) - torch.maximum(x1, x1g)
@@ -746,7 +846,7 @@ def box_iou_loss(
     reduction: str = "none",
     eps: float = 1e-7,
 ) -> torch.Tensor:
-    r"""IoU-family box loss in float32: torchvision's values, finite gradients.
+    r"""IoU-family box loss in at least float32: torchvision's values, finite gradients.
 
     ``(..., 4)`` boxes as ``(x1, y1, x2, y2)``; ``kind`` "iou" (``1 - iou``),
     "giou", "diou" or "ciou" give the values of
@@ -759,23 +859,35 @@ def box_iou_loss(
     ``atan(w / h)`` is taken as the smaller side over the larger, so a box of
     zero height keeps the value pi/2 with a finite gradient (torchvision:
     NaN), and a point box gets the angle 0 and a finite loss (torchvision:
-    NaN). ``x2 < x1`` or ``y2 < y1`` raises ``ValueError`` naming the first
-    such box (reads the boxes on the host: one sync per call); a NaN or
-    infinite coordinate makes that pair's loss and gradient NaN. A mean over
-    zero boxes is 0.0 (as torchvision). Kept from torchvision: the GIoU
+    NaN). A NaN or infinite coordinate makes that pair's loss and gradient
+    NaN. A mean over zero boxes is 0.0 (as torchvision). Kept from torchvision: the GIoU
     gradient of two collinear zero-area boxes is of the order of the
     enclosing width / eps (2e7 for [0, 1, 4, 1] and [1, 1, 3, 1]), inf once
     cast back to fp16 boxes (the skip guard skips the step).
+
+    Bad boxes (``x2 < x1`` or ``y2 < y1``), as jaxstable's concrete-vs-traced
+    rule: when neither box tensor requires grad (an eager call on values, as
+    a concrete JAX call) it raises ``ValueError`` naming the first such box
+    (reads the boxes on the host: one sync); when either requires grad (a
+    training step, as JAX's traced boxes under ``jit`` or ``jax.grad``) that
+    pair's loss and gradient are NaN instead, with no host sync, so the
+    step's finiteness guard skips the step instead of the run crashing.
+
+    Ties have torchvision's gradients (its ``max``/``min``: half each at
+    equal coordinates; a touching edge has a zero intersection gradient).
+
+    Precision: float32; float64 when ``boxes1`` or ``boxes2`` is float64.
 
     Args:
       boxes1: predicted boxes, floating tensor ``(..., 4)``.
       boxes2: target boxes, same shape.
       kind: "iou", "giou", "diou" or "ciou".
       reduction: "none" (shape ``boxes1.shape[:-1]``), "mean" or "sum".
-      eps: > 0.
+      eps: finite and >= 1.2e-38 (float32's smallest normal number).
 
     Returns:
-      float32 tensor of shape ``boxes1.shape[:-1]``, or a float32 scalar.
+      float32 tensor of shape ``boxes1.shape[:-1]``, or a float32 scalar
+      (float64 for float64 boxes).
 
     Example:
       >>> import torch
@@ -791,16 +903,24 @@ def box_iou_loss(
     """
     _check_kind(kind)
     _check_reduction(reduction)
-    _check_positive("eps", eps)
+    _check_eps("eps", eps)
     boxes1, boxes2 = _as_tensors(boxes1=boxes1, boxes2=boxes2)
     _check_boxes("boxes1", boxes1)
     _check_boxes("boxes2", boxes2)
     _check_same_shape("boxes1", boxes1, "boxes2", boxes2)
-    b1 = tuple(c.float() for c in boxes1.unbind(-1))
-    b2 = tuple(c.float() for c in boxes2.unbind(-1))
+    if not (boxes1.requires_grad or boxes2.requires_grad):  # values: raise
+        _raise_inverted("boxes1", boxes1)
+        _raise_inverted("boxes2", boxes2)
+    ct = _compute_dtype(boxes1, boxes2)
+    b1 = tuple(c.to(ct) for c in boxes1.unbind(-1))
+    b2 = tuple(c.to(ct) for c in boxes2.unbind(-1))
     loss = _box_terms(b1, b2, kind, float(eps))
-    finite = boxes1.isfinite().all(-1) & boxes2.isfinite().all(-1)
-    return _reduce(loss * _nan_if(~finite), reduction)
+    # In a training step a bad box could not raise: its pair is NaN instead.
+    bad = torch.zeros_like(loss, dtype=torch.bool)
+    for x1, y1, x2, y2 in (b1, b2):
+        finite = x1.isfinite() & y1.isfinite() & x2.isfinite() & y2.isfinite()
+        bad = bad | ~finite | (x2 < x1) | (y2 < y1)
+    return _reduce(loss * _nan_if(bad, ct), reduction)
 
 
 def _check_alpha(alpha) -> bool:
@@ -827,10 +947,6 @@ def _check_unit_interval(name: str, x: torch.Tensor) -> None:
         )
 
 
-# float32's smallest normal number: the floor of q (see sigmoid_focal_loss)
-_TINY = torch.finfo(torch.float32).tiny
-
-
 def sigmoid_focal_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -839,13 +955,15 @@ def sigmoid_focal_loss(
     gamma: float = 2.0,
     reduction: str = "none",
 ) -> torch.Tensor:
-    r"""Sigmoid focal loss in float32: ``torchvision.ops.sigmoid_focal_loss``'s values.
+    r"""Sigmoid focal loss in at least float32: torchvision's focal loss values.
 
     ``l = alpha_t q^gamma bce_with_logits(x, t)`` with ``q = 1 - p_t =
     sigmoid(x) (1 - t) + sigmoid(-x) t`` (accurate where ``1 - p_t`` rounds
     to 0, ``|x| > 17``) floored at float32's smallest normal 1.2e-38, so the
     gradient stays finite for ``0 < gamma < 1`` (torchvision: NaN at a
     saturated logit). The mean of an empty tensor is 0.0 (torchvision: NaN).
+
+    Precision: float32; float64 for float64 ``logits``.
 
     Args:
       logits: floating tensor, any shape and float dtype.
@@ -856,7 +974,8 @@ def sigmoid_focal_loss(
       reduction: "none", "mean" or "sum".
 
     Returns:
-      float32 tensor of ``logits.shape`` ("none"), or a float32 scalar.
+      float32 tensor of ``logits.shape`` ("none"), or a float32 scalar
+      (float64 for float64 logits).
 
     Example:
       >>> import torch
@@ -874,7 +993,8 @@ def sigmoid_focal_loss(
     _check_float("logits", logits)
     _check_same_shape("logits", logits, "targets", targets)
     _check_unit_interval("targets", targets)
-    x, t = logits.float(), targets.float()
+    ct = _compute_dtype(logits)
+    x, t = logits.to(ct), targets.to(ct)
     q = torch.sigmoid(x) * (1.0 - t) + torch.sigmoid(-x) * t
     bce = F.binary_cross_entropy_with_logits(x, t, reduction="none")
     loss = bce * torch.where(q > _TINY, q, _TINY) ** gamma

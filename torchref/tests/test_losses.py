@@ -163,3 +163,51 @@ def test_info_nce_is_float32_inside_autocast():
         inside = losses.info_nce(a, b, temperature=t)
     assert inside.dtype == torch.float32
     assert torch.equal(inside, outside)
+
+
+# ---------------------------------------------------------------------------
+# issue 22: gradients at kinks, the precision rule (parity: test_loss_kinks.py)
+# ---------------------------------------------------------------------------
+
+
+def test_bce_gradient_at_logit_zero_is_sigmoid_minus_target():
+    x = torch.zeros(4, requires_grad=True)
+    t = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    losses.sigmoid_binary_cross_entropy(x, t).backward()
+    assert torch.equal(x.grad, torch.tensor([-0.125, 0.125, -0.125, 0.125]))
+
+
+def test_balanced_bce_keeps_the_lowest_index_among_tied_negatives():
+    """A zero-initialised head: every negative's loss is log 2, k = 3 of 13
+    (one positive): the first three negatives get the gradient, as in
+    jaxstable (torch.topk picks others among ties, unspecified)."""
+    x = torch.zeros(14, requires_grad=True)
+    gt = torch.zeros(14)
+    gt[5] = 1.0
+    losses.balanced_binary_cross_entropy(x, gt, torch.ones(14)).backward()
+    picked = torch.nonzero(x.grad > 0).flatten().tolist()
+    assert picked == [0, 1, 2] and x.grad[5] < 0
+
+
+def test_float64_inputs_compute_in_float64():
+    """The precision rule: float64 predictions give float64 results (values:
+    parity_tests/test_loss_kinks.py); a float64 target alone does not."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.rand(2, 8, 8, generator=g, dtype=torch.float64)
+    gt = (torch.rand(2, 8, 8, generator=g) < 0.3).float()
+    m = torch.ones(2, 8, 8)
+    boxes = torch.tensor([[0.0, 0.0, 2.0, 3.0]], dtype=torch.float64)
+    outs = [
+        losses.softmax_cross_entropy(p[0], torch.arange(8), dim=-1),
+        losses.sigmoid_binary_cross_entropy(p, gt),
+        losses.balanced_binary_cross_entropy(p, gt, m),
+        losses.dice_loss(p, gt, m),
+        losses.masked_l1_loss(p, gt, m),
+        losses.db_step(p, gt),
+        losses.db_loss(p, p, gt, m, gt, m),
+        losses.info_nce(p[0], p[1]),
+        losses.box_iou_loss(boxes, boxes + 1.0, kind="ciou"),
+        losses.sigmoid_focal_loss(p, gt),
+    ]
+    assert all(o.dtype == torch.float64 for o in outs), [o.dtype for o in outs]
+    assert losses.sigmoid_binary_cross_entropy(p.float(), p).dtype == torch.float32
