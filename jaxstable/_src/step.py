@@ -22,7 +22,11 @@ from jaxstable._src.loss_scale import (
     scaled_value_and_grad,
 )
 from jaxstable._src.precision import get_policy
-from jaxstable._src.transforms import SkipNonFiniteState, global_norm
+from jaxstable._src.transforms import (
+    SkipNonFiniteState,
+    _writes_finite,
+    global_norm,
+)
 
 __all__ = ["TrainState", "TrainStep", "make_train_step"]
 
@@ -393,12 +397,14 @@ def make_train_step(
         (loss, (aux, new_model_state)), grads, finite = reduced_grads(state, batch)
         grad_norm = global_norm(grads)
         tx = state.tx
+        extra = {}
         if isinstance(tx, optax.GradientTransformationExtraArgs):
-            updates, opt_state = tx.update(
-                grads, state.opt_state, state.params, grads_finite=finite
-            )
-        else:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            extra = {"grads_finite": finite}
+
+        def update(grads, opt_state, params):
+            return tx.update(grads, opt_state, params, **extra)
+
+        updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         skip = _outer_skip_state(opt_state)
         if skip is not None:
@@ -407,8 +413,11 @@ def make_train_step(
             applied = skip.last_finite
         else:
             # No skip transform around the whole of tx: guard here, with the
-            # same two checks (the gradient flag is reused).
-            applied = jnp.logical_and(finite, all_finite((params, opt_state)))
+            # same two checks (the gradient flag is reused; the new params
+            # and optimizer state are checked in a pass that recomputes them,
+            # as `skip_non_finite` does).
+            written_ok = _writes_finite(update, grads, state.opt_state, state.params)
+            applied = jnp.logical_and(finite, written_ok)
             params = _select(applied, params, state.params)
             opt_state = _select(applied, opt_state, state.opt_state)
         if state.model_state is not None:
