@@ -33,9 +33,14 @@ framework; the two frameworks are never compared with each other here):
                 difference between the two guarded rows).
 
 Also reported, deterministic: XLA's compiled cost analysis ("bytes accessed")
-and fusion count of the three JAX steps, on this conv net and on an MLP with
-80 parameter leaves (40 Dense layers of width 64, Adam), where per-leaf work
-dominates.
+and top-level fusion count of the JAX steps, on this conv net and on an MLP
+with 80 parameter leaves (40 Dense layers of width 64, Adam), where per-leaf
+work dominates: plain (optax.adam, no loss scale), guarded_grads_only,
+guarded, and step_guard (a plain optax chain(clip, adam) that
+make_train_step guards itself, with the same update check). Goals (issue 24):
+guarded/plain bytes <= 1.12 on the MLP and <= 1.02 on the conv net.
+`--cost-only` computes only this table (no timing, any load) and rewrites it
+in the committed results, saying so under the table.
 
 CPUs: by default the process is pinned to ONE core and torch runs one
 intra-op thread (`--cpus 1`), so both frameworks get the same compute. On the
@@ -89,6 +94,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BATCH, HW, WIDTH, CLASSES = 16, 32, 32, 10
 LR, MAX_GRAD_NORM = 1e-3, 1.0
 GOAL = 0.03  # issue 3: guard overhead at most 3% of the step
+# issue 24: guarded/plain "bytes accessed" of the compiled step, per model.
+BYTES_GOAL = {"conv net": 1.02, "MLP, 80 leaves": 1.12}
 
 
 # ----------------------------------------------------------------- models
@@ -293,7 +300,8 @@ def _compiled_cost(fn, *args) -> dict[str, float]:
 
 
 def _cost_rows(loss_fn, params, model_state, batch) -> dict[str, dict]:
-    """Plain optax step vs guarded (grads only) vs guarded (grads + update)."""
+    """Plain optax step vs guarded (grads only), guarded (grads + update) and
+    the step's own guard around a plain optax chain (grads + update)."""
     tx = optax.adam(LR)
 
     def plain(params, opt_state, model_state, batch):
@@ -305,10 +313,18 @@ def _cost_rows(loss_fn, params, model_state, batch) -> dict[str, dict]:
 
     rows = {"plain": _compiled_cost(plain, params, tx.init(params), model_state, batch)}
     step = jtrain.make_train_step(loss_fn, has_state=True)
-    for name, check in (("guarded_grads_only", False), ("guarded", True)):
-        gtx = transforms.stable_optimizer(
-            tx, max_grad_norm=MAX_GRAD_NORM, check_update=check
-        )
+    clip = transforms.clip_by_global_norm(MAX_GRAD_NORM)
+    for name, gtx in (
+        (
+            "guarded_grads_only",
+            transforms.stable_optimizer(
+                tx, max_grad_norm=MAX_GRAD_NORM, check_update=False
+            ),
+        ),
+        ("guarded", transforms.stable_optimizer(tx, max_grad_norm=MAX_GRAD_NORM)),
+        # No skip transform: make_train_step checks and selects itself.
+        ("step_guard", optax.chain(clip, tx)),
+    ):
         state = jtrain.TrainState.create(
             params=params,
             optimizer=gtx,
@@ -454,11 +470,41 @@ def to_markdown(payload) -> str:
                 f"| {model} | {n} | {r['bytes']:.4g} | {r['bytes_vs_plain']:.3f} "
                 f"| {r['fusions']} |"
             )
+    if payload.get("cost_analysis_note"):
+        lines += ["", payload["cost_analysis_note"]]
     lines += ["", f"| goal (issue 3): guard overhead <= {GOAL:.0%} | met here |"]
     lines += ["|---|---|"]
     for fw, met in payload["goal_met"].items():
         lines.append(f"| {fw}_guarded vs {fw}_plain | {met} |")
+    lines += ["", "| goal (issue 24): guarded/plain bytes accessed | met here |"]
+    lines += ["|---|---|"]
+    for model, limit in BYTES_GOAL.items():
+        ratio = payload["cost_analysis"][model]["guarded"]["bytes_vs_plain"]
+        met = "yes" if ratio <= limit else "NO"
+        lines.append(f"| {model}: {ratio:.3f} <= {limit} | {met} |")
     return "\n".join(lines)
+
+
+def rewrite_cost_table(cost: dict) -> str:
+    """Puts a new cost analysis into the committed results of this backend.
+
+    The timing table stays the one measured before, and the note under the
+    cost table says so: the cost analysis is deterministic, the timings need
+    a quiet machine.
+    """
+    tag = jax.default_backend()
+    path = RESULTS / f"bench_step_{tag}.json"
+    payload = json.loads(path.read_text())
+    payload["cost_analysis"] = cost
+    payload["cost_analysis_note"] = (
+        f"This cost table was recomputed alone (`--cost-only`, jax "
+        f"{jax.__version__}, {time.strftime('%Y-%m-%d')}) after the timings "
+        "above were measured: the timings are of the step as it was then."
+    )
+    path.write_text(json.dumps(payload, indent=2))
+    md = to_markdown(payload)
+    (RESULTS / f"bench_step_{tag}.md").write_text(md + "\n")
+    return md
 
 
 def main() -> None:
@@ -469,7 +515,8 @@ def main() -> None:
     ap.add_argument(
         "--cost-only",
         action="store_true",
-        help="print the (deterministic) XLA cost analysis only, no timing",
+        help="compute the (deterministic) XLA cost analysis only, no timing, "
+        "and rewrite it in the committed results",
     )
     ap.add_argument("--torch-device", default="cpu")
     ap.add_argument(
@@ -490,7 +537,7 @@ def main() -> None:
     x = rng.standard_normal((BATCH, 3, HW, HW)).astype(np.float32)
     y = rng.integers(0, CLASSES, BATCH).astype(np.int32)
     if args.cost_only:
-        print(json.dumps(cost_analysis(x.transpose(0, 2, 3, 1), y), indent=2))
+        print(rewrite_cost_table(cost_analysis(x.transpose(0, 2, 3, 1), y)))
         return
     loadavg_start = " ".join(f"{v:.2f}" for v in os.getloadavg())
     variants = {

@@ -18,7 +18,9 @@ registered below writes and restores all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import warnings
 from typing import Any, TypeVar
 
@@ -272,13 +274,100 @@ def _unscale(tree: Any, scale: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: _scale_leaf(x, inv, after), tree)
 
 
+# A float32 sum of squares of finite values overflows once their norm passes
+# 2**64 = 1.8e19. With every element first multiplied by this power of two
+# (exact: only the exponent changes) a square is at most
+# (3.4e38 * 2**-90)**2 = 7.6e22, and a sum of fewer than 2**52 of them stays
+# below float32's max 3.4e38: that scaled sum is finite exactly when every
+# element is. It is both the gradients' finiteness test (`all_finite`) and
+# the norm's overflow fallback (`transforms.global_norm`): one reduction.
+_NORM_SCALE = 2.0**-90
+
+
+def _opaque(x: Any) -> Any:
+    """`x` as a value XLA cannot fold into a neighbouring constant.
+
+    XLA rewrites ``(g * c1) * c2`` into ``g * (c1 * c2)`` and ``(g * c)**2``
+    into ``g**2 * c**2`` when the factors are known: with ``c = 2**-90`` the
+    folded factor is subnormal and flushed to 0 (seen under `jax.jit`: a
+    clipped gradient of 2.5e38 came out 0 instead of 1).
+    """
+    return jax.lax.optimization_barrier(x)
+
+
+def _add_pairs(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _leading_rows(values: tuple, reducer: Any) -> tuple:
+    """``values`` (arrays of one shape) reduced over every axis but the first.
+
+    ONE `lax.reduce` with as many operands as ``values``: XLA:CPU emits it as
+    a single loop that computes the operands on the fly (a one-operand float
+    sum goes to YNNPACK instead, which takes every scalar constant fused into
+    it as a materialised array of the operand's shape, and two sums read the
+    inputs twice). The first axis is kept because a multi-operand reduce
+    over a sharded axis is partitioned with an all-gather of the partial
+    results, where a plain sum gets an all-reduce (reduced whole, the 4-device
+    FSDP step of `jaxstable/tests/test_distributed.py` had 33 all-gathers
+    instead of the plain step's 3). FSDP shards the leading axis
+    (`jaxstable.distributed`), so the rows stay local and `_row_total`
+    finishes with one-operand sums. A 1-D value is returned as it is (its
+    elements are the rows), a 0-D one as a row of one.
+    """
+    if values[0].ndim <= 1:
+        return tuple(v.reshape(-1) for v in values)
+    zeros = tuple(jnp.zeros([], v.dtype) for v in values)
+    return jax.lax.reduce(values, zeros, reducer, tuple(range(1, values[0].ndim)))
+
+
+def _row_total(rows: list[jax.Array]) -> jax.Array:
+    """The sum of every element of ``rows`` (1-D arrays): rows of one length
+    are added first, then each length is summed once."""
+    by_length: dict[int, list[jax.Array]] = {}
+    for row in rows:
+        by_length.setdefault(row.shape[0], []).append(row)
+    totals = [jnp.sum(functools.reduce(operator.add, r)) for r in by_length.values()]
+    return functools.reduce(operator.add, totals)
+
+
+def _squares(x: Any) -> tuple[jax.Array, jax.Array]:
+    """``(|x|**2, |x * 2**-90|**2)`` elementwise, in float32 at least (a
+    float16 square of 300 is 9e4, above fp16's max 65504); a complex leaf
+    gives ``re**2 + im**2``."""
+    x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
+    parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
+    factor = _opaque(jnp.asarray(_NORM_SCALE, parts[0].dtype))
+    plain = jnp.square(parts[0])
+    scaled = jnp.square(parts[0] * factor)
+    for part in parts[1:]:
+        plain = plain + jnp.square(part)
+        scaled = scaled + jnp.square(part * factor)
+    return plain, scaled
+
+
+def _sums_of_squares(leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
+    """``(sum |x|**2, sum |x * 2**-90|**2)`` over all of ``leaves`` (inexact
+    arrays, at least one), reading each leaf once (`_leading_rows`).
+    `all_finite`, `transforms.global_norm` and the clip all build this same
+    computation on the gradients, so XLA keeps one."""
+    rows = [_leading_rows(_squares(x), _add_pairs) for x in leaves]
+    return _row_total([p for p, _ in rows]), _row_total([q for _, q in rows])
+
+
 def all_finite(tree: Any) -> jax.Array:
     """Whether every element of every floating or complex leaf of `tree` is finite.
 
-    Computes ``all(isfinite(x))`` per leaf and ANDs the results: a test on each
-    element, never a sum of values (a sum of finite float16 values can overflow
-    to inf and give a false alarm). Integer and boolean leaves are always
-    finite. Works under `jax.jit`; returns a device scalar (no host sync).
+    Never a plain sum of values (a sum of finite float16 values can overflow
+    to inf and give a false alarm): the float32 sum of ``|x * 2**-90|**2``
+    over every element of every leaf, which cannot overflow while the
+    elements are finite (each square is at most 7.6e22, and float32 holds
+    2**52 of them) and is inf or NaN as soon as one is not. It is the same
+    computation as the overflow-safe norm of
+    `jaxstable.transforms.global_norm`, so a train step that needs both reads
+    the gradients once. float64 leaves are tested element by element.
+    Integer and boolean leaves are always finite. Works under `jax.jit`;
+    returns a device scalar (no host sync).
 
     Args:
       tree: a pytree of arrays.
@@ -294,12 +383,26 @@ def all_finite(tree: Any) -> jax.Array:
       False
       >>> bool(loss_scale.all_finite({"a": jnp.full(3, 6e4, jnp.float16)}))
       True
+      >>> bool(loss_scale.all_finite(jnp.array([3.4e38, -3.4e38], jnp.float32)))
+      True
     """
-    flags = [
-        jnp.all(jnp.isfinite(x))
+    leaves = [
+        x
         for x in jax.tree_util.tree_leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]
+    wide = [x for x in leaves if jnp.finfo(jnp.result_type(x)).bits > 32]
+    narrow = [x for x in leaves if jnp.finfo(jnp.result_type(x)).bits <= 32]
+    # float64: a square of 1e200 times 2**-180 still overflows float64's
+    # 1.8e308, so its scaled sum could call a finite leaf non-finite.
+    flags = [jnp.all(jnp.isfinite(x)) for x in wide]
+    if narrow:
+        plain, scaled = _sums_of_squares(narrow)
+        # `plain >= 0` holds whenever `scaled` is finite (a sum of squares);
+        # it uses both sums, so XLA keeps the two-sum reduction whole and
+        # merges it with the norm's. Unused, the plain sum would be dropped,
+        # leaving a one-sum reduction that reads the leaves a second time.
+        flags.append(jnp.logical_and(jnp.isfinite(scaled), plain >= 0))
     if not flags:
         return jnp.asarray(True)
     return jnp.all(jnp.stack(flags))

@@ -25,6 +25,8 @@ from jaxstable._src.transforms import (
     AccumulateGradientsState,
     SkipNonFiniteState,
     _check_optimizer,
+    _keep_finite,
+    _writes_finite,
     global_norm,
 )
 
@@ -769,12 +771,14 @@ def make_train_step(
         (loss, (aux, new_model_state)), grads, finite = reduced_grads(state, batch)
         grad_norm = global_norm(grads)
         tx = state.tx
+        extra = {}
         if isinstance(tx, optax.GradientTransformationExtraArgs):
-            updates, opt_state = tx.update(
-                grads, state.opt_state, state.params, grads_finite=finite
-            )
-        else:
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            extra = {"grads_finite": finite}
+
+        def update(grads, opt_state, params):
+            return tx.update(grads, opt_state, params, **extra)
+
+        updates, opt_state = update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         skip = _outer_skip_state(opt_state)
         if skip is not None:
@@ -793,10 +797,13 @@ def make_train_step(
                 )
         else:
             # No skip transform around the whole of tx: guard here, with the
-            # same two checks (the gradient flag is reused).
-            applied = jnp.logical_and(finite, all_finite((params, opt_state)))
-            params = _select(applied, params, state.params)
-            opt_state = _select(applied, opt_state, state.opt_state)
+            # same two checks (the gradient flag is reused; the new params
+            # and optimizer state are checked in a pass that recomputes them,
+            # as `skip_non_finite` does).
+            written_ok = _writes_finite(update, grads, state.opt_state, state.params)
+            applied = jnp.logical_and(finite, written_ok)
+            params = _keep_finite(applied, params, state.params)
+            opt_state = _keep_finite(applied, opt_state, state.opt_state)
         if state.model_state is not None:
             keep = jnp.logical_and(applied, all_finite(new_model_state))
             new_model_state = _keep_model_state(

@@ -11,6 +11,9 @@ are `jnp.where`.
 
 from __future__ import annotations
 
+import collections
+import functools
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -18,7 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstable._src.loss_scale import all_finite
+from jaxstable._src.loss_scale import (
+    _NORM_SCALE,
+    _leading_rows,
+    _opaque,
+    _row_total,
+    _sums_of_squares,
+    all_finite,
+)
 
 __all__ = [
     "AccumulateGradientsState",
@@ -42,14 +52,13 @@ def _concrete_float(x: Any) -> float | None:
     return float(arr)
 
 
-# A float32 sum of squares overflows once the norm passes 2**64 = 1.8e19
+# The float32 sum of squares overflows once the norm passes 2**64 = 1.8e19
 # (finite gradients of 1e20 gave an inf norm, and the clip multiplied every
-# gradient by 0). Then the sum is taken again with every element times this
-# power of two (exact: only the exponent changes), which cannot overflow
-# below 2**52 elements of float32's max; the squares it loses to underflow
-# (elements below 2**27) change a norm above 2**64 by less than 2**-74
-# relative per element.
-_NORM_SCALE = 2.0**-90
+# gradient by 0). Then the norm comes from the sum with every element times
+# 2**-90 (`loss_scale._NORM_SCALE`), which cannot overflow below 2**52
+# elements of float32's max; the squares it loses to underflow (elements
+# below 2**27) change a norm above 2**64 by less than 2**-74 relative per
+# element.
 _NORM_UNSCALE = 2.0**90
 
 
@@ -63,27 +72,6 @@ def _inexact_leaves(tree: Any) -> list[jax.Array]:
     ]
 
 
-def _sum_squares(x: Any, factor: float | None = None) -> jax.Array:
-    """``sum(|x|**2)`` in float32 (float32 parts of a complex64 leaf)."""
-    x = jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
-    if factor is not None:
-        x = x * _opaque(jnp.float32(factor))
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return jnp.sum(jnp.square(jnp.real(x)) + jnp.square(jnp.imag(x)))
-    return jnp.sum(jnp.square(x))
-
-
-def _opaque(x: Any) -> Any:
-    """`x` as a value XLA cannot fold into a neighbouring constant.
-
-    XLA rewrites ``(g * c1) * c2`` into ``g * (c1 * c2)`` and ``(g * c)**2``
-    into ``g**2 * c**2`` when the factors are known: with ``c = 2**-90`` the
-    folded factor is subnormal and flushed to 0 (seen under `jax.jit`: a
-    clipped gradient of 2.5e38 came out 0 instead of 1).
-    """
-    return jax.lax.optimization_barrier(x)
-
-
 def _norms(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(norm, scaled_norm, overflow)`` of the inexact leaves of `tree`.
 
@@ -91,18 +79,14 @@ def _norms(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     times `_NORM_SCALE`; ``overflow`` says that the plain sum of squares
     overflowed although the scaled one did not (the leaves are finite), in
     which case ``norm = scaled_norm * 2**90`` (inf only when the norm itself
-    is above float32's max). ``<`` instead of `jnp.isfinite`: a NaN sum fails
-    it too, and the step's only finiteness reductions stay the gradient and
-    update checks.
+    is above float32's max). One reduction per leaf reads it once for both
+    sums (`loss_scale._sums_of_squares`), the same one `all_finite` uses.
     """
     leaves = _inexact_leaves(tree)
     if not leaves:
         zero = jnp.zeros([], jnp.float32)
         return zero, zero, jnp.zeros([], jnp.bool_)
-    plain = [_sum_squares(x) for x in leaves]
-    scaled = [_sum_squares(x, _NORM_SCALE) for x in leaves]
-    plain = sum(plain[1:], plain[0])
-    scaled = sum(scaled[1:], scaled[0])
+    plain, scaled = _sums_of_squares(leaves)
     inf = jnp.float32(jnp.inf)
     overflow = jnp.logical_and(jnp.logical_not(plain < inf), scaled < inf)
     scaled_norm = jnp.sqrt(scaled)
@@ -223,6 +207,142 @@ def clip_by_global_norm(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _add_and_max(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
+    return a[0] + b[0], jnp.maximum(a[1], b[1])
+
+
+# Parameters whose written values one reduction of the update check tests.
+# Each brings the inputs of its update into the fusion (Adam: g, m, v, p and
+# a few scalars), and XLA:GPU caps the operands of one fusion
+# (kMaxOperandsAndOutputsPerFusion, 64 in the versions read): a larger group
+# would not fuse and would store its partial sums.
+_PARAMS_PER_CHECK = 4
+
+
+def _finite_together(written: list[jax.Array], state: list[jax.Array]) -> jax.Array:
+    """`all_finite` of the leaves ``written`` and ``state``, few reductions.
+
+    ``x * 0`` is 0 for a finite element and NaN for inf or NaN (in any float
+    dtype, and in each part of a complex one), so a sum of ``leaf * 0`` over
+    leaves of one shape, then over its elements, is NaN exactly when one of
+    those elements is not finite. Adding the leaves first lets XLA fuse all
+    that computes them (the whole optimizer update, see `_writes_finite`)
+    into one loop. An optax state mirrors the params (Adam's ``mu`` and
+    ``nu`` have their tree), so the i-th state leaf of a shape goes with the
+    i-th written leaf of that shape: both are computed from the same inputs,
+    which their reduction then reads once; `_PARAMS_PER_CHECK` such sets per
+    reduction. (Any other state leaf is checked too, only maybe beside
+    leaves computed from other inputs.)
+    """
+    per_shape = collections.Counter(x.shape for x in written)
+    seen: collections.Counter = collections.Counter()
+    groups: dict[tuple, list[jax.Array]] = {}
+    for x in written + state:
+        k = seen[x.shape]
+        seen[x.shape] += 1
+        index = k % per_shape[x.shape] if per_shape[x.shape] else k
+        zero = x * jnp.zeros([], x.dtype)
+        if jnp.iscomplexobj(zero):
+            zero = jnp.real(zero) + jnp.imag(zero)
+        key = (x.shape, index // _PARAMS_PER_CHECK)
+        groups.setdefault(key, []).append(zero.astype(jnp.float32))
+    if not groups:
+        return jnp.ones([], jnp.bool_)
+    rows = []
+    for zeros in groups.values():
+        total = functools.reduce(operator.add, zeros)
+        # Sum and max: a second operand keeps the reduce XLA's own fused
+        # loop (see `loss_scale._leading_rows`); either is NaN when a term is.
+        added, largest = _leading_rows((total, total), _add_and_max)
+        rows.append(added + largest)
+    return jnp.isfinite(_row_total(rows))
+
+
+def _writes_finite(update_fn: Any, updates: Any, state: Any, params: Any) -> jax.Array:
+    """Whether ``update_fn(updates, state, params)`` writes only finite values.
+
+    What it writes: the new state and the new parameters ``params + update``
+    (the update itself when ``params`` is None). The check recomputes the
+    update from its inputs in a pass that writes nothing: `_opaque` on the
+    state and params keeps XLA from merging it with the caller's own call,
+    whose result is selected with the flag this returns. Checking the
+    caller's materialised result instead costs a write of every new value, a
+    read to check it and a read to select it (the 80-leaf Adam MLP of
+    `benchmarks/bench_step.py`: 1.93x the bytes of the plain step, against
+    1.28x here, where the check reads gradients, state and params once).
+    Nothing is derived: every float leaf written is tested, whatever the
+    optimizer (Adam's v can overflow to inf under a finite update
+    ``m / (sqrt(v) + eps) = 0``).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((state, params))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    # Python numbers stay as they are (a barrier would make them arrays).
+    for i, x in zip(arrays, _opaque([leaves[i] for i in arrays]), strict=True):
+        leaves[i] = x
+    state, params = treedef.unflatten(leaves)
+    new_updates, new_state = update_fn(updates, state, params)
+    written = (
+        new_updates if params is None else optax.apply_updates(params, new_updates)
+    )
+    return _finite_together(_inexact_leaves(written), _inexact_leaves(new_state))
+
+
+def _finite_elements(x: jax.Array) -> jax.Array:
+    """Elementwise "x is finite" for an inexact array (True for any other).
+
+    ``|x| <= max`` is False for inf and NaN: a compare that XLA fuses into the
+    select that writes `x`, not an ``is_finite`` (those count the step's
+    finiteness reductions in the tests).
+    """
+    dtype = jnp.result_type(x)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.logical_and(
+            _finite_elements(jnp.real(x)), _finite_elements(jnp.imag(x))
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return jnp.ones([], jnp.bool_)
+    return jnp.abs(x) <= jnp.finfo(dtype).max
+
+
+def _keep_finite(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``ok``, else ``old``, and ``old`` for any element of
+    ``new`` that is not finite.
+
+    `_writes_finite` tests a recomputation of what the step writes, not the
+    written values themselves: two compilations of the same arithmetic, which
+    agree unless XLA contracts ``a * b + c`` into an FMA in one and not the
+    other (allowed on GPU), and then only at float32's overflow edge. This
+    elementwise test, computed in the pass that writes (no extra read or
+    write), makes the invariant hold whatever they do: no non-finite value is
+    ever written. When both agree, as they do, it changes nothing.
+    """
+
+    def keep(a, b):
+        return jnp.where(jnp.logical_and(ok, _finite_elements(a)), a, b)
+
+    return jax.tree_util.tree_map(keep, new, old)
+
+
+def _keep_finite_updates(ok: jax.Array, updates: Any, params: Any) -> Any:
+    """``updates`` where ``ok`` (zeros otherwise), and 0 for an element whose
+    update, or the parameter it writes (``params + update`` in the params'
+    dtype, as `optax.apply_updates` writes it), is not finite (see
+    `_keep_finite`)."""
+    if params is None:
+        return _keep_finite(
+            ok, updates, jax.tree_util.tree_map(jnp.zeros_like, updates)
+        )
+
+    def keep(u, p):
+        if u is None:
+            return None
+        written = jnp.asarray(p + u).astype(jnp.result_type(p))
+        finite = jnp.logical_and(_finite_elements(u), _finite_elements(written))
+        return jnp.where(jnp.logical_and(ok, finite), u, jnp.zeros_like(u))
+
+    return jax.tree_util.tree_map(keep, updates, params, is_leaf=lambda x: x is None)
+
+
 class SkipNonFiniteState(NamedTuple):
     """State of `skip_non_finite`.
 
@@ -275,9 +395,20 @@ def skip_non_finite(
     a schedule or weight decay can do the same. With ``check_update`` such a
     step is skipped exactly like a non-finite gradient and counted, and
     ``last_grads_finite`` / ``non_finite_updates`` tell the two apart. The
-    check reads the new parameters (``params + update``, so an overflow of the
-    sum in the parameters' dtype is caught too) and the new optimizer state,
-    in the same jitted computation as the update.
+    check tests every float leaf written: the new parameters (``params +
+    update``, so an overflow of the sum in the parameters' dtype is caught
+    too) and the new optimizer state, in the same jitted computation as the
+    update. Nothing is inferred from the update alone (Adam's ``v`` can
+    overflow to inf while ``m / (sqrt(v) + eps)`` is a finite 0).
+
+    Cost: the check recomputes the update in a pass of its own that writes
+    nothing and sums ``leaf * 0`` (NaN exactly where a value is not finite),
+    one reduction per leaf shape and per 4 parameters (their new values and
+    optimizer state together); the update that is kept is computed again
+    with the selection fused in. Compiled on XLA:CPU, Adam's check reads
+    gradients, moments and parameters once more and the step stores no
+    param-sized array the plain step does not (only per-row sums);
+    `benchmarks/bench_step.py` has the bytes.
 
     Unlike `optax.apply_if_finite`, which applies the update once more than
     ``max_consecutive_errors`` bad steps happened in a row, a bad update is
@@ -333,23 +464,25 @@ def skip_non_finite(
     def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
         grads_ok = all_finite(updates) if grads_finite is None else grads_finite
         grads_ok = jnp.asarray(grads_ok, jnp.bool_)
-        new_updates, new_inner = inner.update(
-            updates, state.inner_state, params, **extra_args
-        )
+
+        def update(updates, inner_state, params):
+            return inner.update(updates, inner_state, params, **extra_args)
+
         ok = grads_ok
         if check_update:
-            written = (
-                new_updates
-                if params is None
-                else optax.apply_updates(params, new_updates)
+            written_ok = _writes_finite(update, updates, state.inner_state, params)
+            ok = jnp.logical_and(grads_ok, written_ok)
+        new_updates, new_inner = update(updates, state.inner_state, params)
+        if check_update:
+            new_updates = _keep_finite_updates(ok, new_updates, params)
+            new_inner = _keep_finite(ok, new_inner, state.inner_state)
+        else:  # the gradient flag alone decides, as documented
+            new_updates = jax.tree_util.tree_map(
+                lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates
             )
-            ok = jnp.logical_and(grads_ok, all_finite((written, new_inner)))
-        new_updates = jax.tree_util.tree_map(
-            lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates
-        )
-        new_inner = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(ok, new, old), new_inner, state.inner_state
-        )
+            new_inner = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(ok, new, old), new_inner, state.inner_state
+            )
         bad = jnp.logical_not(ok).astype(jnp.int32)
         consecutive = jnp.where(ok, 0, state.consecutive + 1).astype(jnp.int32)
         if max_consecutive is None:
