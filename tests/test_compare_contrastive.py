@@ -18,6 +18,7 @@ from examples import compare, harness
 from examples.contrastive import config as config_lib
 from examples.contrastive import data
 from examples.contrastive.task import TASK
+from examples.harness import jax_runner
 
 QUICK = config_lib.get_config(**TASK.quick)
 
@@ -132,7 +133,7 @@ def test_jax_check_points_inside_the_jitted_steps(inputs):
     weights, batches, _ = inputs
     at = _first_empty_step(batches)
     naive = QUICK.replace(precision="bfloat16", mode="naive")
-    step, state = harness._jax_naive(naive, TASK.jax_parts(naive, weights))
+    step, state = jax_runner.naive_step(naive, TASK.jax_parts(naive, weights))
     data_ = [jax.tree.map(np.asarray, b) for b in batches[: at + 1]]
     _, hist = train.fit(state, step, data_, progress=False)
     assert [r["finite"] for r in hist] == [True] * at + [False]

@@ -20,7 +20,8 @@ import sys
 import numpy as np
 import pytest
 
-from examples import compare, devices, harness
+from examples import compare, harness
+from examples.harness import devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -62,7 +63,7 @@ def runs(tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     code = (
-        "from examples import devices; devices.force_host_devices(2); "
+        "from examples.harness import devices; devices.force_host_devices(2); "
         "from tests.test_compare_devices import _runs; import sys; _runs(sys.argv[1])"
     )
     # start_new_session: on a timeout the whole group (the torch ranks

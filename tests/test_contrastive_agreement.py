@@ -19,6 +19,7 @@ from examples import harness
 from examples.contrastive import config as config_lib
 from examples.contrastive import optim_jax
 from examples.contrastive import task as task_lib
+from examples.harness import jax_runner, torch_runner
 
 SMALL = dict(
     image_size=16, width=4, batch_size=16, steps=harness.AGREEMENT_STEPS,
@@ -30,14 +31,16 @@ def _run(framework, config, weights, batches):
     """The float32 stable run's losses, through the harness's own steps (no
     evaluation, no `fit`: the agreement is about the losses only)."""
     if framework == "jax":
-        step, state = harness._jax_stable(config, task_lib.jax_parts(config, weights))
+        step, state = jax_runner.stable_step(
+            config, task_lib.jax_parts(config, weights)
+        )
         losses = []
         for batch in batches:
             state, metrics = step(state, batch)
             losses.append(metrics["loss"])
     else:
         parts = task_lib.torch_parts(config, weights)
-        step, _ = harness._torch_stable(config, parts)
+        step, _ = torch_runner.stable_step(config, parts)
         threads = torch.get_num_threads()
         torch.set_num_threads(config.torch_threads)  # as run_torch does
         try:

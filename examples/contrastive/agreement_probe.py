@@ -27,6 +27,7 @@ import numpy as np
 from examples import harness
 from examples.contrastive import config as config_lib
 from examples.contrastive import task as task_lib
+from examples.harness import jax_runner
 
 
 def torch_losses(config, weights, batches, dtype) -> np.ndarray:
@@ -57,7 +58,7 @@ def jax_losses(config, weights, batches, *, use_optax: bool) -> np.ndarray:
     parts = task_lib.jax_parts(config, weights)
     if use_optax:
         parts = dataclasses.replace(parts, optimizer=None)
-    step, state = harness._jax_stable(config, parts)
+    step, state = jax_runner.stable_step(config, parts)
     out = []
     for batch in batches:
         state, metrics = step(state, batch)

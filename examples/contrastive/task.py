@@ -4,7 +4,7 @@ Paired shape images and attribute captions (`data.py`), a small dual
 encoder in Flax NNX and torch (`model_jax.py`, `model_torch.py`,
 `convert.py`), the InfoNCE losses with their check points (`loss_jax.py`,
 `loss_torch.py`) and held-out recall@1 (`metric.py`). See
-`examples/harness.py` for the interface this module implements.
+`examples/harness/` for the interface this module implements.
 
 The two modes, as the harness runs them:
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import types
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,7 @@ from examples import harness
 from examples.contrastive import config as config_lib
 from examples.contrastive import data
 from examples.contrastive.metric import METRICS, recall_at_1
+from examples.harness.parts import Task
 
 
 def _describe(c: config_lib.Config) -> str:
@@ -320,7 +320,7 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
     )
 
 
-TASK = types.SimpleNamespace(
+TASK = Task(
     name="contrastive",
     help="image-text retrieval (CLIP-style InfoNCE on shape captions; recall@1)",
     metrics=METRICS,
@@ -336,7 +336,7 @@ TASK = types.SimpleNamespace(
         eval_images=16,
         eval_batch_size=16,
     ),
-    get_config=config_lib.get_config,
+    config_class=config_lib.Config,
     train_batches=config_lib.train_batches,
     heldout_set=config_lib.heldout_set,
     initial_weights=initial_weights,

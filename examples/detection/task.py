@@ -5,7 +5,7 @@ zero-width / zero-height boxes that crops produce at the window border), a
 small anchor-free detector in Flax NNX and torch (`model_jax.py`,
 `model_torch.py`, `convert.py`), its focal + CIoU losses (`loss_jax.py`,
 `loss_torch.py`) and the VOC mAP@0.5 (`metric.py`). See
-`examples/harness.py` for the interface this module implements.
+`examples/harness/` for the interface this module implements.
 
 The two modes, as the harness runs them:
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +35,7 @@ import numpy as np
 from examples import harness
 from examples.detection import config as config_lib
 from examples.detection import data
+from examples.harness.parts import Task
 
 METRICS = ("map50",)
 
@@ -394,7 +394,7 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
     )
 
 
-TASK = types.SimpleNamespace(
+TASK = Task(
     name="detection",
     help="object detection (anchor-free detector, focal + CIoU; VOC mAP@0.5)",
     metrics=METRICS,
@@ -409,7 +409,7 @@ TASK = types.SimpleNamespace(
         eval_images=4,
         eval_batch_size=4,
     ),
-    get_config=config_lib.get_config,
+    config_class=config_lib.Config,
     train_batches=config_lib.train_batches,
     heldout_set=config_lib.heldout_set,
     initial_weights=initial_weights,

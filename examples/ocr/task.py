@@ -3,7 +3,7 @@
 Synthetic documents with DBNet's labels (`data.py`), a small DBNet in Flax
 NNX and torch (`model_jax.py`, `model_torch.py`, `convert.py`), its losses
 (`loss_jax.py`, `loss_torch.py`) and DBNet's post-processing with the ICDAR
-precision / recall / hmean (`metric.py`). See `examples/harness.py` for the
+precision / recall / hmean (`metric.py`). See `examples/harness/` for the
 interface this module implements.
 
 The two modes, as the harness runs them:
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import types
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from examples import harness
+from examples.harness.parts import Task
 from examples.ocr import config as config_lib
 
 METRICS = ("hmean", "precision_det", "recall_det")
@@ -276,7 +276,7 @@ def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
     )
 
 
-TASK = types.SimpleNamespace(
+TASK = Task(
     name="ocr",
     help="text detection (DBNet on synthetic documents; hmean, precision, recall)",
     metrics=METRICS,
@@ -289,7 +289,7 @@ TASK = types.SimpleNamespace(
         eval_images=4,
         eval_batch_size=4,
     ),
-    get_config=config_lib.get_config,
+    config_class=config_lib.Config,
     train_batches=config_lib.train_batches,
     heldout_set=config_lib.heldout_set,
     initial_weights=initial_weights,

@@ -3,7 +3,7 @@
 Semantic segmentation of synthetic scenes (`data.py`) with a small U-Net
 (`model_jax.py`, `model_torch.py`, `convert.py`), label 255 ignored on
 boundaries and void; stable loss: the float32 cross-entropy; metric: the
-held-out mIoU. See `examples/harness.py` for the interface.
+held-out mIoU. See `examples/harness/` for the interface.
 
 Example:
     >>> TASK.name, TASK.metrics, TASK.get_config().image_size
@@ -12,8 +12,7 @@ Example:
 
 from __future__ import annotations
 
-import types
-
+from examples.harness.parts import Task
 from examples.segmentation import config as config_lib
 
 
@@ -43,7 +42,7 @@ def _torch_parts(config, weights):
     return train_torch.torch_parts(config, weights)
 
 
-TASK = types.SimpleNamespace(
+TASK = Task(
     name="segmentation",
     help="semantic segmentation (U-Net on synthetic scenes, label 255 ignored)",
     metrics=("miou",),
@@ -58,7 +57,7 @@ TASK = types.SimpleNamespace(
         eval_images=4,
         eval_batch_size=4,
     ),
-    get_config=config_lib.get_config,
+    config_class=config_lib.Config,
     train_batches=config_lib.train_batches,
     heldout_set=config_lib.heldout_set,
     initial_weights=_initial_weights,

@@ -1,6 +1,6 @@
 """The segmentation task in JAX / Flax NNX: model, losses and evaluation.
 
-`jax_parts(config, weights)` hands the harness (`examples/harness.py`) what
+`jax_parts(config, weights)` hands the harness (`examples/harness/`) what
 is specific to segmentation; the harness builds the steps and runs them on
 `jaxstable.train.fit`. Two modes (see `examples.harness.BaseConfig.mode`):
 

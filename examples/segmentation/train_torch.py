@@ -1,6 +1,6 @@
 """The segmentation task in PyTorch: model, losses and evaluation.
 
-`torch_parts(config, weights)` hands the harness (`examples/harness.py`)
+`torch_parts(config, weights)` hands the harness (`examples/harness/`)
 what is specific to segmentation; the harness builds the steps and runs them
 on `torchref.train.fit`. Two modes (see `examples.harness.BaseConfig.mode`):
 
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from examples import devices, harness
+from examples import harness
+from examples.harness import ddp
 from examples.segmentation import config as config_lib
 from examples.segmentation import data, model_torch
 from torchref import losses
@@ -117,7 +118,7 @@ def evaluate(
 
 def _labelled(y: torch.Tensor) -> torch.Tensor:
     # Under DDP (`compare.py --devices N`) the ranks' slices hold different
-    # numbers of labelled pixels: `examples.devices.global_mean` turns each rank's
+    # numbers of labelled pixels: `examples.ddp.global_mean` turns each rank's
     # mean into its share of the global batch's mean (one process: as is).
     return (y != config_lib.IGNORE_INDEX).sum()
 
@@ -127,13 +128,13 @@ def _stable_loss(model, batch):
     loss = losses.softmax_cross_entropy(
         model(x), y, dim=1, ignore_index=config_lib.IGNORE_INDEX
     )
-    return devices.global_mean(loss, _labelled(y))
+    return ddp.global_mean(loss, _labelled(y))
 
 
 def _naive_loss(model, batch):
     x, y = batch
     loss = F.cross_entropy(model(x), y, ignore_index=config_lib.IGNORE_INDEX)
-    return devices.global_mean(loss, _labelled(y))
+    return ddp.global_mean(loss, _labelled(y))
 
 
 def torch_parts(
