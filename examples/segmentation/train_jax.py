@@ -32,7 +32,7 @@ import optax
 
 from examples import harness
 from examples.segmentation import config as config_lib
-from examples.segmentation import convert, data, model_jax, train_torch
+from examples.segmentation import convert, metric, model_jax, train_torch
 from jaxstable import losses
 
 
@@ -73,7 +73,7 @@ def evaluate(
         finite = finite and bool(ok)
     if not finite:
         return float("nan")
-    miou, _ = data.mean_iou(
+    miou, _ = metric.mean_iou(
         np.concatenate(preds), heldout["label"], config.num_classes, 255
     )
     return miou

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from examples import harness
 from examples.harness import ddp
 from examples.segmentation import config as config_lib
-from examples.segmentation import data, model_torch
+from examples.segmentation import data, metric, model_torch
 from torchref import losses
 
 
@@ -110,7 +110,7 @@ def evaluate(
         preds.append(logits.argmax(dim=1).numpy())
     if not finite:
         return float("nan")
-    miou, _ = data.mean_iou(
+    miou, _ = metric.mean_iou(
         np.concatenate(preds), heldout["label"], config.num_classes, 255
     )
     return miou
