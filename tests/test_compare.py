@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from examples import compare, harness
-from examples.segmentation import config as config_lib
 from examples.segmentation.task import TASK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +104,7 @@ def test_cli_rejects_unknown_precision():
 def test_fp32_agreement_is_undefined_not_zero_for_broken_runs():
     """A NaN or zero loss, or a run that stopped early, must never read as
     agreement (max(0.0, nan) is 0.0 in Python)."""
-    cfg = config_lib.get_config(steps=3)
+    cfg = TASK.get_config(steps=3)
 
     def run(framework, losses):
         return harness.RunResult(

@@ -41,9 +41,9 @@ import json
 import numpy as np
 
 from examples import harness
-from examples.detection import config as config_lib
 from examples.detection import data, loss_jax, loss_torch
-from examples.detection.task import TASK
+from examples.detection.config import Config
+from examples.detection.task import TASK, data_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,9 +137,9 @@ def float32_losses(
     return losses
 
 
-def _first_batches(cfg: config_lib.Config, steps: int) -> list[dict]:
+def _first_batches(cfg: Config, steps: int) -> list[dict]:
     """The run's first `steps` train batches (not all ``cfg.steps`` of them)."""
-    d = config_lib.data_config(cfg)
+    d = data_config(cfg)
     return list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
 
 
