@@ -41,7 +41,7 @@ if _ROOT not in sys.path:
 
 from examples import harness  # noqa: E402
 
-# name -> module defining TASK (see the task interface in examples/harness/)
+# name -> module defining TASK (an `examples.harness.parts.Task`)
 TASKS = {
     "segmentation": "examples.segmentation.task",
     "ocr": "examples.ocr.task",

@@ -35,6 +35,7 @@ statistics stay equal in train mode too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,7 +83,7 @@ def convert_array(module: nnx.Module, name: str, value: torch.Tensor) -> np.ndar
       A float32 numpy array in the NNX layout.
 
     Example:
-        >>> conv = nnx.Conv(3, 8, kernel_size=(3, 3), rngs=nnx.Rngs(0))
+        >>> conv = nnx.eval_shape(lambda: nnx.Conv(3, 8, (3, 3), rngs=nnx.Rngs(0)))
         >>> convert_array(conv, "weight", torch.zeros(8, 3, 3, 3)).shape
         (3, 3, 3, 8)
     """
@@ -109,7 +110,8 @@ def convert_array_back(module: nnx.Module, name: str, value: Any) -> np.ndarray:
       A float32 numpy array in the torch layout.
 
     Example:
-        >>> up = nnx.ConvTranspose(8, 4, kernel_size=(2, 2), rngs=nnx.Rngs(0))
+        >>> make = lambda: nnx.ConvTranspose(8, 4, (2, 2), rngs=nnx.Rngs(0))
+        >>> up = nnx.eval_shape(make)
         >>> w = torch.randn(8, 4, 2, 2)
         >>> back = convert_array_back(up, "weight", convert_array(up, "weight", w))
         >>> bool(np.array_equal(back, w.numpy()))
@@ -204,9 +206,10 @@ def torch_to_nnx(
         >>> from examples.common import layers_jax, layers_torch
         >>> _ = torch.manual_seed(0)
         >>> tm = layers_torch.Stage(3, 4).eval()
-        >>> jm = torch_to_nnx(tm, layers_jax.Stage(3, 4, rngs=nnx.Rngs(0)))
+        >>> twin = nnx.eval_shape(lambda: layers_jax.Stage(3, 4, rngs=nnx.Rngs(0)))
+        >>> jm = torch_to_nnx(tm, twin)  # fills the abstract twin
         >>> x = np.random.default_rng(0).normal(size=(1, 8, 8, 3)).astype(np.float32)
-        >>> y_jax = np.asarray(jm(jnp.asarray(x), train=False))
+        >>> y_jax = np.asarray(nnx.jit(lambda m, x: m(x, train=False))(jm, x))
         >>> y_torch = tm(torch.from_numpy(x).permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
         >>> bool(np.allclose(y_jax, y_torch.detach().numpy(), atol=1e-5))
         True
@@ -246,7 +249,9 @@ def nnx_twin(model_class: type, source: torch.nn.Module, **kwargs: Any) -> Any:
     The NNX model is built abstractly (``nnx.eval_shape``: no random
     initialisation, which on CPU compiles one initialiser per weight shape
     and takes seconds) from ``source.architecture()`` and `kwargs` (``dtype``,
-    ``param_dtype``), then filled by :func:`torch_to_nnx`.
+    ``param_dtype``), then filled by :func:`torch_to_nnx`. The abstract model
+    of an architecture is traced once and copied for every later twin
+    (`gradient_agreement` converts two state dicts per step).
 
     Example:
         >>> from examples.common import layers_jax, layers_torch
@@ -257,6 +262,14 @@ def nnx_twin(model_class: type, source: torch.nn.Module, **kwargs: Any) -> Any:
         >>> jm.conv.kernel[...].dtype, jm.conv.kernel[...].shape
         (dtype('float16'), (3, 3, 3, 4))
     """
-    arch = source.architecture()
-    model = nnx.eval_shape(lambda: model_class(**arch, **kwargs, rngs=nnx.Rngs(0)))
-    return torch_to_nnx(source, model)
+    arch = tuple(sorted(source.architecture().items()))
+    graphdef, state = _abstract_model(model_class, arch, tuple(sorted(kwargs.items())))
+    return torch_to_nnx(source, nnx.merge(graphdef, state, copy=True))
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_model(model_class: type, arch: tuple, kwargs: tuple) -> tuple:
+    """``nnx.split`` of the abstract `model_class` (`nnx_twin`; items of
+    the architecture and the keyword arguments, sorted)."""
+    build = lambda: model_class(**dict(arch), **dict(kwargs), rngs=nnx.Rngs(0))  # noqa: E731
+    return nnx.split(nnx.eval_shape(build))

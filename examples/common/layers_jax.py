@@ -179,7 +179,8 @@ def split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
       through ``jax.jit`` / ``jax.grad`` / optax.
 
     Example:
-        >>> graphdef, params, batch_stats = split(ConvBN(3, 4, rngs=nnx.Rngs(0)))
+        >>> model = nnx.eval_shape(lambda: ConvBN(3, 4, rngs=nnx.Rngs(0)))
+        >>> graphdef, params, batch_stats = split(model)
         >>> sorted(batch_stats["bn"]), sorted(params["bn"])
         (['mean', 'var'], ['bias', 'scale'])
     """
@@ -213,7 +214,8 @@ def apply(
     Example:
         >>> graphdef, params, stats = split(ConvBN(3, 4, rngs=nnx.Rngs(0)))
         >>> x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
-        >>> y, new_stats = apply(graphdef, params, stats, x, train=True)
+        >>> f = jax.jit(apply, static_argnames="train")
+        >>> y, new_stats = f(graphdef, params, stats, x, train=True)
         >>> y.shape, bool(jnp.any(new_stats["bn"]["mean"][...] != 0))
         ((2, 8, 8, 4), True)
     """

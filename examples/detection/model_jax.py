@@ -42,9 +42,10 @@ class Detector(nnx.Module):
     ``model(x, train=...)`` with x (N, H, W, C), H and W divisible by 8,
     returns ``{"cls": (N, H/4, W/4, num_classes), "box": (N, H/4, W/4, 4)}``.
 
-    Example:
-        >>> model = Detector(num_classes=3, width=4, rngs=nnx.Rngs(0))
-        >>> out = model(jnp.zeros((2, 32, 32, 3)), train=False)
+    Example (shapes only: ``nnx.eval_shape`` traces it, computing nothing):
+        >>> model = lambda: Detector(num_classes=3, width=4, rngs=nnx.Rngs(0))
+        >>> x = jnp.zeros((2, 32, 32, 3))
+        >>> out = nnx.eval_shape(lambda: model()(x, train=False))
         >>> out["cls"].shape, out["box"].shape
         ((2, 8, 8, 3), (2, 8, 8, 4))
     """

@@ -105,10 +105,10 @@ def gradient_agreement(
       "param" (the worst, JAX path), "relative_difference", ...}}``.
 
     Example:
-        >>> from examples.detection.task import TASK
-        >>> cfg = TASK.get_config(steps=3, eval_images=4)
+        >>> from examples.segmentation.task import TASK
+        >>> cfg = TASK.get_config(**TASK.quick)
         >>> out = gradient_agreement(TASK, cfg, 2)
-        >>> out["steps"], out["split"], out["max_relative_difference"] < 1e-5
+        >>> out["steps"], out["split"], out["max_relative_difference"] < 1e-4
         (2, None, True)
     """
     import jax
@@ -134,37 +134,51 @@ def gradient_agreement(
 
     grad_fn = jax.jit(jax.grad(loss_only))
 
-    def relative(a, b):
-        b_norm = jnp.linalg.norm(b)
-        return float(jnp.linalg.norm(a - b) / jnp.where(b_norm > 0, b_norm, 1.0))
+    @jax.jit  # one dispatch per step for every parameter
+    def relative(ours, theirs):
+        def rel(a, b):
+            b_norm = jnp.linalg.norm(b)
+            return jnp.linalg.norm(a - b) / jnp.where(b_norm > 0, b_norm, 1.0)
 
-    largest = 0.0
-    for step, batch in enumerate(batches):
-        torch_batch = parts.to_torch(batch)
-        model.zero_grad()
-        loss = parts.loss_fn(model, torch_batch)
-        (loss[0] if isinstance(loss, tuple) else loss).backward()
-        state = model.state_dict()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        now = task.jax_parts(config, state)
-        theirs = task.jax_parts(config, {**state, **grads}).params
-        ours = grad_fn(now.params, now.model_state, jax.tree.map(jnp.asarray, batch))
-        rel = jax.tree.map(relative, ours, theirs)
-        path, worst = max(
-            jax.tree_util.tree_leaves_with_path(rel), key=lambda kv: kv[1]
-        )
-        if worst > threshold:
-            split = dict(
-                step=step,
-                param=jax.tree_util.keystr(path, simple=True, separator="."),
-                relative_difference=worst,
+        return jax.tree.map(rel, ours, theirs)
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.torch_threads)  # as run_torch trains it
+    try:
+        largest = 0.0
+        for step, batch in enumerate(batches):
+            torch_batch = parts.to_torch(batch)
+            model.zero_grad()
+            loss = parts.loss_fn(model, torch_batch)
+            (loss[0] if isinstance(loss, tuple) else loss).backward()
+            state = model.state_dict()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            now = task.jax_parts(config, state)
+            theirs = task.jax_parts(config, {**state, **grads}).params
+            jax_batch = jax.tree.map(jnp.asarray, batch)
+            ours = grad_fn(now.params, now.model_state, jax_batch)
+            rel = jax.tree.map(float, relative(ours, theirs))
+            path, worst = max(
+                jax.tree_util.tree_leaves_with_path(rel), key=lambda kv: kv[1]
             )
-            if on_split is not None:
-                split.update(on_split(model, batch))
-            return dict(steps=step + 1, max_relative_difference=largest, split=split)
-        largest = max(largest, worst)
-        model.zero_grad()
-        record = train_step(torch_batch)
-        if scheduler is not None and record["finite"]:
-            scheduler.step()
-    return dict(steps=len(batches), max_relative_difference=largest, split=None)
+            if worst > threshold:
+                split = dict(
+                    step=step,
+                    param=jax.tree_util.keystr(path, simple=True, separator="."),
+                    relative_difference=worst,
+                )
+                if on_split is not None:
+                    split.update(on_split(model, batch))
+                return dict(
+                    steps=step + 1, max_relative_difference=largest, split=split
+                )
+            largest = max(largest, worst)
+            model.zero_grad()
+            record = train_step(torch_batch)
+            if scheduler is not None and record["finite"]:
+                scheduler.step()
+        return dict(steps=len(batches), max_relative_difference=largest, split=None)
+    finally:
+        torch.set_num_threads(threads)  # leave no global state behind

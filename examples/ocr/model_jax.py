@@ -124,9 +124,9 @@ class DBNet(nnx.Module):
     returns a dict of (N, H, W) maps: ``logits`` (shrink-map logits),
     ``thresh`` (in (0, 1)) and, with ``train=True``, ``binary`` (float32).
 
-    Example:
-        >>> model = DBNet(width=8, rngs=nnx.Rngs(0))
-        >>> out = model(jnp.zeros((2, 32, 32, 3)), train=True)
+    Example (shapes only: ``nnx.eval_shape`` traces it, computing nothing):
+        >>> model = lambda: DBNet(width=8, rngs=nnx.Rngs(0))
+        >>> out = nnx.eval_shape(lambda: model()(jnp.zeros((2, 32, 32, 3)), train=True))
         >>> sorted(out), out["binary"].shape, out["binary"].dtype
         (['binary', 'logits', 'thresh'], (2, 32, 32), dtype('float32'))
     """

@@ -99,9 +99,10 @@ class UNet(nnx.Module):
     batch statistics (torch's ``model.train()``), ``train=False`` uses the
     running ones (``model.eval()``).
 
-    Example:
-        >>> model = UNet(num_classes=6, width=8, depth=2, rngs=nnx.Rngs(0))
-        >>> model(jnp.zeros((2, 32, 32, 3)), train=False).shape
+    Example (shapes only: ``nnx.eval_shape`` traces it, computing nothing):
+        >>> model = lambda: UNet(num_classes=6, width=8, depth=2, rngs=nnx.Rngs(0))
+        >>> x = jnp.zeros((2, 32, 32, 3))
+        >>> nnx.eval_shape(lambda: model()(x, train=False)).shape
         (2, 32, 32, 6)
     """
 
