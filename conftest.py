@@ -79,6 +79,46 @@ def torch_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# JAX's persistent compilation cache, for one test session: a program that
+# several tests compile alike (the same train step from another closure: the
+# harness builds fresh ones for every run) is compiled once and read back.
+# One folder per session, made by the first process (the xdist controller,
+# or the only process of a serial run) and handed to the workers through the
+# environment; a positive size limit puts a file lock around every read and
+# write (jax's LRUCache), so two workers never see half a file. Programs
+# that compile in under 0.5 s are not written: writing all of them too (the
+# hundreds of one-op programs of `diagnostics.locate`) took the example
+# tests' system time from 16 s to 65 s. The session's first process
+# removes the folder.
+_JIT_CACHE_ENV = "JAXSTABLE_TEST_JIT_CACHE"
+_JIT_CACHE_OWNED: list[str] = []
+
+
+def _share_compiled_programs() -> None:
+    import tempfile
+
+    import jax
+
+    path = os.environ.get(_JIT_CACHE_ENV)
+    if path is None:
+        path = tempfile.mkdtemp(prefix="jaxstable-test-jit-")
+        os.environ[_JIT_CACHE_ENV] = path
+        _JIT_CACHE_OWNED.append(path)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+_share_compiled_programs()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    for path in _JIT_CACHE_OWNED:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _has_gpu() -> bool:
     try:
         import jax

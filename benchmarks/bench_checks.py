@@ -75,7 +75,7 @@ def _jax_steps(cfg, weights):
     """{variant: (step, state)} of the JAX stable step."""
     from examples import harness
     from examples.contrastive import convert, loss_jax, model_jax
-    from examples.contrastive.task import build_model
+    from examples.contrastive.parts_torch import build_model
     from jaxstable import train, transforms
 
     graphdef, params = model_jax.split(

@@ -16,12 +16,12 @@ stable, torch naive, torch stable at ``--precision``, and a float32 run of
 each framework as the reference (with ``--precision float32`` the reference
 is the stable run itself: four runs), each on the library's own ``fit``.
 Writes ``metrics.jsonl``, ``summary.json``, ``curves.png`` and ``report.md``
-into ``--out`` (see `examples/harness.py`, which holds all of it; a task
+into ``--out`` (see `examples/harness/`, which holds all of it; a task
 folder holds only what is specific to it).
 
 ``--devices N`` (segmentation) trains every run data parallel: JAX on N
 devices (N forced host CPU devices, set in ``XLA_FLAGS`` by
-`examples.devices.force_host_devices` after parsing and before JAX starts;
+`examples.harness.devices.force_host_devices` after parsing and before JAX starts;
 on GPUs the first N of them), torch in N DDP processes; see the README.
 
 Nothing is injected: a naive run fails only if its arithmetic really
@@ -41,7 +41,7 @@ if _ROOT not in sys.path:
 
 from examples import harness  # noqa: E402
 
-# name -> module defining TASK (see the task interface in examples/harness.py)
+# name -> module defining TASK (an `examples.harness.parts.Task`)
 TASKS = {
     "segmentation": "examples.segmentation.task",
     "ocr": "examples.ocr.task",

@@ -25,7 +25,7 @@ import optax
 import pytest
 import torch
 
-from examples import carry_over
+from examples.common import carry_over
 from examples.segmentation import carry_over as unet_carry
 from examples.segmentation import convert, data, model_jax, model_torch
 from jaxstable import loss_scale as jls

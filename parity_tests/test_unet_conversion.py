@@ -11,6 +11,7 @@ import pytest
 import torch
 from flax import nnx
 
+from examples.common.data import to_nhwc
 from examples.segmentation import convert, data, model_jax, model_torch
 
 ARCH = dict(in_channels=3, num_classes=5, width=8, depth=2)
@@ -51,7 +52,7 @@ def _jax_out(jm, x_nhwc, *, train):
 
 def _torch_out(tm, x_nhwc):
     y = tm(torch.from_numpy(data.to_nchw(x_nhwc)))
-    return data.to_nhwc(y.detach().numpy())
+    return to_nhwc(y.detach().numpy())
 
 
 def test_eval_forward_matches(tol):
@@ -147,7 +148,7 @@ def test_transposed_conv_kernel_needs_the_spatial_flip(tol):
         4, 3, kernel_size=(2, 2), strides=(2, 2), padding="VALID", rngs=nnx.Rngs(0)
     )
     x = np.random.default_rng(0).normal(size=(1, 5, 5, 4)).astype("f4")
-    want = data.to_nhwc(up(torch.from_numpy(data.to_nchw(x))).detach().numpy())
+    want = to_nhwc(up(torch.from_numpy(data.to_nchw(x))).detach().numpy())
     ju.bias[...] = jnp.asarray(up.bias.detach().numpy())
     ju.kernel[...] = jnp.asarray(convert.convert_array(ju, "weight", up.weight))
     chex.assert_trees_all_close(np.asarray(ju(jnp.asarray(x))), want, **tol("float32"))

@@ -1,5 +1,6 @@
 """`examples/compare.py segmentation --quick`: the six runs and their outputs."""
 
+import dataclasses
 import json
 import math
 import os
@@ -9,7 +10,6 @@ import sys
 import pytest
 
 from examples import compare, harness
-from examples.segmentation import config as config_lib
 from examples.segmentation.task import TASK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +104,7 @@ def test_cli_rejects_unknown_precision():
 def test_fp32_agreement_is_undefined_not_zero_for_broken_runs():
     """A NaN or zero loss, or a run that stopped early, must never read as
     agreement (max(0.0, nan) is 0.0 in Python)."""
-    cfg = config_lib.get_config(steps=3)
+    cfg = TASK.get_config(steps=3)
 
     def run(framework, losses):
         return harness.RunResult(
@@ -132,25 +132,22 @@ def test_gradient_agreement_flag_compares_gradients_at_the_same_weights(capsys):
 def test_gradient_agreement_finds_a_real_difference():
     # torch's loss weighted 1.01x: the gradients at the same weights differ
     # by 1e-2 on the first step, and the split names it
-    class Heavier:
-        def __getattr__(self, name):
-            return getattr(TASK, name)
+    def heavier_parts(config, weights):
+        parts = TASK.torch_parts(config, weights)
+        loss_fn = parts.loss_fn
 
-        def torch_parts(self, config, weights):
-            parts = TASK.torch_parts(config, weights)
-            loss_fn = parts.loss_fn
+        def heavier(model, batch):
+            loss = loss_fn(model, batch)
+            if isinstance(loss, tuple):
+                return (1.01 * loss[0], *loss[1:])
+            return 1.01 * loss
 
-            def heavier(model, batch):
-                loss = loss_fn(model, batch)
-                if isinstance(loss, tuple):
-                    return (1.01 * loss[0], *loss[1:])
-                return 1.01 * loss
+        parts.loss_fn = heavier
+        return parts
 
-            parts.loss_fn = heavier
-            return parts
-
+    heavier_task = dataclasses.replace(TASK, torch_parts=heavier_parts)
     cfg = TASK.get_config(**TASK.quick)
-    out = harness.gradient_agreement(Heavier(), cfg, 2)
+    out = harness.gradient_agreement(heavier_task, cfg, 2)
     assert out["steps"] == 1 and out["split"]["step"] == 0
     assert out["split"]["relative_difference"] == pytest.approx(1 / 101, rel=1e-3)
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from examples import compare, harness
-from examples.contrastive import config as config_lib
-from examples.contrastive import data
+from examples.contrastive import data, probe
+from examples.contrastive import task as task_lib
 from examples.contrastive.task import TASK
+from examples.harness import jax_runner
 
-QUICK = config_lib.get_config(**TASK.quick)
+QUICK = TASK.get_config(**TASK.quick)
 
 
 def _first_empty_step(batches) -> int:
@@ -86,7 +87,7 @@ def test_float32_parity_of_the_converted_model(tol, inputs):
     import jax.numpy as jnp
 
     from examples.contrastive import convert, loss_jax, loss_torch, model_jax
-    from examples.contrastive.task import build_model
+    from examples.contrastive.parts_torch import build_model
 
     weights, batches, _ = inputs
     batch = batches[_first_empty_step(batches)]  # the empty caption included
@@ -110,7 +111,7 @@ def test_float32_parity_of_the_converted_model(tol, inputs):
         )
     for a, b in ((img_j, img_t), (txt_j, txt_t), (loss_j, loss_t)):
         np.testing.assert_allclose(np.asarray(a), b.numpy(), **tol("float32"))
-    for name in config_lib.CHECKS:
+    for name in probe.CHECKS:
         for key in ("finite", "max_abs"):
             np.testing.assert_allclose(
                 float(aux_j["checks"][name][key]), float(aux_t["checks"][name][key]),
@@ -132,14 +133,14 @@ def test_jax_check_points_inside_the_jitted_steps(inputs):
     weights, batches, _ = inputs
     at = _first_empty_step(batches)
     naive = QUICK.replace(precision="bfloat16", mode="naive")
-    step, state = harness._jax_naive(naive, TASK.jax_parts(naive, weights))
+    step, state = jax_runner.naive_step(naive, TASK.jax_parts(naive, weights))
     data_ = [jax.tree.map(np.asarray, b) for b in batches[: at + 1]]
     _, hist = train.fit(state, step, data_, progress=False)
     assert [r["finite"] for r in hist] == [True] * at + [False]
     assert [r["first_non_finite_check"] for r in hist] == [None] * at + ["text_emb"]
     assert hist[at]["non_finite_checks"] == ["text_emb", "logits", "loss"]
     names = [k for k in hist[at] if k.startswith("checks[")]
-    assert names == [f"checks[{n!r}][{f!r}]" for n in config_lib.CHECKS
+    assert names == [f"checks[{n!r}][{f!r}]" for n in probe.CHECKS
                      for f in ("finite", "max_abs")]  # fmt: skip
     stable = QUICK.replace(precision="bfloat16", mode="stable")
     parts = TASK.jax_parts(stable, weights)
@@ -234,7 +235,7 @@ def test_fit_stop_policy_and_preflight_checks(inputs):
     nan_batch = {**batches[0], "image": batches[0]["image"].copy()}
     nan_batch["image"][0, 0, 0, 0] = np.nan
     with pytest.raises(ValueError, match="batch 3: 1 image entries are not finite"):
-        config_lib.check_batch(nan_batch, 3)
+        task_lib.check_batch(nan_batch, 3)
 
 
 def test_cli_knows_the_task():

@@ -20,7 +20,8 @@ import sys
 import numpy as np
 import pytest
 
-from examples import compare, devices, harness
+from examples import compare, harness
+from examples.harness import devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -61,8 +62,9 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("devices") / "runs.pkl"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(_compile_cache_env())
     code = (
-        "from examples import devices; devices.force_host_devices(2); "
+        "from examples.harness import devices; devices.force_host_devices(2); "
         "from tests.test_compare_devices import _runs; import sys; _runs(sys.argv[1])"
     )
     # start_new_session: on a timeout the whole group (the torch ranks
@@ -85,6 +87,18 @@ def runs(tmp_path_factory):
     assert proc.returncode == 0, log[-4000:]
     with open(out, "rb") as f:
         return pickle.load(f)
+
+
+def _compile_cache_env() -> dict[str, str]:
+    """The session's JAX compilation cache (conftest) for the subprocess:
+    its 1-device JAX run compiles the step `tests/test_compare.py` did."""
+    import jax
+
+    names = ("jax_compilation_cache_dir", "jax_compilation_cache_max_size",
+             "jax_persistent_cache_min_compile_time_secs")  # fmt: skip
+    if not jax.config.jax_compilation_cache_dir:
+        return {}
+    return {name.upper(): str(getattr(jax.config, name)) for name in names}
 
 
 def _decisions(r):

@@ -4,7 +4,7 @@ Regression test for the cause of fp32_agreement 1.05e-2: optax.adam's
 float32 bias corrections (``1 - b2**t`` 1.3e-5..2e-5 low) made every JAX
 update ~1e-5 smaller than torch.optim.Adam's; the task's training amplified
 it. With ``optax.adam`` in place of `optim_jax.adam` (``optimizer=None`` in
-`task.jax_parts`) this small run gives 3.8e-3 (measured), above the limit;
+`parts_jax.jax_parts`) this small run gives 3.8e-3 (measured), above the limit;
 with it, 5.8e-7.
 """
 
@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from examples import harness
-from examples.contrastive import config as config_lib
-from examples.contrastive import optim_jax
-from examples.contrastive import task as task_lib
+from examples.contrastive import optim_jax, parts_jax, parts_torch
+from examples.contrastive.task import TASK
+from examples.harness import jax_runner, torch_runner
 
 SMALL = dict(
     image_size=16, width=4, batch_size=16, steps=harness.AGREEMENT_STEPS,
@@ -30,14 +30,16 @@ def _run(framework, config, weights, batches):
     """The float32 stable run's losses, through the harness's own steps (no
     evaluation, no `fit`: the agreement is about the losses only)."""
     if framework == "jax":
-        step, state = harness._jax_stable(config, task_lib.jax_parts(config, weights))
+        step, state = jax_runner.stable_step(
+            config, parts_jax.jax_parts(config, weights)
+        )
         losses = []
         for batch in batches:
             state, metrics = step(state, batch)
             losses.append(metrics["loss"])
     else:
-        parts = task_lib.torch_parts(config, weights)
-        step, _ = harness._torch_stable(config, parts)
+        parts = parts_torch.torch_parts(config, weights)
+        step, _ = torch_runner.stable_step(config, parts)
         threads = torch.get_num_threads()
         torch.set_num_threads(config.torch_threads)  # as run_torch does
         try:
@@ -49,9 +51,9 @@ def _run(framework, config, weights, batches):
 
 
 def test_float32_runs_agree_over_the_agreement_window():
-    cfg = config_lib.get_config(**SMALL)
-    weights = task_lib.initial_weights(cfg)
-    batches = config_lib.train_batches(cfg)
+    cfg = TASK.get_config(**SMALL)
+    weights = TASK.initial_weights(cfg)
+    batches = TASK.train_batches(cfg)
     runs = [_run(fw, cfg, weights, batches) for fw in ("jax", "torch")]
     agreement = harness.fp32_agreement(runs)
     assert agreement <= harness.FP32_AGREEMENT_LIMIT, agreement

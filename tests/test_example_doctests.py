@@ -19,7 +19,7 @@ MODULES = sorted(
 
 
 def test_the_examples_are_found():
-    assert "examples.harness" in MODULES and "examples.detection.task" in MODULES
+    assert "examples.harness.run" in MODULES and "examples.detection.task" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from examples.segmentation import data
+from examples.common.data import to_nchw, to_nhwc
+from examples.segmentation import data, metric
 
 CFG = data.SegmentationConfig(height=64, width=64, num_classes=6)
 
@@ -107,15 +108,15 @@ def test_class_colour_is_informative_but_not_sufficient():
 
 def test_to_nchw_round_trip():
     x = data.batch_at(CFG, "train", 2, 0)["image"]
-    y = data.to_nchw(x)
+    y = to_nchw(x)
     assert y.shape == (2, 3, 64, 64) and y.flags["C_CONTIGUOUS"]
-    np.testing.assert_array_equal(data.to_nhwc(y), x)
+    np.testing.assert_array_equal(to_nhwc(y), x)
 
 
 def test_mean_iou_ignores_255_and_matches_hand_count():
     label = np.array([[0, 0, 1, 255], [1, 1, 2, 2]])
     pred = np.array([[0, 1, 1, 2], [1, 0, 2, 2]])
-    miou, per_class = data.mean_iou(pred, label, 3)
+    miou, per_class = metric.mean_iou(pred, label, 3)
     # class 0: tp 1, fp 1, fn 1 -> 1/3; class 1: tp 2, fp 1, fn 1 -> 1/2;
     # class 2: tp 2, fp 0, fn 0 -> 1 (the pixel labelled 255 is not counted)
     np.testing.assert_allclose(per_class, [1 / 3, 1 / 2, 1.0])
@@ -123,7 +124,7 @@ def test_mean_iou_ignores_255_and_matches_hand_count():
 
 
 def test_mean_iou_leaves_absent_classes_out():
-    miou, per_class = data.mean_iou(np.array([0, 0]), np.array([0, 0]), 3)
+    miou, per_class = metric.mean_iou(np.array([0, 0]), np.array([0, 0]), 3)
     assert miou == 1.0 and np.isnan(per_class[1:]).all()
 
 
@@ -151,4 +152,4 @@ def test_bad_split_and_arguments_are_rejected():
     with pytest.raises(ValueError, match="num_images"):
         data.make_dataset(CFG, "train", 0)
     with pytest.raises(ValueError, match="class ids"):
-        data.mean_iou(np.array([7]), np.array([0]), 3)
+        metric.mean_iou(np.array([7]), np.array([0]), 3)

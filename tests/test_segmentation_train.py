@@ -10,10 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from examples.segmentation import config as config_lib
-from examples.segmentation import train_jax, train_torch
+from examples import harness
+from examples.segmentation.task import TASK
 
-FRAMEWORKS = {"jax": train_jax, "torch": train_torch}
 # depth 1 and width 4: the JAX step compiles in a few seconds on CPU
 TINY = dict(
     image_size=16,
@@ -28,19 +27,19 @@ TINY = dict(
 
 @pytest.fixture(scope="module")
 def shared():
-    cfg = config_lib.get_config(**TINY)
+    cfg = TASK.get_config(**TINY)
     return dict(
-        init_state_dict=train_torch.initial_state_dict(cfg),
-        batches=config_lib.train_batches(cfg),
-        heldout=config_lib.heldout_set(cfg),
+        weights=TASK.initial_weights(cfg),
+        batches=TASK.train_batches(cfg),
+        heldout=TASK.heldout_set(cfg),
     )
 
 
 def _run(framework, shared, **overrides):
-    cfg = config_lib.get_config(**{**TINY, **overrides})
+    cfg = TASK.get_config(**{**TINY, **overrides})
     logged = []
-    result = FRAMEWORKS[framework].train_and_evaluate(
-        cfg, log=logged.append, progress=False, **shared
+    result = harness.train_and_evaluate(
+        TASK, framework, cfg, log=logged.append, progress=False, **shared
     )
     assert logged == result.metrics
     return result
@@ -122,13 +121,13 @@ def test_float32_runs_of_both_frameworks_follow_the_same_losses(shared, tol):
 
 def test_config_validates_strings_and_fields():
     with pytest.raises(ValueError, match=r"\['float32', 'bfloat16', 'float16'\]"):
-        config_lib.get_config(precision="fp8")
+        TASK.get_config(precision="fp8")
     with pytest.raises(ValueError, match=r"\['naive', 'stable'\]"):
-        config_lib.get_config(mode="careful")
+        TASK.get_config(mode="careful")
     with pytest.raises(ValueError, match="unknown config field"):
-        config_lib.get_config(learningrate=1.0)
+        TASK.get_config(learningrate=1.0)
     with pytest.raises(ValueError, match="divisible by 2\\*\\*depth"):
-        config_lib.get_config(image_size=20, depth=3)
+        TASK.get_config(image_size=20, depth=3)
 
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
@@ -140,4 +139,4 @@ def test_eval_every_puts_held_out_scores_in_the_records(framework, shared):
     assert [e is not None for e in evals] == [False, True, False, True]
     assert evals[-1] == r.scores["miou"]
     with pytest.raises(ValueError, match="eval_every must be an int >= 1"):
-        config_lib.get_config(eval_every=0)
+        TASK.get_config(eval_every=0)

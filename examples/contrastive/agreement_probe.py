@@ -25,8 +25,9 @@ import dataclasses
 import numpy as np
 
 from examples import harness
-from examples.contrastive import config as config_lib
-from examples.contrastive import task as task_lib
+from examples.contrastive import parts_jax, parts_torch
+from examples.contrastive.task import TASK
+from examples.harness import jax_runner
 
 
 def torch_losses(config, weights, batches, dtype) -> np.ndarray:
@@ -34,11 +35,11 @@ def torch_losses(config, weights, batches, dtype) -> np.ndarray:
     import torch
     import torch.nn.functional as F
 
-    model = task_lib.build_model(config, weights).to(dtype)
+    model = parts_torch.build_model(config, weights).to(dtype)
     opt = harness.torch_optimizer(config, model.parameters())
     out = []
     for batch in batches:
-        b = task_lib._to_torch(batch)
+        b = parts_torch.to_torch(batch)
         opt.zero_grad()
         img, txt = model(b["image"].to(dtype), b["tokens"], safe=True)
         a, c = F.normalize(img, dim=1, eps=1e-8), F.normalize(txt, dim=1, eps=1e-8)
@@ -54,10 +55,10 @@ def torch_losses(config, weights, batches, dtype) -> np.ndarray:
 
 def jax_losses(config, weights, batches, *, use_optax: bool) -> np.ndarray:
     """The task's JAX stable step (``use_optax``: plain ``optax.adam``)."""
-    parts = task_lib.jax_parts(config, weights)
+    parts = parts_jax.jax_parts(config, weights)
     if use_optax:
         parts = dataclasses.replace(parts, optimizer=None)
-    step, state = harness._jax_stable(config, parts)
+    step, state = jax_runner.stable_step(config, parts)
     out = []
     for batch in batches:
         state, metrics = step(state, batch)
@@ -95,9 +96,9 @@ def main(argv=None) -> None:
         over["eps"] = args.eps
     if args.learning_rate is not None:
         over["learning_rate"] = args.learning_rate
-    config = config_lib.get_config(**over)
-    weights = task_lib.initial_weights(config)
-    batches = config_lib.train_batches(config)
+    config = TASK.get_config(**over)
+    weights = TASK.initial_weights(config)
+    batches = TASK.train_batches(config)
     torch.set_num_threads(config.torch_threads)
     t64 = torch_losses(config, weights, batches, torch.float64)
     t32 = torch_losses(config, weights, batches, torch.float32)

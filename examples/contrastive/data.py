@@ -42,7 +42,7 @@ import math
 
 import numpy as np
 
-from examples.segmentation.data import SPLITS, _check_split, to_nchw  # noqa: F401
+from examples.common.data import SPLITS, check_split, to_nchw  # noqa: F401
 
 SHAPES = ("circle", "square", "triangle", "cross")
 COLOURS = ("red", "green", "blue", "yellow", "magenta", "cyan")
@@ -177,7 +177,7 @@ def make_pairs(
         >>> int((t["tokens"] != PAD).sum(axis=1).min())  # the empty caption
         0
     """
-    split_id = _check_split(split)
+    split_id = check_split(split)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     rng = np.random.default_rng(np.random.SeedSequence([seed, split_id, _STREAM_POOL]))

@@ -8,7 +8,7 @@
   the cross-entropy in bfloat16/float16.
 
 Both return ``(loss, aux)``: ``aux["checks"]`` is a
-`jaxstable.diagnostics.CheckPoints` of the points of `config.CHECKS` (the
+`jaxstable.diagnostics.CheckPoints` of the points of `probe.CHECKS` (the
 loss function's part of the contrastive report's six checks: per point a
 finite flag and max |x| over the finite entries), computed inside the
 jitted step: nothing is read on the host until `fit` logs the step, as the
@@ -35,7 +35,7 @@ MAX_LOGIT_SCALE = 100.0  # CLIP's clamp of exp(logit_scale)
 
 
 def _checks(image, img, txt, logits, loss) -> diagnostics.CheckPoints:
-    # the points of config.CHECKS, in the order the step computes them
+    # the points of probe.CHECKS, in the order the step computes them
     return diagnostics.check_points(
         inputs=image, image_emb=img, text_emb=txt, logits=logits, loss=loss
     )

@@ -7,7 +7,7 @@
   clamp, the logits and the cross-entropy in bfloat16/float16).
 
 Both return ``(loss, aux)``: ``aux["checks"]`` is a
-`torchref.diagnostics.CheckPoints` of the points of `config.CHECKS` (0-d
+`torchref.diagnostics.CheckPoints` of the points of `probe.CHECKS` (0-d
 tensors: nothing is read with ``.item()`` in the step; `fit` reads them
 when it logs the step), and ``aux["logit_scale"]``.
 
@@ -30,7 +30,7 @@ MAX_LOGIT_SCALE = 100.0  # CLIP's clamp of exp(logit_scale)
 
 
 def _checks(image, img, txt, logits, loss) -> diagnostics.CheckPoints:
-    # the points of config.CHECKS, in the order the step computes them
+    # the points of probe.CHECKS, in the order the step computes them
     return diagnostics.check_points(
         inputs=image, image_emb=img, text_emb=txt, logits=logits, loss=loss
     )

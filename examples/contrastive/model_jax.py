@@ -76,11 +76,12 @@ class TextTower(nnx.Module):
 class CLIP(nnx.Module):
     """The dual encoder: ``model(images, tokens, safe=...) -> (img, txt)``.
 
-    Example:
-        >>> m = CLIP(width=4, image_size=16, vocab_size=19, rngs=nnx.Rngs(0))
-        >>> img, txt = m(jnp.zeros((2, 16, 16, 3)), jnp.array([[1, 5], [0, 0]]))
-        >>> img.shape, txt.shape, round(float(m.logit_scale[...]), 4)
-        ((2, 32), (2, 32), 2.6593)
+    Example (shapes only: ``nnx.eval_shape`` traces it, computing nothing):
+        >>> m = lambda: CLIP(width=4, image_size=16, vocab_size=19, rngs=nnx.Rngs(0))
+        >>> x, tokens = jnp.zeros((2, 16, 16, 3)), jnp.array([[1, 5], [0, 0]])
+        >>> img, txt = nnx.eval_shape(lambda: m()(x, tokens))
+        >>> img.shape, txt.shape
+        ((2, 32), (2, 32))
     """
 
     def __init__(
@@ -107,7 +108,8 @@ def split(model: CLIP) -> tuple[nnx.GraphDef, nnx.State]:
     """``nnx.split(model, nnx.Param)``: graphdef and params (no other state).
 
     Example:
-        >>> g, p = split(CLIP(width=4, image_size=16, vocab_size=19, rngs=nnx.Rngs(0)))
+        >>> clip = lambda: CLIP(width=4, image_size=16, vocab_size=19, rngs=nnx.Rngs(0))
+        >>> g, p = split(nnx.eval_shape(clip))  # abstract: nothing initialised
         >>> sorted(p)
         ['image', 'logit_scale', 'text']
     """
@@ -117,10 +119,12 @@ def split(model: CLIP) -> tuple[nnx.GraphDef, nnx.State]:
 def apply(graphdef, params, images, tokens, *, safe: bool):
     """Pure forward pass ``(img, txt, logit_scale)``; jit- and grad-friendly.
 
-    Example:
-        >>> g, p = split(CLIP(width=4, image_size=16, vocab_size=19, rngs=nnx.Rngs(0)))
-        >>> img, txt, s = apply(g, p, jnp.zeros((1, 16, 16, 3)), jnp.ones((1, 3), int),
-        ...                     safe=True)
+    Example (shapes only: ``jax.eval_shape`` traces it, computing nothing):
+        >>> clip = lambda: CLIP(width=4, image_size=16, vocab_size=19, rngs=nnx.Rngs(0))
+        >>> g, p = split(nnx.eval_shape(clip))
+        >>> f = lambda p, x, t: apply(g, p, x, t, safe=True)
+        >>> x, tokens = jnp.zeros((1, 16, 16, 3)), jnp.ones((1, 3), int)
+        >>> img, txt, s = jax.eval_shape(f, p, x, tokens)
         >>> img.shape, s.shape
         ((1, 32), ())
     """

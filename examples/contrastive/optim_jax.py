@@ -125,8 +125,8 @@ def for_config(config) -> optax.GradientTransformation | None:
     own, which has no bias correction).
 
     Example:
-        >>> from examples.contrastive.config import get_config
-        >>> for_config(get_config(optimizer="sgd")) is None
+        >>> from examples.contrastive.config import Config
+        >>> for_config(Config(optimizer="sgd")) is None
         True
     """
     if config.optimizer == "sgd":

@@ -3,29 +3,10 @@
 Paired shape images and attribute captions (`data.py`), a small dual
 encoder in Flax NNX and torch (`model_jax.py`, `model_torch.py`,
 `convert.py`), the InfoNCE losses with their check points (`loss_jax.py`,
-`loss_torch.py`) and held-out recall@1 (`metric.py`). See
-`examples/harness.py` for the interface this module implements.
-
-The two modes, as the harness runs them:
-
-* ``naive``: what the contrastive report's team ran first: float32
-  parameters and Adam state, the forward in the compute dtype (a cast of
-  the parameters in JAX, ``torch.autocast`` in torch), the caption pooled as
-  ``sum / count``, ``x / ||x||`` without eps, ``exp(logit_scale)``
-  unclamped, the logits and the cross-entropy in the compute dtype; no
-  guard.
-* ``stable``: the pooling divides by ``max(count, 1)``, the float32
-  `info_nce` (eps-safe normalisation, logit scale clamped at 100), and the
-  harness's guards (clip, skip non-finite; a loss scale for float16).
-
-Both losses return the check points of `config.CHECKS` (inputs,
-embeddings, logits, loss; a ``diagnostics.CheckPoints`` of the library)
-and the logit scale as ``aux``: `fit` logs them in every record
-(``checks['text_emb']['finite']``, ..., ``non_finite_checks``,
-``first_non_finite_check``), with the step's ``grad_norm`` and ``finite``
-(gradients, parameters): the report's six checks. Before training, both
-frameworks' ``check_params`` run on the initial weights and every train
-batch is checked (`config.check_batch`).
+`loss_torch.py`, `probe.py`) and held-out recall@1 (`metric.py`). The parts
+of a run, naive and stable, are `parts_jax.py` / `parts_torch.py`; the
+settings `config.py`. This module wires them into ``TASK`` and checks every
+train batch before training (:func:`check_batch`).
 
 Example:
     >>> TASK.name, TASK.metrics
@@ -34,20 +15,36 @@ Example:
 
 from __future__ import annotations
 
-import copy
-import functools
-import types
-from typing import Any
-
 import numpy as np
 
-from examples import harness
-from examples.contrastive import config as config_lib
 from examples.contrastive import data
-from examples.contrastive.metric import METRICS, recall_at_1
+from examples.contrastive.config import Config
+from examples.contrastive.metric import METRICS
+from examples.harness.config import check_int
+from examples.harness.parts import Task
 
 
-def _describe(c: config_lib.Config) -> str:
+def check_config(c: Config) -> None:
+    """The values the data and the model cannot take (ValueError naming them).
+
+    Example:
+        >>> TASK.get_config(image_size=20)
+        Traceback (most recent call last):
+        ...
+        ValueError: image_size must be divisible by 8 and >= 16, got 20
+    """
+    data_config(c)  # the data's own checks (image_size, max_tokens, ...)
+    check_int("embed_dim", c.embed_dim, 1)
+    check_int("token_dim", c.token_dim, 1)
+    if c.eval_images > data.COMBINATIONS:
+        raise ValueError(
+            f"eval_images must be <= {data.COMBINATIONS} (distinct attribute "
+            f"combinations), got {c.eval_images}"
+        )
+
+
+def describe(c: Config) -> str:
+    """The "Setup:" sentence of the report."""
     return (
         f"{c.train_pairs} train pairs of {c.image_size}x{c.image_size} shape images "
         f"and captions naming 1-5 of their 5 attributes (up to {c.max_tokens} "
@@ -59,271 +56,95 @@ def _describe(c: config_lib.Config) -> str:
     )
 
 
-def cause_note(checks_line: str, first: str | None, bad_rows, empty, batch) -> str:
-    """The check points of a naive run's first non-finite step, in one line.
-
-    Args:
-      checks_line: the framework's ``diagnostics.format_checks`` of the
-        step's ``aux["checks"]`` (the same text in both).
-      first: the first non-finite point (``aux["checks"].non_finite()[0]``),
-        or None.
-      bad_rows: caption embeddings of the batch with a non-finite entry.
-      empty: captions of the batch with no token.
-      batch: pairs in the batch.
+def data_config(config: Config) -> data.ContrastiveData:
+    """The data set of a run.
 
     Example:
-        >>> line = ("inputs finite (max|x| 1), image_emb finite (max|x| 1), "
-        ...         "text_emb NON-FINITE, logits NON-FINITE, loss NON-FINITE; "
-        ...         "first non-finite: text_emb")
-        >>> print(cause_note(line, "text_emb", 1, 1, 32))
-        ... # doctest: +NORMALIZE_WHITESPACE
-        Cause observed: check points of the step, in order: inputs finite
-        (max|x| 1), image_emb finite (max|x| 1), text_emb NON-FINITE, logits
-        NON-FINITE, loss NON-FINITE; first non-finite: text_emb (1 of 32 caption
-        embeddings; 1 caption(s) of the batch have no token: the masked mean is
-        0 / 0).
+        >>> data_config(Config(train_pairs=10)).train_pairs
+        10
     """
-    text = "Cause observed: check points of the step, in order: " + checks_line
-    if first is None:
-        return text + " in the loss: the gradients or the update broke."
-    if first == "text_emb":
-        text += (
-            f" ({bad_rows} of {batch} caption embeddings; {empty} caption(s) of the "
-            "batch have no token: the masked mean is 0 / 0)"
-        )
-    return text + "."
-
-
-def _note(diagnostics, checks, bad_rows: int, empty: int, batch: int) -> str:
-    # `cause_note` of a CheckPoints, with its framework's diagnostics module
-    bad = checks.non_finite()
-    line = diagnostics.format_checks(checks)
-    return cause_note(line, bad[0] if bad else None, bad_rows, empty, batch)
-
-
-def _empty(tokens) -> int:
-    return int((np.asarray(tokens) != data.PAD).sum(axis=1).__eq__(0).sum())
-
-
-# --------------------------------------------------------------------------
-# torch
-
-
-def build_model(config: config_lib.Config, state_dict=None):
-    """A float32 ``model_torch.CLIP`` of the config's size (weights if given).
-
-    Example:
-        >>> build_model(config_lib.get_config(width=4)).architecture()["width"]
-        4
-    """
-    from examples.contrastive import model_torch
-
-    model = model_torch.CLIP(
-        width=config.width,
+    return data.ContrastiveData(
         image_size=config.image_size,
-        vocab_size=len(data.VOCAB),
-        embed_dim=config.embed_dim,
-        token_dim=config.token_dim,
-    )
-    if state_dict is not None:
-        model.load_state_dict(state_dict)
-    return model
-
-
-def initial_weights(config: config_lib.Config) -> dict[str, Any]:
-    """torch's seeded default init; both frameworks start from it.
-
-    Example:
-        >>> sd = initial_weights(config_lib.get_config(width=4))
-        >>> round(float(sd["logit_scale"]), 4)
-        2.6593
-    """
-    import torch
-
-    torch.manual_seed(config.seed)
-    return copy.deepcopy(build_model(config).state_dict())
-
-
-def _to_torch(batch) -> dict[str, Any]:
-    import torch
-
-    return {
-        "image": torch.from_numpy(data.to_nchw(np.asarray(batch["image"]))),
-        "tokens": torch.from_numpy(np.asarray(batch["tokens"], np.int64)),
-    }
-
-
-def _torch_evaluate(model, heldout, config) -> dict[str, float]:
-    safe = config.mode == "stable"
-    imgs, txts = [], []
-    for start in range(0, len(heldout["image"]), config.eval_batch_size):
-        part = {k: heldout[k][start : start + config.eval_batch_size] for k in heldout}
-        b = _to_torch(part)
-        img, txt = model(b["image"], b["tokens"], safe=safe)
-        imgs.append(img.float().numpy())
-        txts.append(txt.float().numpy())
-    return recall_at_1(np.concatenate(imgs), np.concatenate(txts))
-
-
-def torch_parts(config: config_lib.Config, weights) -> harness.TorchParts:
-    """The torch dual encoder of a run, its loss and its evaluation.
-
-    Example:
-        >>> cfg = config_lib.get_config(width=4, mode="naive", precision="bfloat16")
-        >>> parts = torch_parts(cfg, initial_weights(cfg))
-        >>> next(parts.model.parameters()).dtype  # float32 master weights
-        torch.float32
-    """
-    import torch
-
-    from examples.contrastive import loss_torch
-    from torchref import diagnostics
-
-    model = build_model(config, weights).train()
-    diagnostics.check_params(model)  # pre-flight: the weights are finite
-    dtype = harness.torch_dtype(config.precision)
-    if config.mode == "stable":
-
-        def loss_fn(m, batch):
-            img, txt = m(batch["image"], batch["tokens"], safe=True)
-            # the loss outside autocast: its matmuls would otherwise run in
-            # the compute dtype (autocast lists matmul), info_nce is float32
-            with torch.autocast("cpu", enabled=False):
-                return loss_torch.stable_loss(img, txt, m.logit_scale, batch["image"])
-
-    else:
-
-        def loss_fn(m, batch):
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                img, txt = m(batch["image"], batch["tokens"], safe=False)
-            # the first attempt's loss on the compute-dtype embeddings, outside
-            # autocast (whose float32 op lists would decide its dtypes)
-            img, txt = img.to(dtype), txt.to(dtype)
-            return loss_torch.naive_loss(img, txt, m.logit_scale, batch["image"])
-
-    def probe(m, batch):
-        with torch.no_grad():
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                img, txt = m(batch["image"], batch["tokens"], safe=False)
-            img, txt = img.to(dtype), txt.to(dtype)
-            _, aux = loss_torch.naive_loss(img, txt, m.logit_scale, batch["image"])
-        bad = int((~torch.isfinite(txt.float())).any(dim=1).sum())
-        empty = _empty(batch["tokens"].numpy())
-        return _note(diagnostics, aux["checks"], bad, empty, len(batch["tokens"]))
-
-    return harness.TorchParts(
-        model=model,
-        loss_fn=loss_fn,
-        to_torch=_to_torch,
-        evaluate=lambda m, heldout: _torch_evaluate(m, heldout, config),
-        probe=probe if config.mode == "naive" else None,
+        max_tokens=config.max_tokens,
+        train_pairs=config.train_pairs,
+        empty_rate=config.empty_rate,
     )
 
 
-# --------------------------------------------------------------------------
-# JAX
+def check_batch(batch: dict[str, np.ndarray], index: int) -> None:
+    """Pre-flight check of a batch: finite images, token ids in the vocabulary.
 
-
-@functools.cache
-def _jax_embed():
-    import jax
-
-    from examples.contrastive import model_jax
-
-    @functools.partial(jax.jit, static_argnames=("graphdef", "safe"))
-    def embed(graphdef, params, images, tokens, safe):
-        dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        img, txt, _ = model_jax.apply(
-            graphdef, params, images.astype(dtype), tokens, safe=safe
+    Example:
+        >>> bad = {"image": np.zeros((1, 2, 2, 3)), "tokens": np.array([[99]])}
+        >>> check_batch(bad, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: batch 0: token ids must be in [0, 19), got 99 to 99
+    """
+    if not np.isfinite(batch["image"]).all():
+        bad = int((~np.isfinite(batch["image"])).sum())
+        raise ValueError(f"batch {index}: {bad} image entries are not finite")
+    tok = batch["tokens"]
+    if tok.min() < 0 or tok.max() >= len(data.VOCAB):
+        raise ValueError(
+            f"batch {index}: token ids must be in [0, {len(data.VOCAB)}), got "
+            f"{tok.min()} to {tok.max()}"
         )
-        return img.astype("float32"), txt.astype("float32")
-
-    return embed
 
 
-def _jax_evaluate(graphdef, params, heldout, config) -> dict[str, float]:
-    embed = _jax_embed()
-    imgs, txts = [], []
-    for start in range(0, len(heldout["image"]), config.eval_batch_size):
-        sl = slice(start, start + config.eval_batch_size)
-        img, txt = embed(
-            graphdef, params, heldout["image"][sl], heldout["tokens"][sl],
-            config.mode == "stable",
-        )  # fmt: skip
-        imgs.append(np.asarray(img))
-        txts.append(np.asarray(txt))
-    return recall_at_1(np.concatenate(imgs), np.concatenate(txts))
-
-
-def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
-    """The NNX dual encoder of a run (from the torch weights), loss, evaluation.
+def train_batches(config: Config) -> list[dict[str, np.ndarray]]:
+    """The ``config.steps`` train batches (images NHWC, tokens), each checked.
 
     Example:
-        >>> cfg = config_lib.get_config(width=4, mode="naive", precision="bfloat16")
-        >>> parts = jax_parts(cfg, initial_weights(cfg))
-        >>> import jax; jax.tree_util.tree_leaves(parts.params)[0].dtype
-        dtype('float32')
+        >>> b = train_batches(Config(batch_size=4, steps=3, train_pairs=10))
+        >>> [len(x["tokens"]) for x in b], sorted(b[0])
+        ([4, 4, 2], ['image', 'tokens'])
     """
-    import jax
-
-    from examples.contrastive import convert, loss_jax, model_jax, optim_jax
-    from jaxstable import diagnostics
-
-    graphdef, params = model_jax.split(
-        convert.nnx_from_torch(build_model(config, weights))
+    out = data.train_batches(
+        data_config(config), config.batch_size, config.steps, config.seed
     )
-    diagnostics.check_params(params)  # pre-flight: the weights are finite
-    dtype = harness.jax_dtype(config.precision)
-    if config.mode == "stable":
+    for i, batch in enumerate(out):
+        check_batch(batch, i)
+    return out
 
-        def loss_fn(p, s, batch):
-            img, txt, log_scale = model_jax.apply(
-                graphdef, p, batch["image"], batch["tokens"], safe=True
-            )
-            return loss_jax.stable_loss(img, txt, log_scale, batch["image"]), s
 
-    else:
+def heldout_set(config: Config) -> dict[str, np.ndarray]:
+    """The held-out pairs (``config.eval_images``, distinct combinations).
 
-        def loss_fn(p, s, batch):
-            # float32 master weights cast for the forward (what the jmp policy
-            # of the stable run does)
-            p = jax.tree.map(lambda x: x.astype(dtype), p)
-            img, txt, log_scale = model_jax.apply(
-                graphdef, p, batch["image"], batch["tokens"], safe=False
-            )
-            out = loss_jax.naive_loss(
-                img.astype(dtype), txt.astype(dtype), log_scale, batch["image"]
-            )
-            return out, s
-
-    def probe(p, s, batch):
-        # one eager forward (off the hot path): the caption embeddings and
-        # the check points of the naive loss on them
-        q = jax.tree.map(lambda x: x.astype(dtype), p)
-        img, txt, log_scale = model_jax.apply(
-            graphdef, q, batch["image"], batch["tokens"], safe=False
-        )
-        img, txt = img.astype(dtype), txt.astype(dtype)
-        _, aux = loss_jax.naive_loss(img, txt, log_scale, batch["image"])
-        bad = int((~np.isfinite(np.asarray(txt, np.float32))).any(axis=1).sum())
-        empty = _empty(batch["tokens"])
-        return _note(diagnostics, aux["checks"], bad, empty, len(batch["tokens"]))
-
-    return harness.JaxParts(
-        params=params,
-        model_state=None,
-        loss_fn=loss_fn,
-        evaluate=lambda p, s, heldout: _jax_evaluate(graphdef, p, heldout, config),
-        probe=probe if config.mode == "naive" else None,
-        has_aux=True,
-        optimizer=optim_jax.for_config(config),  # torch's Adam bias corrections
+    Example:
+        >>> heldout_set(Config(eval_images=4))["tokens"].shape
+        (4, 8)
+    """
+    return data.make_pairs(
+        data_config(config), "heldout", config.eval_images, config.seed
     )
 
 
-TASK = types.SimpleNamespace(
+# The frameworks are imported when a run needs them (`compare.py --help`
+# starts neither).
+def initial_weights(config):
+    from examples.contrastive import parts_torch
+
+    return parts_torch.initial_weights(config)
+
+
+def jax_parts(config, weights):
+    from examples.contrastive import parts_jax
+
+    return parts_jax.jax_parts(config, weights)
+
+
+def torch_parts(config, weights):
+    from examples.contrastive import parts_torch
+
+    return parts_torch.torch_parts(config, weights)
+
+
+TASK = Task(
     name="contrastive",
     help="image-text retrieval (CLIP-style InfoNCE on shape captions; recall@1)",
     metrics=METRICS,
+    config_class=Config,
     # a smoke run: 16x16 images, width 4, 6 steps of 8 over 48 pairs (one
     # epoch: every pair, the empty caption included, is seen; no partial
     # batch, whose new shape would cost each JAX run a second compile)
@@ -336,13 +157,13 @@ TASK = types.SimpleNamespace(
         eval_images=16,
         eval_batch_size=16,
     ),
-    get_config=config_lib.get_config,
-    train_batches=config_lib.train_batches,
-    heldout_set=config_lib.heldout_set,
-    initial_weights=initial_weights,
-    describe=_describe,
     stable_loss="float32 info_nce (eps-safe, logit scale clamped at 100), "
     "max(count, 1) caption pooling",
+    describe=describe,
+    train_batches=train_batches,
+    heldout_set=heldout_set,
+    initial_weights=initial_weights,
     jax_parts=jax_parts,
     torch_parts=torch_parts,
+    check_config=check_config,
 )

@@ -1,8 +1,8 @@
 """Load a torch `model_torch.Detector` into a Flax NNX `model_jax.Detector`.
 
 The two detectors name their submodules alike and use only layers the
-segmentation converter maps (``Conv2d``, ``BatchNorm2d``), so the
-name-by-name copy is `examples.segmentation.convert.torch_to_nnx`, reused as
+common converter maps (``Conv2d``, ``BatchNorm2d``), so the
+name-by-name copy is `examples.common.convert.torch_to_nnx`, reused as
 is; this module only builds the NNX twin of a torch detector.
 """
 
@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import torch
-from flax import nnx
 
+from examples.common.convert import nnx_twin, torch_to_nnx
 from examples.detection import model_jax
-from examples.segmentation.convert import torch_to_nnx
 
 __all__ = ["nnx_from_torch", "torch_to_nnx"]
 
@@ -42,10 +41,4 @@ def nnx_from_torch(
         >>> bool(np.allclose(yj, yt.permute(0, 2, 3, 1).detach().numpy(), atol=1e-5))
         True
     """
-    arch = source.architecture()
-    model = nnx.eval_shape(
-        lambda: model_jax.Detector(
-            **arch, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)
-        )
-    )
-    return torch_to_nnx(source, model)
+    return nnx_twin(model_jax.Detector, source, dtype=dtype, param_dtype=param_dtype)

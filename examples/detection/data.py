@@ -52,17 +52,18 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 
 import numpy as np
 
-# The split streams and the NHWC -> NCHW layout are those of the segmentation
-# data: one copy, shared by every task.
-from examples.segmentation.data import (  # noqa: F401 (to_nchw re-exported)
+# The split streams, smooth noise and the NHWC -> NCHW layout: one copy,
+# shared by every task.
+from examples.common.data import (  # noqa: F401 (to_nchw re-exported)
     SPLITS,
-    _check_split,
-    _smooth_field,
+    batch_rng,
+    dataset_rng,
+    smooth_field,
+    stream,
     to_nchw,
 )
 
@@ -73,9 +74,6 @@ STRIDE = 4
 # The unused-slot box: finite for every box loss, masked out by box_mask.
 PAD_BOX = (0.0, 0.0, 1.0, 1.0)
 BOX_KEYS = ("boxes", "classes", "box_mask", "cells", "heatmap")
-
-_STREAM_BATCHES = 1
-_STREAM_DATASET = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +198,9 @@ def _scene(rng: np.random.Generator, c: DetectionConfig):
     """One canvas: (rgb (S, S, 3) in [0, 1], boxes (m, 4), classes (m,))."""
     s = c.canvas
     yy, xx = np.mgrid[0:s, 0:s].astype(np.float64)
-    light = 1.0 + 0.15 * _smooth_field(rng, 1, s, s)[0]
+    light = 1.0 + 0.15 * smooth_field(rng, 1, s, s)[0]
     base = rng.uniform(0.3, 0.7, 3)
-    rgb = base + 0.12 * np.stack([_smooth_field(rng, 1, s, s)[0] for _ in range(3)], -1)
+    rgb = base + 0.12 * np.stack([smooth_field(rng, 1, s, s)[0] for _ in range(3)], -1)
     # clutter: segments and small blobs in object-like colours (not objects)
     colors = _hue_colors(rng, rng.random(c.clutter))
     for i in range(c.clutter):
@@ -416,13 +414,8 @@ def batch_at(
         >>> bool((a["image"] == b["image"]).all() and (a["boxes"] == b["boxes"]).all())
         True
     """
-    split_id = _check_split(split)
-    if index < 0:
-        raise ValueError(f"index must be >= 0, got {index}")
-    ss = np.random.SeedSequence([seed, split_id, _STREAM_BATCHES, index])
-    return generate(
-        config, batch_size, np.random.default_rng(ss), augment=split == "train"
-    )
+    rng = batch_rng(seed, split, index)
+    return generate(config, batch_size, rng, augment=split == "train")
 
 
 def batches(
@@ -439,10 +432,7 @@ def batches(
         >>> [b["image"].shape for b in batches(cfg, "train", 4, num_batches=2)]
         [(4, 32, 32, 3), (4, 32, 32, 3)]
     """
-    _check_split(split)
-    indices = itertools.count() if num_batches is None else range(num_batches)
-    for i in indices:
-        yield batch_at(config, split, batch_size, i, seed)
+    return stream(batch_at, config, split, batch_size, seed, num_batches)
 
 
 def make_dataset(
@@ -457,8 +447,5 @@ def make_dataset(
         >>> make_dataset(DetectionConfig(), "heldout", 5)["boxes"].shape
         (5, 4, 4)
     """
-    split_id = _check_split(split)
-    ss = np.random.SeedSequence([seed, split_id, _STREAM_DATASET])
-    return generate(
-        config, num_images, np.random.default_rng(ss), augment=split == "train"
-    )
+    rng = dataset_rng(seed, split)
+    return generate(config, num_images, rng, augment=split == "train")

@@ -41,9 +41,9 @@ import json
 import numpy as np
 
 from examples import harness
-from examples.detection import config as config_lib
 from examples.detection import data, loss_jax, loss_torch
-from examples.detection.task import TASK
+from examples.detection.config import Config
+from examples.detection.task import TASK, data_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,9 +137,9 @@ def float32_losses(
     return losses
 
 
-def _first_batches(cfg: config_lib.Config, steps: int) -> list[dict]:
+def _first_batches(cfg: Config, steps: int) -> list[dict]:
     """The run's first `steps` train batches (not all ``cfg.steps`` of them)."""
-    d = config_lib.data_config(cfg)
+    d = data_config(cfg)
     return list(data.batches(d, "train", cfg.batch_size, cfg.seed, steps))
 
 
@@ -202,8 +202,8 @@ def _relu_flips(model, torch_images, images) -> list[dict]:
     import torch
     from flax import nnx
 
+    from examples.common.layers_jax import ConvBN
     from examples.detection import convert
-    from examples.ocr import model_jax as ocr_jax
 
     torch_inputs, hooks = {}, []
     for name, module in model.named_modules():
@@ -220,20 +220,20 @@ def _relu_flips(model, torch_images, images) -> list[dict]:
     names = {
         id(m): ".".join(map(str, path))
         for path, m in nnx.iter_modules(jax_model)
-        if isinstance(m, ocr_jax.ConvBN)
+        if isinstance(m, ConvBN)
     }
-    jax_inputs, call = {}, ocr_jax.ConvBN.__call__
+    jax_inputs, call = {}, ConvBN.__call__
 
     def recording_call(self, x, *, train):
         pre = self.bn(self.conv(x), train=train)
         jax_inputs[names[id(self)]] = np.asarray(pre)
         return call(self, x, train=train)
 
-    ocr_jax.ConvBN.__call__ = recording_call
+    ConvBN.__call__ = recording_call
     try:
         jax_model(jnp.asarray(images), train=True)
     finally:
-        ocr_jax.ConvBN.__call__ = call
+        ConvBN.__call__ = call
     flips = []
     for name, theirs in torch_inputs.items():
         ours = jax_inputs[name]

@@ -1,8 +1,8 @@
 """A small anchor-free detector in Flax NNX (NHWC), twin of `model_torch.Detector`.
 
 Same architecture and submodule names as `model_torch` (see its docstring):
-the OCR example's conv-BN stages (its `ConvBN` / `Stage`, with the
-segmentation `BatchNorm`: torch's semantics), a two-scale neck at stride 4
+the conv-BN stages of `examples.common.layers_jax` (`ConvBN` / `Stage`,
+with its `BatchNorm`: torch's semantics), a two-scale neck at stride 4
 and a head of class logits and raw box distances. Parameters are stored in
 ``param_dtype``; convolutions compute in ``dtype``.
 
@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples.ocr.model_jax import ConvBN, Stage, upsample
-from examples.segmentation.model_jax import Dtype
+from examples.common.layers_jax import ConvBN, Dtype, Stage, apply, split, upsample
 
 __all__ = ["Detector", "apply", "cell_centers", "decode", "split"]
 
@@ -43,9 +42,10 @@ class Detector(nnx.Module):
     ``model(x, train=...)`` with x (N, H, W, C), H and W divisible by 8,
     returns ``{"cls": (N, H/4, W/4, num_classes), "box": (N, H/4, W/4, 4)}``.
 
-    Example:
-        >>> model = Detector(num_classes=3, width=4, rngs=nnx.Rngs(0))
-        >>> out = model(jnp.zeros((2, 32, 32, 3)), train=False)
+    Example (shapes only: ``nnx.eval_shape`` traces it, computing nothing):
+        >>> model = lambda: Detector(num_classes=3, width=4, rngs=nnx.Rngs(0))
+        >>> x = jnp.zeros((2, 32, 32, 3))
+        >>> out = nnx.eval_shape(lambda: model()(x, train=False))
         >>> out["cls"].shape, out["box"].shape
         ((2, 8, 8, 3), (2, 8, 8, 4))
     """
@@ -119,30 +119,3 @@ def decode(raw: jax.Array, centers: jax.Array) -> jax.Array:
     d = jnp.exp(raw) * STRIDE
     c = centers.astype(raw.dtype)
     return jnp.concatenate([c - d[..., :2], c + d[..., 2:]], -1)
-
-
-def split(model: Detector) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """``nnx.split(model, nnx.Param, nnx.BatchStat)``: graphdef, params, stats.
-
-    Example:
-        >>> graphdef, params, stats = split(Detector(width=4, rngs=nnx.Rngs(0)))
-        >>> sorted(stats["head"]["bn"])
-        ['mean', 'var']
-    """
-    return nnx.split(model, nnx.Param, nnx.BatchStat)
-
-
-def apply(graphdef, params, batch_stats, x: jax.Array, *, train: bool):
-    """Pure forward pass: ``(outputs, new_batch_stats)``; jit- and grad-friendly.
-
-    Example:
-        >>> graphdef, params, stats = split(Detector(width=4, rngs=nnx.Rngs(0)))
-        >>> out, new = apply(graphdef, params, stats, jnp.zeros((1, 16, 16, 3)),
-        ...                  train=True)
-        >>> out["cls"].shape
-        (1, 4, 4, 3)
-    """
-    # copy=True: see examples/segmentation/model_jax.apply (trace levels)
-    model = nnx.merge(graphdef, params, batch_stats, copy=True)
-    out = model(x, train=train)
-    return out, nnx.state(model, nnx.BatchStat)

@@ -21,8 +21,8 @@ The grid has stride `STRIDE` = 4. A cell at row i, column j (centre
 probability of 0.01, so the focal loss of the ~all-background grid starts
 small).
 
-The stages are the OCR example's `ConvBN` / `Stage` (same names in the NNX
-twin), so `convert.nnx_from_torch` maps the state_dict by name.
+The stages are `examples.common.layers_torch`'s `ConvBN` / `Stage` (same
+names in the NNX twin), so `convert.nnx_from_torch` maps the state_dict by name.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.ocr.model_torch import ConvBN, Stage
+from examples.common.layers_torch import ConvBN, Stage
 
 STRIDE = 4
 PRIOR = 0.01

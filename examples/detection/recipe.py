@@ -159,3 +159,43 @@ def ema_decays(steps: int, decay: float = 0.9999, tau: float = 2000.0) -> np.nda
     _check("steps", steps, 0, open_low=True)
     u = np.arange(steps + 1, dtype=np.float64)
     return (decay * (1.0 - np.exp(-u / tau))).astype(np.float32)
+
+
+def for_config(config) -> Recipe:
+    """The YOLO recipe of a detection run: no warmup for ``mode="naive"``.
+
+    Args:
+      config: a detection `Config` (its lr, steps, warmup and momentum fields).
+
+    Example:
+        >>> from examples.detection.config import Config
+        >>> cfg = Config(steps=300)
+        >>> naive = cfg.replace(mode="naive")
+        >>> for_config(cfg).warmup_steps, for_config(naive).warmup_steps
+        (100, 0)
+    """
+    return Recipe(
+        steps=max(config.steps, 1),
+        warmup_steps=config.warmup_steps if config.mode == "stable" else 0,
+        lr=config.learning_rate,
+        final_lr_fraction=config.final_lr_fraction,
+        momentum=config.momentum,
+        warmup_momentum=config.warmup_momentum,
+        warmup_bias_lr=config.warmup_bias_lr,
+        weight_decay=config.weight_decay,
+        decay=config.lr_decay,
+    )
+
+
+def settings(recipe: Recipe) -> dict:
+    """`recipe` as the keyword arguments of the ``yolo_optimizer`` s (no steps).
+
+    Example:
+        >>> sorted(settings(Recipe(steps=10)))[:2]
+        ['decay', 'final_lr_fraction']
+    """
+    return {
+        f.name: getattr(recipe, f.name)
+        for f in dataclasses.fields(recipe)
+        if f.name != "steps"
+    }

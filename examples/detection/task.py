@@ -4,19 +4,10 @@ Synthetic scenes with a detector's augmentation (`data.py`, which keeps the
 zero-width / zero-height boxes that crops produce at the window border), a
 small anchor-free detector in Flax NNX and torch (`model_jax.py`,
 `model_torch.py`, `convert.py`), its focal + CIoU losses (`loss_jax.py`,
-`loss_torch.py`) and the VOC mAP@0.5 (`metric.py`). See
-`examples/harness.py` for the interface this module implements.
-
-The two modes, as the harness runs them:
-
-* ``naive``: a typical first implementation in mixed precision without any
-  guard: float32 parameters and optimizer state, the forward in the compute
-  dtype (a jmp-style cast in JAX, ``torch.autocast`` in torch), the focal
-  and CIoU losses written from the papers with no eps, in the compute dtype
-  (`loss_jax.naive_loss`); no loss scale, no clip, no skip.
-* ``stable``: the library's float32 `sigmoid_focal_loss` and
-  `box_iou_loss(kind="ciou")` (finite on degenerate boxes) and the harness's
-  guards (dynamic loss scale for float16, clip, skip).
+`loss_torch.py`), the YOLO recipe (`recipe*.py`) and the VOC mAP@0.5
+(`metric.py`). The parts of a run, naive and stable, are `parts_jax.py` /
+`parts_torch.py`; the naive run's probe `probe.py`; the settings
+`config.py`.
 
 Example:
     >>> TASK.name, TASK.metrics
@@ -25,27 +16,40 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import functools
-import types
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
-from examples import harness
-from examples.detection import config as config_lib
-from examples.detection import data
+from examples.detection import data, metric
+from examples.detection import recipe as recipe_lib
+from examples.detection.config import Config
+from examples.harness.config import check_int
+from examples.harness.parts import Task
 
-METRICS = ("map50",)
+
+def check_config(c: Config) -> None:
+    """The values the data, the detector and the recipe cannot take.
+
+    Example:
+        >>> TASK.get_config(image_size=36)
+        Traceback (most recent call last):
+        ...
+        ValueError: image_size=36 must be a multiple of 8 and >= 16
+    """
+    if c.image_size % 8 or c.image_size < 16:
+        raise ValueError(f"image_size={c.image_size} must be a multiple of 8 and >= 16")
+    check_int("max_objects", c.max_objects, 1)
+    recipe_lib.for_config(c)  # the recipe's own validation, one place
+    recipe_lib.ema_decays(1, c.ema_decay, c.ema_tau)  # and the EMA's
 
 
-def _describe(c: config_lib.Config) -> str:
-    d = config_lib.data_config(c)
-    flat, points, total = config_lib.degenerate_counts(c)
+def describe(c: Config) -> str:
+    """The "Setup:" sentence of the report (the recipe, the degenerate boxes)."""
+    d = data_config(c)
+    flat, points, total = degenerate_counts(c)
     from examples.detection.loss_jax import BOX_WEIGHT as loss_weight
 
-    r = c.recipe()
+    r = recipe_lib.for_config(c)
     recipe = "the harness's plain optimizer"
     if c.optimizer == "sgd":
         recipe = (
@@ -72,332 +76,92 @@ def _describe(c: config_lib.Config) -> str:
     )
 
 
-def cause_note(
-    box_loss: np.ndarray,
-    box_grad_finite: np.ndarray,
-    focal: np.ndarray,
-    probs: np.ndarray,
-    batch: Mapping[str, np.ndarray],
-    dtype: str,
-) -> str:
-    """The observed cause of a naive run's first non-finite step, in one line.
-
-    Names each object (batch element, slot, class, box) whose naive CIoU or
-    its gradient is non-finite, and counts the focal-loss elements that are
-    non-finite and the probabilities that rounded to exactly 0 or 1 in the
-    compute dtype (``log(p)`` / ``log(1 - p)`` = -inf there).
-
-    Args:
-      box_loss: per-object naive CIoU (N, K), float32 copy.
-      box_grad_finite: per object, its CIoU's gradient is finite (N, K).
-      focal: per-element naive focal loss (N, G, G, C), float32 copy.
-      probs: ``sigmoid(logits)`` in the compute dtype, as float32 (N, G, G, C).
-      batch: the step's batch (``boxes``, ``classes``, ``box_mask``).
-      dtype: the compute dtype's name.
+def data_config(config: Config) -> data.DetectionConfig:
+    """The synthetic scenes of a run.
 
     Example:
-        >>> b = {"boxes": np.array([[[0, 32, 0, 32], [1, 1, 5, 5]]], np.float32),
-        ...      "classes": np.array([[1, 0]]), "box_mask": np.array([[True, True]])}
-        >>> print(cause_note(np.array([[np.nan, 0.5]]), np.array([[False, True]]),
-        ...       np.zeros((1, 2, 2, 3)), np.full((1, 2, 2, 3), 0.01), b, "float16"))
-        ... # doctest: +NORMALIZE_WHITESPACE
-        Cause observed: on this step's batch, the naive CIoU was non-finite for 1
-        of 2 objects, its gradient for 1: batch element 0, box slot 0 (disc) with
-        box (0, 32, 0, 32): a point box (zero width and height), where atan(w/h)
-        is atan(0/0) = NaN. The naive focal loss was non-finite at 0 of 12
-        elements; sigmoid(x) rounded to 0 or 1 in float16 at 0.
+        >>> data_config(Config(image_size=48)).size
+        48
     """
-    used = np.asarray(batch["box_mask"], bool)
-    bad_value = used & ~np.isfinite(box_loss)
-    bad = used & (bad_value | ~np.asarray(box_grad_finite, bool))
-    text = (
-        f"Cause observed: on this step's batch, the naive CIoU was non-finite for "
-        f"{int(bad_value.sum())} of {int(used.sum())} objects, its gradient for "
-        f"{int((used & ~np.asarray(box_grad_finite, bool)).sum())}"
-    )
-    named = []
-    for i, j in np.argwhere(bad)[:3]:
-        x1, y1, x2, y2 = (float(v) for v in batch["boxes"][i, j])
-        box = f"({x1:g}, {y1:g}, {x2:g}, {y2:g})"
-        cls = data.CLASSES[int(batch["classes"][i, j])]
-        what = "a box"
-        if x2 <= x1 and y2 <= y1:
-            what = (
-                "a point box (zero width and height), where atan(w/h) is "
-                "atan(0/0) = NaN"
-            )
-        elif x2 <= x1 or y2 <= y1:
-            what = "a box of zero width or height"
-        named.append(f"batch element {i}, box slot {j} ({cls}) with box {box}: {what}")
-    text += (": " + "; ".join(named)) if named else ""
-    saturated = int(np.sum((probs == 0) | (probs == 1)))
-    return (
-        f"{text}. The naive focal loss was non-finite at "
-        f"{int(np.sum(~np.isfinite(focal)))} of {focal.size} elements; "
-        f"sigmoid(x) rounded to 0 or 1 in {dtype} at {saturated}."
-    )
+    return data.DetectionConfig(size=config.image_size, max_objects=config.max_objects)
 
 
-# --------------------------------------------------------------------------
-# torch
-
-
-def build_model(config: config_lib.Config, state_dict=None):
-    """A float32 ``model_torch.Detector`` of the config's size (weights if given).
+def train_batches(config: Config) -> list[dict[str, np.ndarray]]:
+    """The ``config.steps`` augmented train batches: images (NHWC) and targets.
 
     Example:
-        >>> build_model(config_lib.get_config(width=4)).architecture()["width"]
-        4
+        >>> b = train_batches(Config(batch_size=2, steps=3))
+        >>> len(b), sorted(b[0])
+        (3, ['box_mask', 'boxes', 'cells', 'classes', 'heatmap', 'image'])
     """
-    from examples.detection import model_torch
-
-    model = model_torch.Detector(
-        in_channels=3, num_classes=data.NUM_CLASSES, width=config.width
+    return list(
+        _train_batches(
+            data_config(config), config.batch_size, config.seed, config.steps
+        )
     )
-    if state_dict is not None:
-        model.load_state_dict(state_dict)
-    return model
 
 
-def initial_weights(config: config_lib.Config) -> dict[str, Any]:
-    """torch's seeded default init of the detector; both frameworks start from it.
+@functools.lru_cache(maxsize=1)
+def _train_batches(d: data.DetectionConfig, batch_size: int, seed: int, steps: int):
+    # drawn once per comparison (~40 ms a batch): the report's setup line
+    # counts their degenerate boxes, the runs read them
+    return tuple(data.batches(d, "train", batch_size, seed, steps))
+
+
+def heldout_set(config: Config) -> dict[str, np.ndarray]:
+    """The held-out images with their boxes (``config.eval_images``).
 
     Example:
-        >>> sd = initial_weights(config_lib.get_config(width=4))
-        >>> round(float(sd["cls.bias"][0]), 6)  # RetinaNet's prior, p = 0.01
-        -4.59512
+        >>> heldout_set(Config(eval_images=4))["image"].shape
+        (4, 32, 32, 3)
     """
-    import torch
-
-    torch.manual_seed(config.seed)
-    return copy.deepcopy(build_model(config).state_dict())
-
-
-def _to_torch(batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    import torch
-
-    out = {key: torch.from_numpy(np.asarray(batch[key])) for key in data.BOX_KEYS}
-    out["image"] = torch.from_numpy(data.to_nchw(batch["image"]))
-    return out
+    return data.make_dataset(
+        data_config(config), "heldout", config.eval_images, config.seed
+    )
 
 
-def _scores(cls_logits, box_raw, heldout) -> dict[str, float]:
-    from examples.detection import metric
-
-    return metric.evaluate(cls_logits, box_raw, heldout)
-
-
-def _torch_evaluate(model, heldout, config) -> dict[str, float]:
-    import torch
-
-    param_dtype = next(model.parameters()).dtype
-    cls, box = [], []
-    for start in range(0, len(heldout["image"]), config.eval_batch_size):
-        x = data.to_nchw(heldout["image"][start : start + config.eval_batch_size])
-        out = model(torch.from_numpy(x).to(param_dtype))
-        cls.append(out["cls"].float().permute(0, 2, 3, 1).numpy())
-        box.append(out["box"].float().permute(0, 2, 3, 1).numpy())
-    return _scores(np.concatenate(cls), np.concatenate(box), heldout)
-
-
-def torch_parts(config: config_lib.Config, weights) -> harness.TorchParts:
-    """The torch detector of a run, its loss and its evaluation.
+def degenerate_counts(config: Config) -> tuple[int, int, int]:
+    """(boxes of zero width or height, point boxes, all boxes) in the train batches.
 
     Example:
-        >>> cfg = config_lib.get_config(width=4, mode="naive", precision="float16")
-        >>> parts = torch_parts(cfg, initial_weights(cfg))
-        >>> next(parts.model.parameters()).dtype  # float32 master weights
-        torch.float32
+        >>> flat, points, total = degenerate_counts(Config(steps=2))
+        >>> 0 <= points <= flat <= total
+        True
     """
-    import torch
-
-    from examples.detection import loss_torch
-
-    model = build_model(config, weights).train()
-    dtype = harness.torch_dtype(config.precision)
-
-    def forward(m, batch):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            out = m(batch["image"])
-        # the loss in the compute dtype, outside autocast (whose float32 op
-        # lists would otherwise decide the dtype of exp and log)
-        return {key: out[key].to(dtype) for key in ("cls", "box")}
-
-    if config.mode == "stable":
-
-        def loss_fn(m, batch):
-            return loss_torch.stable_loss(m(batch["image"]), batch)[0]
-
-    else:
-
-        def loss_fn(m, batch):
-            return loss_torch.naive_loss(forward(m, batch), batch)[0]
-
-    def probe(m, batch):
-        out = forward(m.train(), batch)
-        out = {key: v.detach() for key, v in out.items()}
-        pred = loss_torch.gather_boxes(out, batch).requires_grad_(True)
-        box = loss_torch.naive_ciou(pred, batch["boxes"])
-        box.sum().backward()
-        grad_ok = torch.isfinite(pred.grad).all(-1)
-        logits = out["cls"].permute(0, 2, 3, 1)
-        focal = loss_torch.naive_focal(logits, batch["heatmap"].to(logits.dtype))
-        return cause_note(
-            box.detach().float().numpy(),
-            grad_ok.numpy(),
-            focal.float().numpy(),
-            torch.sigmoid(logits).float().numpy(),
-            {k: batch[k].float().numpy() for k in ("boxes", "classes")}
-            | {"box_mask": batch["box_mask"].numpy()},
-            config.precision,
-        )
-
-    from examples.detection import recipe_torch
-
-    ema = None
-    if config.optimizer == "sgd" and config.ema_decay > 0:
-        ema = recipe_torch.WeightEma(
-            model, config.recipe().steps, decay=config.ema_decay, tau=config.ema_tau
-        )
-
-    def optimizer(m):
-        opt, scheduler = recipe_torch.yolo_optimizer(
-            m, config.recipe().steps, **config.recipe_settings()
-        )
-        return opt, scheduler if ema is None else recipe_torch.StepHooks(
-            scheduler, ema, m
-        )
-
-    def evaluate(m, heldout):
-        return _torch_evaluate(m if ema is None else ema.averaged(m), heldout, config)
-
-    return harness.TorchParts(
-        model=model,
-        loss_fn=loss_fn,
-        to_torch=_to_torch,
-        evaluate=evaluate,
-        probe=probe if config.mode == "naive" else None,
-        optimizer=optimizer if config.optimizer == "sgd" else None,
-    )
+    flat = points = total = 0
+    for batch in train_batches(config):
+        total += int(batch["box_mask"].sum())
+        for _, _, (x1, y1, x2, y2) in data.degenerate_boxes(batch):
+            flat += 1
+            points += x2 <= x1 and y2 <= y1
+    return flat, points, total
 
 
-# --------------------------------------------------------------------------
-# JAX
+# The frameworks are imported when a run needs them (`compare.py --help`
+# starts neither).
+def initial_weights(config):
+    from examples.detection import parts_torch
+
+    return parts_torch.initial_weights(config)
 
 
-@functools.cache
-def _jax_predict():
-    import jax
+def jax_parts(config, weights):
+    from examples.detection import parts_jax
 
-    from examples.detection import model_jax
-
-    @functools.partial(jax.jit, static_argnames=("graphdef",))
-    def predict(graphdef, params, stats, images):
-        dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        out, _ = model_jax.apply(
-            graphdef, params, stats, images.astype(dtype), train=False
-        )
-        return out["cls"].astype("float32"), out["box"].astype("float32")
-
-    return predict
+    return parts_jax.jax_parts(config, weights)
 
 
-def _jax_evaluate(graphdef, params, stats, heldout, config) -> dict[str, float]:
-    predict = _jax_predict()
-    cls, box = [], []
-    for start in range(0, len(heldout["image"]), config.eval_batch_size):
-        images = heldout["image"][start : start + config.eval_batch_size]
-        c, b = predict(graphdef, params, stats, images)
-        cls.append(np.asarray(c))
-        box.append(np.asarray(b))
-    return _scores(np.concatenate(cls), np.concatenate(box), heldout)
+def torch_parts(config, weights):
+    from examples.detection import parts_torch
+
+    return parts_torch.torch_parts(config, weights)
 
 
-def jax_parts(config: config_lib.Config, weights) -> harness.JaxParts:
-    """The NNX detector of a run (from the torch weights), its loss and evaluation.
-
-    Example:
-        >>> cfg = config_lib.get_config(width=4, mode="naive", precision="float16")
-        >>> parts = jax_parts(cfg, initial_weights(cfg))
-        >>> import jax; jax.tree_util.tree_leaves(parts.params)[0].dtype
-        dtype('float32')
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from examples.detection import convert, loss_jax, model_jax
-
-    graphdef, params, stats = model_jax.split(
-        convert.nnx_from_torch(build_model(config, weights))
-    )
-    dtype = harness.jax_dtype(config.precision)
-
-    def forward(p, s, batch):
-        # float32 master weights cast for the forward (what the jmp policy
-        # of the stable run does), batch statistics as they are
-        p = jax.tree.map(lambda x: x.astype(dtype), p)
-        out, new_stats = model_jax.apply(graphdef, p, s, batch["image"], train=True)
-        return {key: out[key].astype(dtype) for key in ("cls", "box")}, new_stats
-
-    if config.mode == "stable":
-
-        def loss_fn(p, s, batch):
-            out, new_stats = model_jax.apply(graphdef, p, s, batch["image"], train=True)
-            return loss_jax.stable_loss(out, batch)[0], new_stats
-
-    else:
-
-        def loss_fn(p, s, batch):
-            out, new_stats = forward(p, s, batch)
-            return loss_jax.naive_loss(out, batch)[0], new_stats
-
-    @jax.jit  # once per failed run; jitted: op by op it took 29 s on 2 cores
-    def measure(p, s, batch):
-        out, _ = forward(p, s, batch)
-        pred = loss_jax.gather_boxes(out, batch)
-        box, vjp = jax.vjp(lambda b: loss_jax.naive_ciou(b, batch["boxes"]), pred)
-        (grad,) = vjp(jnp.ones_like(box))
-        focal = loss_jax.naive_focal(out["cls"], batch["heatmap"].astype(dtype))
-        return box, jnp.isfinite(grad).all(-1), focal, jax.nn.sigmoid(out["cls"])
-
-    def probe(p, s, batch):
-        box, grad_ok, focal, probs = measure(p, s, batch)
-        as32 = functools.partial(np.asarray, dtype=np.float32)
-        return cause_note(
-            as32(box),
-            np.asarray(grad_ok),
-            as32(focal),
-            as32(probs),
-            {k: np.asarray(batch[k]) for k in ("boxes", "classes", "box_mask")},
-            config.precision,
-        )
-
-    tx = eval_params = None
-    if config.optimizer == "sgd":
-        from examples.detection import recipe_jax
-
-        steps = config.recipe().steps
-        tx = recipe_jax.yolo_optimizer(steps, **config.recipe_settings())
-        if config.ema_decay > 0:
-            tx = recipe_jax.with_ema(
-                tx, steps, decay=config.ema_decay, tau=config.ema_tau
-            )
-            eval_params = lambda _p, opt_state: recipe_jax.ema_weights(opt_state)  # noqa: E731
-    return harness.JaxParts(
-        params=params,
-        model_state=stats,
-        loss_fn=loss_fn,
-        evaluate=lambda p, s, heldout: _jax_evaluate(graphdef, p, s, heldout, config),
-        probe=probe if config.mode == "naive" else None,
-        optimizer=tx,
-        eval_params=eval_params,
-    )
-
-
-TASK = types.SimpleNamespace(
+TASK = Task(
     name="detection",
     help="object detection (anchor-free detector, focal + CIoU; VOC mAP@0.5)",
-    metrics=METRICS,
+    metrics=metric.METRICS,
+    config_class=Config,
     # a smoke run (seconds): 16x16 scenes, a width-4 detector, 2 steps
     # (with 6, the float16 stable runs also skipped step 2 for a loss-scale
     # overflow, and locating that skip op by op was ~14% of the smoke run)
@@ -409,12 +173,12 @@ TASK = types.SimpleNamespace(
         eval_images=4,
         eval_batch_size=4,
     ),
-    get_config=config_lib.get_config,
-    train_batches=config_lib.train_batches,
-    heldout_set=config_lib.heldout_set,
-    initial_weights=initial_weights,
-    describe=_describe,
     stable_loss="float32 focal and CIoU losses, the YOLO recipe with warmup",
+    describe=describe,
+    train_batches=train_batches,
+    heldout_set=heldout_set,
+    initial_weights=initial_weights,
     jax_parts=jax_parts,
     torch_parts=torch_parts,
+    check_config=check_config,
 )

@@ -1,9 +1,9 @@
 """Load the weights of a torch `model_torch.DBNet` into a Flax NNX `model_jax.DBNet`.
 
 The two DBNets name their submodules alike and use the layers the
-segmentation converter already maps (``Conv2d``, ``ConvTranspose2d`` with its
-spatial flip, ``BatchNorm2d`` -> the segmentation `BatchNorm`), so the
-name-by-name copy is `examples.segmentation.convert.torch_to_nnx`, reused
+common converter maps (``Conv2d``, ``ConvTranspose2d`` with its
+spatial flip, ``BatchNorm2d`` -> `examples.common.layers_jax.BatchNorm`), so the
+name-by-name copy is `examples.common.convert.torch_to_nnx`, reused
 as is; this module only builds the NNX twin of a torch DBNet.
 """
 
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import torch
-from flax import nnx
 
+from examples.common.convert import nnx_twin, torch_to_nnx
 from examples.ocr import model_jax
-from examples.segmentation.convert import torch_to_nnx
 
 __all__ = ["nnx_from_torch", "torch_to_nnx"]
 
@@ -51,10 +50,4 @@ def nnx_from_torch(
         >>> bool(np.allclose(yj, yt, atol=1e-5))
         True
     """
-    arch = source.architecture()
-    model = nnx.eval_shape(
-        lambda: model_jax.DBNet(
-            **arch, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)
-        )
-    )
-    return torch_to_nnx(source, model)
+    return nnx_twin(model_jax.DBNet, source, dtype=dtype, param_dtype=param_dtype)

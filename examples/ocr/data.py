@@ -44,7 +44,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 
 import cv2
@@ -52,18 +51,20 @@ import numpy as np
 import pyclipper
 from shapely.geometry import Polygon
 
-# The split streams and the NHWC -> NCHW layout are those of the segmentation
-# data: one copy, shared by every task.
-from examples.segmentation.data import (  # noqa: F401 (to_nchw re-exported)
+# The split streams and the NHWC -> NCHW layout: one copy, shared by every task.
+from examples.common.data import (  # noqa: F401 (to_nchw re-exported)
     SPLITS,
-    _check_split,
+    batch_rng,
+    dataset_rng,
+    stream,
     to_nchw,
 )
 
 MAP_KEYS = ("gt", "mask", "thresh_map", "thresh_mask")
+# The batch keys a train step reads (the polygons, of varying count, are
+# only for the evaluation: fixed shapes keep the jitted step from retracing).
+TRAIN_KEYS = ("image", *MAP_KEYS)
 
-_STREAM_BATCHES = 1
-_STREAM_DATASET = 2
 # Supersampling of the ink canvas: strokes are drawn 4x larger and area-averaged
 # down, so a 1-px stroke at 32x32 has grey edges instead of jaggies.
 _SUPER = 4
@@ -539,11 +540,7 @@ def batch_at(
         >>> bool((a["image"] == b["image"]).all() and (a["gt"] == b["gt"]).all())
         True
     """
-    split_id = _check_split(split)
-    if index < 0:
-        raise ValueError(f"index must be >= 0, got {index}")
-    ss = np.random.SeedSequence([seed, split_id, _STREAM_BATCHES, index])
-    return generate(config, batch_size, np.random.default_rng(ss))
+    return generate(config, batch_size, batch_rng(seed, split, index))
 
 
 def batches(
@@ -559,10 +556,7 @@ def batches(
         >>> [b["image"].shape for b in batches(OCRConfig(), "train", 4, num_batches=2)]
         [(4, 32, 32, 3), (4, 32, 32, 3)]
     """
-    _check_split(split)
-    indices = itertools.count() if num_batches is None else range(num_batches)
-    for i in indices:
-        yield batch_at(config, split, batch_size, i, seed)
+    return stream(batch_at, config, split, batch_size, seed, num_batches)
 
 
 def make_dataset(config: OCRConfig, split: str, num_images: int, seed: int = 0) -> dict:
@@ -574,6 +568,4 @@ def make_dataset(config: OCRConfig, split: str, num_images: int, seed: int = 0) 
         >>> make_dataset(OCRConfig(), "heldout", 5)["gt"].shape
         (5, 32, 32)
     """
-    split_id = _check_split(split)
-    ss = np.random.SeedSequence([seed, split_id, _STREAM_DATASET])
-    return generate(config, num_images, np.random.default_rng(ss))
+    return generate(config, num_images, dataset_rng(seed, split))

@@ -7,9 +7,10 @@ by a 2x2 stride-2 transposed convolution. The probability head returns
 logits; the threshold head ends in a sigmoid; in train mode the model also
 returns ``db_step(P, T, k)`` (float32, `jaxstable.losses.db_step`).
 
-Batch norm is the segmentation example's `BatchNorm` (torch's semantics,
-unbiased running variance, float32 maths), so a converted model keeps the
-torch model's running statistics step after step. Parameters are stored in
+The conv-BN blocks and the batch norm are `examples.common.layers_jax`'s
+(`BatchNorm`: torch's semantics, unbiased running variance, float32 maths),
+so a converted model keeps the torch model's running statistics step after
+step. Parameters are stored in
 ``param_dtype``; convolutions compute in ``dtype``.
 
 Functional use (for a pure ``jax.jit`` train step)::
@@ -24,57 +25,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from examples.segmentation.model_jax import BatchNorm, Dtype
+from examples.common.layers_jax import (
+    ConvBN,
+    Dtype,
+    Stage,
+    apply,
+    split,
+    upsample,
+)
 from jaxstable import losses
 
 __all__ = ["DBNet", "apply", "split"]
-
-
-class ConvBN(nnx.Module):
-    """3x3 conv (no bias, stride 1 or 2, padding 1) -> BatchNorm -> ReLU, NHWC.
-
-    Example:
-        >>> block = ConvBN(3, 8, stride=2, rngs=nnx.Rngs(0))
-        >>> block(jnp.ones((1, 8, 8, 3)), train=False).shape
-        (1, 4, 4, 8)
-    """
-
-    def __init__(
-        self,
-        cin: int,
-        cout: int,
-        *,
-        stride: int = 1,
-        dtype=None,
-        param_dtype=jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        self.conv = nnx.Conv(
-            cin,
-            cout,
-            kernel_size=(3, 3),
-            strides=(stride, stride),
-            padding=((1, 1), (1, 1)),  # torch's padding=1, also at stride 2
-            use_bias=False,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
-        self.bn = BatchNorm(cout, dtype=dtype, param_dtype=param_dtype)
-
-    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
-        return nnx.relu(self.bn(self.conv(x), train=train))
-
-
-class Stage(nnx.Module):
-    """A stride-2 ConvBN (``down``) then a stride-1 ConvBN (``conv``)."""
-
-    def __init__(self, cin: int, cout: int, **kw):
-        self.down = ConvBN(cin, cout, stride=2, **kw)
-        self.conv = ConvBN(cout, cout, **kw)
-
-    def __call__(self, x: jax.Array, *, train: bool) -> jax.Array:
-        return self.conv(self.down(x, train=train), train=train)
 
 
 class Backbone(nnx.Module):
@@ -90,19 +51,6 @@ class Backbone(nnx.Module):
         c1 = self.stage1(self.stem(x, train=train), train=train)
         c2 = self.stage2(c1, train=train)
         return [c1, c2, self.stage3(c2, train=train)]
-
-
-def upsample(x: jax.Array, factor: int) -> jax.Array:
-    """Nearest-neighbour upsampling by an integer factor (NHWC).
-
-    Example:
-        >>> y = upsample(jnp.arange(4.0).reshape(1, 2, 2, 1), 2)[0, :, :, 0]
-        >>> y[0].tolist(), y[3].tolist()
-        ([0.0, 0.0, 1.0, 1.0], [2.0, 2.0, 3.0, 3.0])
-    """
-    if factor == 1:
-        return x
-    return jnp.repeat(jnp.repeat(x, factor, axis=1), factor, axis=2)
 
 
 class Neck(nnx.Module):
@@ -176,9 +124,9 @@ class DBNet(nnx.Module):
     returns a dict of (N, H, W) maps: ``logits`` (shrink-map logits),
     ``thresh`` (in (0, 1)) and, with ``train=True``, ``binary`` (float32).
 
-    Example:
-        >>> model = DBNet(width=8, rngs=nnx.Rngs(0))
-        >>> out = model(jnp.zeros((2, 32, 32, 3)), train=True)
+    Example (shapes only: ``nnx.eval_shape`` traces it, computing nothing):
+        >>> model = lambda: DBNet(width=8, rngs=nnx.Rngs(0))
+        >>> out = nnx.eval_shape(lambda: model()(jnp.zeros((2, 32, 32, 3)), train=True))
         >>> sorted(out), out["binary"].shape, out["binary"].dtype
         (['binary', 'logits', 'thresh'], (2, 32, 32), dtype('float32'))
     """
@@ -218,48 +166,3 @@ class DBNet(nnx.Module):
         if train:
             out["binary"] = losses.db_step(nnx.sigmoid(logits), thresh, k=self.k)
         return out
-
-
-def split(model: DBNet) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """``nnx.split(model, nnx.Param, nnx.BatchStat)``: graphdef, params, stats.
-
-    Example:
-        >>> graphdef, params, stats = split(DBNet(width=4, rngs=nnx.Rngs(0)))
-        >>> sorted(stats["backbone"]["stage1"]["down"]["bn"])
-        ['mean', 'var']
-    """
-    graphdef, params, batch_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
-    return graphdef, params, batch_stats
-
-
-def apply(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    batch_stats: nnx.State,
-    x: jax.Array,
-    *,
-    train: bool,
-) -> tuple[dict[str, jax.Array], nnx.State]:
-    """Pure forward pass: ``(outputs, new_batch_stats)``; jit- and grad-friendly.
-
-    Args:
-      graphdef, params, batch_stats: from :func:`split`.
-      x: images (N, H, W, C).
-      train: training-mode batch norm (and the ``binary`` output).
-
-    Returns:
-      ``(outputs, batch_stats)``: the dict of maps (see :class:`DBNet`) and
-      the running statistics (updated when ``train``).
-
-    Example:
-        >>> graphdef, params, stats = split(DBNet(width=4, rngs=nnx.Rngs(0)))
-        >>> x = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
-        >>> out, new = jax.jit(apply, static_argnames="train")(
-        ...     graphdef, params, stats, x, train=True)
-        >>> out["logits"].shape, out["thresh"].shape
-        ((2, 16, 16), (2, 16, 16))
-    """
-    # copy=True: see examples/segmentation/model_jax.apply (trace levels)
-    model = nnx.merge(graphdef, params, batch_stats, copy=True)
-    out = model(x, train=train)
-    return out, nnx.state(model, nnx.BatchStat)

@@ -29,40 +29,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from examples.common.layers_torch import ConvBN, Stage, upsample
 from torchref import losses
-
-
-class ConvBN(nn.Module):
-    """3x3 conv (no bias, stride 1 or 2, padding 1) -> BatchNorm2d -> ReLU.
-
-    Example:
-        >>> tuple(ConvBN(3, 8, stride=2).eval()(torch.ones(1, 3, 8, 8)).shape)
-        (1, 8, 4, 4)
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
-        super().__init__()
-        self.conv = nn.Conv2d(
-            in_channels, out_channels, 3, stride=stride, padding=1, bias=False
-        )
-        self.bn = nn.BatchNorm2d(out_channels, eps=1e-5, momentum=0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.bn(self.conv(x)))
-
-
-class Stage(nn.Module):
-    """A stride-2 ConvBN (``down``) then a stride-1 ConvBN (``conv``)."""
-
-    def __init__(self, in_channels: int, out_channels: int):
-        super().__init__()
-        self.down = ConvBN(in_channels, out_channels, stride=2)
-        self.conv = ConvBN(out_channels, out_channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(self.down(x))
 
 
 class Backbone(nn.Module):
@@ -79,11 +48,6 @@ class Backbone(nn.Module):
         c1 = self.stage1(self.stem(x))
         c2 = self.stage2(c1)
         return [c1, c2, self.stage3(c2)]
-
-
-def upsample(x: torch.Tensor, factor: int) -> torch.Tensor:
-    """Nearest-neighbour upsampling by an integer factor (NCHW)."""
-    return x if factor == 1 else F.interpolate(x, scale_factor=factor, mode="nearest")
 
 
 class Neck(nn.Module):

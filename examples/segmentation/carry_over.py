@@ -1,7 +1,7 @@
 """Carry a running U-Net job from torchref to jaxstable and back.
 
 The generic part (optimizer moments, GradScaler -> `DynamicLossScale`, skip
-counters, step) is `examples.carry_over`; this file adds the U-Net's
+counters, step) is `examples.common.carry_over`; this file adds the U-Net's
 :func:`unet_layout` (torch keys -> NNX paths and array layouts, from
 `convert.nnx_path`, `convert.convert_array` and `convert.convert_array_back`)
 and the two one-call conversions of a live `torchref.train.TrainStep`.
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from examples import carry_over
+from examples.common import carry_over
 from examples.segmentation import convert, model_jax, model_torch
 
 __all__ = ["jax_to_torch", "torch_to_jax", "unet_layout"]

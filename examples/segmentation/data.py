@@ -24,20 +24,24 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
 
 import numpy as np
 
-SPLITS = ("train", "heldout")
+from examples.common.data import (  # noqa: F401 (to_nchw re-exported)
+    SPLITS,
+    batch_rng,
+    dataset_rng,
+    smooth_field,
+    stream,
+    to_nchw,
+)
+
+# the label of the pixels no loss or metric counts (boundaries, void)
+IGNORE_INDEX = 255
 SHAPES = ("ellipse", "rectangle", "polygon")
 TEXTURES = ("flat", "stripes", "checker", "noise")
 
-# Distinct integers mixed into the seed so that the splits and the two kinds of
-# draws (streamed batches vs. a materialised data set) never share a stream.
-_SPLIT_IDS = {"train": 0, "heldout": 1}
-_STREAM_BATCHES = 1
-_STREAM_DATASET = 2
 # The polygon test loops over this many half-planes; regular polygons have 3..6.
 _MAX_SIDES = 6
 
@@ -90,7 +94,7 @@ class SegmentationConfig:
     color_jitter: float = 0.1
     texture_strength: float = 0.25
     noise_std: float = 0.05
-    ignore_index: int = 255
+    ignore_index: int = IGNORE_INDEX
 
     def __post_init__(self):
         if self.height < 8 or self.width < 8:
@@ -179,30 +183,12 @@ def _boundary_band(instance: np.ndarray, width: int) -> np.ndarray:
     return hi_ != lo_
 
 
-def _interp_matrix(size: int, coarse: int) -> np.ndarray:
-    """(size, coarse + 1) linear-interpolation weights from a coarse grid."""
-    pos = np.linspace(0, coarse, size, dtype=np.float32)
-    lo = np.minimum(pos.astype(int), coarse - 1)
-    frac = pos - lo
-    m = np.zeros((size, coarse + 1), np.float32)
-    m[np.arange(size), lo] = 1 - frac
-    m[np.arange(size), lo + 1] = frac
-    return m
-
-
-def _smooth_field(rng: np.random.Generator, n: int, h: int, w: int) -> np.ndarray:
-    """Smooth random field (n, h, w): coarse noise (1 knot per 8 px), bilinear."""
-    ch, cw = max(h // 8, 2), max(w // 8, 2)
-    coarse = rng.standard_normal((n, ch + 1, cw + 1), dtype=np.float32)
-    return _interp_matrix(h, ch) @ coarse @ _interp_matrix(w, cw).T
-
-
 def _void_mask(
     rng: np.random.Generator, boundary: np.ndarray, target: float
 ) -> np.ndarray:
     """Void blobs covering `target` minus the boundary share of each image."""
     n, h, w = boundary.shape
-    field = _smooth_field(rng, n, h, w).reshape(n, -1)
+    field = smooth_field(rng, n, h, w).reshape(n, -1)
     field[boundary.reshape(n, -1)] = -np.inf  # already ignored; do not count twice
     need = np.round(target * h * w - boundary.reshape(n, -1).sum(1)).astype(int)
     need = np.clip(need, 0, h * w - 1)
@@ -338,7 +324,7 @@ def generate(
         [wave_u, np.sign(wave_u * wave_v), noise],
         np.float32(0.0),
     )
-    light = 1.0 + 0.15 * _smooth_field(rng, n, h, w)  # uneven illumination
+    light = 1.0 + 0.15 * smooth_field(rng, n, h, w)  # uneven illumination
     rgb = at(color) * (light * (1.0 + c.texture_strength * tex))[..., None]
     rgb += c.noise_std * rng.standard_normal(rgb.shape, dtype=f32)
     image = ((np.clip(rgb, 0.0, 1.0) - 0.5) / 0.25).astype(f32)
@@ -348,12 +334,6 @@ def generate(
     void = _void_mask(rng, boundary, c.ignore_fraction)
     label = np.where(boundary | void, c.ignore_index, label).astype(np.int32)
     return {"image": image, "label": label}
-
-
-def _check_split(split: str) -> int:
-    if split not in _SPLIT_IDS:
-        raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
-    return _SPLIT_IDS[split]
 
 
 def batch_at(
@@ -381,11 +361,7 @@ def batch_at(
         >>> bool((a["label"] == b["label"]).all())
         True
     """
-    split_id = _check_split(split)
-    if index < 0:
-        raise ValueError(f"index must be >= 0, got {index}")
-    ss = np.random.SeedSequence([seed, split_id, _STREAM_BATCHES, index])
-    return generate(config, batch_size, np.random.default_rng(ss))
+    return generate(config, batch_size, batch_rng(seed, split, index))
 
 
 def batches(
@@ -412,10 +388,7 @@ def batches(
         >>> [b["image"].shape for b in batches(cfg, "train", 4, num_batches=2)]
         [(4, 16, 16, 3), (4, 16, 16, 3)]
     """
-    _check_split(split)
-    indices = itertools.count() if num_batches is None else range(num_batches)
-    for i in indices:
-        yield batch_at(config, split, batch_size, i, seed)
+    return stream(batch_at, config, split, batch_size, seed, num_batches)
 
 
 def make_dataset(
@@ -439,90 +412,4 @@ def make_dataset(
         >>> make_dataset(cfg, "heldout", 5)["label"].shape
         (5, 16, 16)
     """
-    split_id = _check_split(split)
-    ss = np.random.SeedSequence([seed, split_id, _STREAM_DATASET])
-    return generate(config, num_images, np.random.default_rng(ss))
-
-
-def to_nchw(images: np.ndarray) -> np.ndarray:
-    """NHWC -> NCHW (contiguous), for torch.
-
-    Example:
-        >>> to_nchw(np.zeros((2, 16, 8, 3), np.float32)).shape
-        (2, 3, 16, 8)
-    """
-    if images.ndim != 4:
-        raise ValueError(f"expected NHWC images (4 dims), got shape {images.shape}")
-    return np.ascontiguousarray(images.transpose(0, 3, 1, 2))
-
-
-def to_nhwc(images: np.ndarray) -> np.ndarray:
-    """NCHW -> NHWC (contiguous), the inverse of :func:`to_nchw`.
-
-    Example:
-        >>> to_nhwc(np.zeros((2, 3, 16, 8), np.float32)).shape
-        (2, 16, 8, 3)
-    """
-    if images.ndim != 4:
-        raise ValueError(f"expected NCHW images (4 dims), got shape {images.shape}")
-    return np.ascontiguousarray(images.transpose(0, 2, 3, 1))
-
-
-def confusion_matrix(
-    pred: np.ndarray, label: np.ndarray, num_classes: int, ignore_index: int = 255
-) -> np.ndarray:
-    """(num_classes, num_classes) int64 counts, rows = true class, cols = predicted.
-
-    Pixels whose label is `ignore_index` are not counted.
-
-    Example:
-        >>> confusion_matrix(np.array([0, 1, 1]), np.array([0, 1, 255]), 2).tolist()
-        [[1, 0], [0, 1]]
-    """
-    pred, label = np.asarray(pred).ravel(), np.asarray(label).ravel()
-    if pred.shape != label.shape:
-        raise ValueError(f"pred and label sizes differ: {pred.size} vs {label.size}")
-    keep = label != ignore_index
-    pred, label = pred[keep], label[keep]
-    bad = (label < 0) | (label >= num_classes) | (pred < 0) | (pred >= num_classes)
-    if bad.any():
-        raise ValueError(
-            f"class ids must be in [0, {num_classes}) or {ignore_index}; found "
-            f"labels {np.unique(label[bad]).tolist()[:5]} / preds "
-            f"{np.unique(pred[bad]).tolist()[:5]}"
-        )
-    idx = label.astype(np.int64) * num_classes + pred.astype(np.int64)
-    return np.bincount(idx, minlength=num_classes**2).reshape(num_classes, num_classes)
-
-
-def mean_iou(
-    pred: np.ndarray, label: np.ndarray, num_classes: int, ignore_index: int = 255
-) -> tuple[float, np.ndarray]:
-    """Mean intersection-over-union over classes, ignoring `ignore_index` pixels.
-
-    IoU_c = TP_c / (TP_c + FP_c + FN_c); classes absent from both `pred` and
-    `label` (union 0) are left out of the mean (NaN in the per-class array),
-    as in the Cityscapes / VOC evaluation scripts.
-
-    Args:
-      pred: predicted class ids, any shape.
-      label: true class ids (or `ignore_index`), same size as `pred`.
-      num_classes: number of classes.
-      ignore_index: label value that is not evaluated.
-
-    Returns:
-      ``(miou, per_class_iou)``: a float and a float64 (num_classes,) array.
-
-    Example:
-        >>> pred, label = np.array([0, 1, 1, 0]), np.array([0, 1, 0, 255])
-        >>> miou, per_class = mean_iou(pred, label, 2)
-        >>> round(miou, 3), per_class.round(3).tolist()
-        (0.5, [0.5, 0.5])
-    """
-    cm = confusion_matrix(pred, label, num_classes, ignore_index).astype(np.float64)
-    tp = np.diag(cm)
-    union = cm.sum(0) + cm.sum(1) - tp
-    with np.errstate(invalid="ignore", divide="ignore"):
-        iou = np.where(union > 0, tp / union, np.nan)
-    miou = float(np.nanmean(iou)) if np.any(union > 0) else float("nan")
-    return miou, iou
+    return generate(config, num_images, dataset_rng(seed, split))

@@ -218,7 +218,7 @@ def _plain_path(keypath: tuple) -> tuple:
 
 def _float32(t: Any) -> np.ndarray:
     # A copy: `.numpy()` shares the tensor's memory, and torch updates its
-    # parameters and moments in place (see examples/segmentation/convert.py).
+    # parameters and moments in place (see examples/common/convert.py).
     return t.detach().cpu().to(torch.float32).numpy().copy()
 
 
