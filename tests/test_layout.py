@@ -45,8 +45,11 @@ TORCH_ONLY = {
     # `stable_optimizer` return (optax returns GradientTransformations).
     "transforms": {"AccumulateGradients", "SkipNonFinite", "StableOptimizer"},
     # torch keeps gradients on the parameters; in JAX they are a pytree and
-    # `non_finite_report(grads)` already covers them.
-    "diagnostics": {"non_finite_grad_report"},
+    # `non_finite_report(grads)` already covers them. torch draws dropout
+    # masks from hidden global and module-held generators, which `locate`
+    # must be given back; JAX's keys are explicit (in the batch or the model
+    # state), so its locate re-runs with them as they are.
+    "diagnostics": {"non_finite_grad_report", "rng_snapshot"},
 }
 
 

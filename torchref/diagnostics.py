@@ -16,3 +16,4 @@ from torchref._src.diagnostics import format_report as format_report
 from torchref._src.diagnostics import locate as locate
 from torchref._src.diagnostics import non_finite_grad_report as non_finite_grad_report
 from torchref._src.diagnostics import non_finite_report as non_finite_report
+from torchref._src.diagnostics import rng_snapshot as rng_snapshot

@@ -1,35 +1,63 @@
 """The engine of `jaxstable.diagnostics.locate` (private).
 
-The loss of a train step is traced to a jaxpr (with every Flax NNX module
-call wrapped in a ``jax.named_scope`` naming its attribute path) and then
-evaluated equation by equation, eagerly, outside `jax.jit`. Every value that
-is not finite carries its *origin*: the first equation whose output went
-non-finite while its own inputs were finite (or, when an input already was
-non-finite, that input's origin). So the loss, and each gradient leaf, knows
-which operation its NaN or Inf started from, in which module, at which line
-of the user's code. Only the values still needed are kept (each variable is
-dropped after its last use), so memory stays that of the step itself.
+The loss of a train step is traced to a jaxpr (every Flax module method call
+wrapped in a ``jax.named_scope`` naming the attribute path it was called
+through) and evaluated equation by equation, eagerly, outside `jax.jit`.
+Every value that is not finite carries a *tag*: which origin explains each
+of its non-finite elements. An origin is the equation that made elements
+non-finite while the elements they were computed from were finite. Origins
+are tracked per element, not per array, so an element that was ``-inf`` on
+purpose (an attention mask) does not hide a new overflow at another element
+of the same array: the loss, and each gradient leaf, knows which operation
+its NaN or Inf started from, in which module, at which line of user code.
 
-The jitted step is never touched: nothing here runs on the hot path.
+Elementwise primitives map element i to element i (masks are broadcast).
+Any other primitive (a matmul, a reduction, a reshape) is *ablated* when an
+intentional value or several origins reach it: re-run with the non-finite
+input elements of an origin replaced by 1; the output elements that turn
+finite were explained by that origin, those still non-finite are the
+primitive's own. With a single, unintended origin at its inputs, all its
+non-finite outputs keep that origin without a re-run (the first cause wins
+anyway), which keeps a NaN cascade cheap.
+
+*Intentional* values are the non-finite constants a program writes on
+purpose (``jnp.where(mask, s, -jnp.inf)``, a ``-inf`` constant, a model
+state holding ``-inf`` only): tracked like any other value, never blamed
+over a real overflow, and the NaN they make (``-inf - -inf`` in a softmax
+over a fully masked row) is named for what it is.
+
+Only the values still needed are kept: each variable is dropped after its
+last use, and the outputs of the update are checked as they appear and
+dropped (but the first non-finite parameter and its origin); an origin reads
+its facts (stats, float64 recomputation) when reported, and at most `_LAZY`
+unread origins hold their op's inputs. So locate holds about what the
+compiled step holds (`benchmarks/bench_locate.py`). The traced jaxprs are
+kept per step, as `jax.jit` keeps its traces. The jitted step is never
+touched: nothing here runs on the hot path.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import functools
+import linecache
 import math
 import os
+import sys
+import types
+import weakref
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
-from jax._src import source_info_util
+from jax._src import custom_derivatives, source_info_util
 
 _MARK = "@jaxstable.module:"  # prefix of the named scope of a module call
-# Higher-order primitives whose body is evaluated op by op (recursively);
-# any other primitive with a body (scan, while, cond) counts as one op.
+# Higher-order primitives whose body is evaluated op by op (recursively).
 _CALLS = {
     "pjit",
     "jit",
@@ -40,6 +68,21 @@ _CALLS = {
     "custom_vjp_call_jaxpr",
     "remat",
     "checkpoint",
+}
+# Control flow: evaluated at once while its values are finite, op by op in
+# its body otherwise (so the op inside the body is named).
+_BODIES = {"cond", "while", "scan"}
+# Primitives mapping element i of each input (same shape, or a scalar) to
+# element i of the output.
+_ELEMENTWISE = {
+    *("add", "add_any", "sub", "mul", "div", "rem", "pow", "integer_pow"),
+    *("max", "min", "neg", "sign", "abs", "exp", "exp2", "log", "log1p"),
+    *("expm1", "sqrt", "rsqrt", "cbrt", "tanh", "logistic", "sin", "cos"),
+    *("tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh"),
+    *("acosh", "atanh", "erf", "erfc", "erf_inv", "lgamma", "digamma"),
+    *("square", "select_n", "convert_element_type", "clamp", "nextafter"),
+    *("floor", "ceil", "round", "is_finite", "copy", "copy_p", "real", "imag"),
+    *("conj", "complex", "reduce_precision", "stop_gradient", "reciprocal"),
 }
 # Primitive names as people say them, the same words as torchref's.
 CANONICAL_OPS = {
@@ -58,9 +101,17 @@ _LIB_MARKERS = (
     "dist-packages",
     os.sep + os.path.join("jaxstable", "_src") + os.sep,
 )
-# Peak bytes held by the interpreter's live values in the last `interpret`
-# call (read by the bounded-memory test).
-stats = {"peak_live_bytes": 0}
+# Peak bytes held by the interpreter in the last `locate` call: values it
+# computed still alive, their masks, and the outputs it kept (grads); one
+# entry per op-by-op run in "peaks" (read by the memory tests and the
+# benchmark).
+stats: dict[str, Any] = {"peak_live_bytes": 0, "peaks": []}
+# Origins whose facts may wait to be read, each holding its op's inputs.
+_LAZY = 8
+# What an origin is, beyond its op (see `cause`); the same words in torchref.
+MASKED_ROW = "max of a fully masked row"
+SOFTMAX_MASKED = "softmax over a fully masked row"
+MASKED_NAN = "NaN from a masked -inf"
 
 
 class Stats(NamedTuple):
@@ -75,46 +126,84 @@ class Stats(NamedTuple):
     zeros: int
     negatives: int
     size: int
+    neg_inf: int = 0
+
+
+def _on_cpu(x: Any) -> bool:
+    try:
+        return all(d.platform == "cpu" for d in x.devices())
+    except AttributeError:  # numpy, a Python scalar
+        return True
+
+
+def _xp(x: Any):
+    """numpy for values on the CPU (a view, no copy: 30x faster than a jnp
+    reduction per check), jax.numpy elsewhere (no transfer)."""
+    return np if _on_cpu(x) else jnp
+
+
+def _arr(x: Any) -> Any:
+    return np.asarray(x) if _on_cpu(x) else x
 
 
 def array_stats(x: Any) -> Stats:
-    a = np.asarray(jax.device_get(x))
-    shape, dtype = tuple(a.shape), a.dtype.name
+    """Computed in ``x``'s own dtype, where it lives (no float64 copy)."""
+    xp, a = _xp(x), _arr(x)
+    shape, dtype = tuple(a.shape), np.dtype(a.dtype).name
     if not jnp.issubdtype(a.dtype, jnp.inexact):
-        a = a.astype(np.float64)
-    w = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
-    nan = np.isnan(w)
-    inf = np.isinf(w)
-    fin = w[~(nan | inf)]
-    real = fin.real if np.iscomplexobj(fin) else fin
+        a = a.astype(np.float32)
+    real = a.real if jnp.iscomplexobj(a) else a
+    nan, inf = xp.isnan(a), xp.isinf(a)
+    fin = ~(nan | inf)
+    n_fin = int(fin.sum())
+    absmax = xp.max(xp.where(fin, xp.abs(a), 0)) if n_fin else math.nan
+    top = xp.max(xp.where(fin, real, -xp.inf)) if n_fin else math.nan
     return Stats(
         shape=shape,
         dtype=dtype,
         nan=int(nan.sum()),
         inf=int(inf.sum()),
-        max_abs=float(np.abs(fin).max()) if fin.size else float("nan"),
-        max=float(real.max()) if fin.size else float("nan"),
-        zeros=int((fin == 0).sum()),
-        negatives=int((real < 0).sum()),
-        size=int(w.size),
+        max_abs=float(absmax),
+        max=float(top),
+        zeros=int(((a == 0) & fin).sum()),
+        negatives=int(((real < 0) & fin).sum()),
+        size=int(a.size),
+        neg_inf=int((inf & (real < 0)).sum()),
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Origin:
-    """Where a non-finite value started."""
+    """Where non-finite elements started.
+
+    ``facts()`` gives ``(out, ins, would_be)``: the stats of the op's output
+    and inputs and max |x| of its elements recomputed in float64. They are
+    computed when first read (arrays are immutable), so an origin no
+    reported value keeps (one per bad leaf of an update) costs nothing; as
+    an unread origin holds its op's inputs, at most `_LAZY` of them wait at
+    a time, the others are computed at once."""
 
     index: int
     op: str
     module: str | None  # dotted module path, "" for the root, None outside
     source: str | None
-    out: Stats
-    ins: list[Stats]
-    would_be: float | None  # max |x| of the output recomputed in float32
+    facts: Any  # () -> (Stats, list[Stats], float | None), or that tuple
+    intentional: bool = False  # a non-finite constant written on purpose
+    hint: str | None = None  # MASKED_ROW, SOFTMAX_MASKED or MASKED_NAN
+
+    def _get(self, i: int) -> Any:
+        if callable(self.facts):
+            self.facts = self.facts()
+        return self.facts[i]
+
+    out = property(lambda self: self._get(0))
+    ins = property(lambda self: self._get(1))
+    would_be = property(lambda self: self._get(2))
 
 
 def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _numeric(x: Any) -> bool:
@@ -123,15 +212,23 @@ def _numeric(x: Any) -> bool:
     return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
+def _bad_mask(x: Any) -> Any:
+    """Mask of the non-finite elements, or None when all are finite."""
+    if not _is_float(x):
+        return None
+    xp = _xp(x)
+    m = ~xp.isfinite(_arr(x))
+    return m if bool(m.any()) else None
+
+
 def _finite(x: Any) -> bool:
     if not _is_float(x):
         return True
-    return bool(jnp.all(jnp.isfinite(x)))
+    return bool(_xp(x).isfinite(_arr(x)).all())
 
 
 def _source(source_info: Any) -> str | None:
-    frames = list(source_info_util.user_frames(source_info.traceback))
-    for fr in frames:
+    for fr in source_info_util.user_frames(source_info.traceback):
         if not any(m in fr.file_name for m in _LIB_MARKERS):
             return format_frame(fr.file_name, fr.start_line, fr.function_name)
     return None
@@ -153,32 +250,49 @@ def _module_of(source_info: Any, outer: str | None) -> str | None:
     return module
 
 
-def _would_be(eqn: Any, invals: list) -> float | None:
-    """max |output| with the low-precision inputs upcast to float32.
+def _params64(params: dict) -> dict:
+    def wide(v):
+        try:
+            if isinstance(v, np.dtype | type) and jnp.issubdtype(v, jnp.floating):
+                return jnp.float64
+        except TypeError:
+            pass
+        return v
 
-    Tells an overflow (finite in float32, above the dtype's max) from a
-    division by zero or a log of 0 (non-finite in float32 too).
-    """
-    name = eqn.primitive.name
-    if name == "convert_element_type":
-        x = invals[0]
-        return float(np.abs(np.asarray(x, np.float64)).max()) if _finite(x) else None
-    low = (jnp.float16, jnp.bfloat16)
-    if not any(_is_float(v) and v.dtype in low for v in invals):
+    return {k: wide(v) for k, v in params.items()}
+
+
+def _would_be(eqn: Any, invals: list, k: int, sel: Any) -> float | None:
+    """max |output k| over the elements ``sel`` recomputed with every
+    floating input in float64: tells an overflow (finite in float64, above
+    the dtype's max) from a division by zero or a log of 0 (non-finite in
+    float64 too), for float16, bfloat16 and float32 alike."""
+    if eqn.primitive.name == "convert_element_type":
+        ref = np.asarray(invals[0])
+    else:
+        dtype = eqn.outvars[k].aval.dtype
+        if not jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.float64:
+            return None
+        try:
+            with jax.enable_x64(True):
+                ups = [
+                    jnp.asarray(v, jnp.float64)
+                    if _is_float(v) and not jnp.iscomplexobj(v)
+                    else v
+                    for v in invals
+                ]
+                out = eqn.primitive.bind(*ups, **_params64(eqn.params))
+                ref = np.asarray(out[k] if eqn.primitive.multiple_results else out)
+        except Exception:  # a primitive that refuses float64: no estimate
+            return None
+    if ref.dtype.kind not in "fc":
+        ref = ref.astype(np.float64)
+    a = np.abs(ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64))
+    if sel is not None and a.shape:
+        a = a[np.broadcast_to(np.asarray(sel), a.shape)]
+    if not a.size or not np.all(np.isfinite(a)):
         return None
-    ups = [
-        v.astype(jnp.float32) if _is_float(v) and v.dtype in low else v for v in invals
-    ]
-    params = dict(eqn.params)
-    if params.get("preferred_element_type") in low:
-        params["preferred_element_type"] = jnp.float32
-    try:
-        out = eqn.primitive.bind(*ups, **params)
-    except Exception:  # a primitive that refuses mixed dtypes: no estimate
-        return None
-    out = out[0] if eqn.primitive.multiple_results else out
-    a = np.asarray(out, np.float64)
-    return float(np.abs(a).max()) if np.all(np.isfinite(a)) else None
+    return float(a.max())
 
 
 def _sub_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
@@ -197,183 +311,680 @@ def _sub_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
     return None
 
 
-class _Interpreter:
-    def __init__(self) -> None:
-        self.count = 0
-        self.live = 0
+# ------------------------------------------------------------------ tags
+# A tag is ((origin, mask), ...): disjoint masks whose union is the value's
+# non-finite elements. A single origin has the mask None ("all of them").
 
-    def run(
-        self, closed: jcore.ClosedJaxpr, args: list, origins: list, module=None
-    ) -> tuple[list, list]:
-        jaxpr = closed.jaxpr
-        env: dict[Any, Any] = {}
-        orig: dict[Any, Origin | None] = {}
-        last: dict[Any, int] = {}
-        for i, eqn in enumerate(jaxpr.eqns):
-            for v in eqn.invars:
-                if not isinstance(v, jcore.Literal):
-                    last[v] = i
-        keep = {v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)}
 
-        def write(v, val, o):
-            if isinstance(v, jcore.DropVar):
-                return
-            env[v] = val
-            orig[v] = o
-            self.live += _nbytes(val)
+def _masks(tag: tuple, val: Any) -> list[tuple[Origin, Any]]:
+    if len(tag) == 1 and tag[0][1] is None:
+        return [(tag[0][0], _bad_mask(val))]
+    return list(tag)
 
-        def drop(v):
-            if v in env and v not in keep:
-                self.live -= _nbytes(env.pop(v))
-                orig.pop(v, None)
 
-        def read(v):
-            if isinstance(v, jcore.Literal):
-                return v.val, None
-            return env[v], orig.get(v)
+def _order(origins) -> list[Origin]:
+    """Who claims an element first: real causes before intentional values,
+    then the earliest."""
+    return sorted(origins, key=lambda o: (o.intentional, o.index))
 
-        for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
-            write(v, c, None)
-        for v, a, o in zip(jaxpr.invars, args, origins, strict=True):
-            write(v, a, o)
-        for v in [*jaxpr.constvars, *jaxpr.invars]:
-            if v not in last:
-                drop(v)
-        for i, eqn in enumerate(jaxpr.eqns):
-            pairs = [read(v) for v in eqn.invars]
-            invals = [p[0] for p in pairs]
-            inorig = [p[1] for p in pairs]
-            here = _module_of(eqn.source_info, module)
-            sub = _sub_jaxpr(eqn)
-            if sub is not None:
-                outs, outorig = self.run(sub, invals, inorig, here)
-            else:
-                outs = eqn.primitive.bind(*invals, **eqn.params)
-                outs = list(outs) if eqn.primitive.multiple_results else [outs]
-                outorig = self._origins(eqn, invals, inorig, outs, here)
-            for v, val, o in zip(eqn.outvars, outs, outorig, strict=True):
-                write(v, val, o)
-            stats["peak_live_bytes"] = max(stats["peak_live_bytes"], self.live)
-            for v in eqn.invars:
-                if not isinstance(v, jcore.Literal) and last.get(v) == i:
-                    drop(v)
-        results = [read(v) for v in jaxpr.outvars]
-        for v in list(env):
-            keep.discard(v)
-            drop(v)
-        return [r[0] for r in results], [r[1] for r in results]
 
-    def _origins(self, eqn, invals, inorig, outs, module) -> list:
-        self.count += 1
-        bad_in = [o for v, o in zip(invals, inorig, strict=True) if not _finite(v)]
-        known = [o for o in bad_in if o is not None]
-        result: list[Origin | None] = []
-        created = None
-        for out in outs:
-            if _finite(out):
-                result.append(None)
-            elif known:
-                result.append(min(known, key=lambda o: o.index))
-            else:
-                if created is None:
-                    name = eqn.primitive.name
-                    created = Origin(
-                        index=self.count,
-                        op=CANONICAL_OPS.get(name, name),
-                        module=module,
-                        source=_source(eqn.source_info),
-                        out=array_stats(out),
-                        ins=[array_stats(v) for v in invals if _numeric(v)],
-                        would_be=_would_be(eqn, invals),
-                    )
-                result.append(created)
-        return result
+def blame(tag: tuple | None) -> Origin | None:
+    """The origin a non-finite value is reported with (see `_order`)."""
+    return _order([o for o, _ in tag])[0] if tag else None
+
+
+def _make_tag(claims: dict) -> tuple:
+    if len(claims) == 1:
+        return ((next(iter(claims)), None),)
+    return tuple(claims.items())
+
+
+def _tag_bytes(tag: tuple | None) -> int:
+    return sum(_nbytes(m) for _, m in tag) if tag else 0
 
 
 def _nbytes(x: Any) -> int:
     return int(getattr(x, "nbytes", 0) or 0)
 
 
-def interpret(fun, *args) -> tuple[Any, Any]:
-    """Runs ``fun(*args)`` op by op; returns ``(outputs, origins)`` as two
-    pytrees of the output's structure (an origin is None for a finite leaf)."""
-    # disable_jit: a jitted function inside the loss is traced inline, not
-    # taken from the trace cache of the hot path (which has no module scopes).
-    with jax.disable_jit():
-        closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
-    leaves = jax.tree_util.tree_leaves(args)
-    stats["peak_live_bytes"] = 0
-    outs, origins = _Interpreter().run(closed, leaves, [None] * len(leaves))
-    treedef = jax.tree_util.tree_structure(shape)
-    return (
-        jax.tree_util.tree_unflatten(treedef, outs),
-        jax.tree_util.tree_unflatten(treedef, origins),
+def _union(masks, like) -> Any:
+    out = like & False
+    for m in masks:
+        out = out | m
+    return out
+
+
+def _fit(m: Any, shape: tuple) -> Any:
+    if tuple(m.shape) == tuple(shape):
+        return m
+    return (np if isinstance(m, np.ndarray) else jnp).broadcast_to(m, shape)
+
+
+def _fill(invals: list, intags: list, only: Origin | None) -> list:
+    """The inputs with the non-finite elements of origin ``only`` (None: of
+    every origin) replaced by 1."""
+    out = []
+    for v, t in zip(invals, intags, strict=True):
+        sel = None
+        for o, m in _masks(t, v) if t else ():
+            if only is None or o is only:
+                sel = m if sel is None else sel | m
+        out.append(v if sel is None else jnp.where(sel, jnp.ones((), v.dtype), v))
+    return out
+
+
+def _slice_tag(t: tuple | None, x: Any, i: int) -> tuple | None:
+    if not t:
+        return None
+    if len(t) == 1:
+        return t if not _finite(x[i]) else None
+    parts = {o: m[i] for o, m in t if bool(m[i].any())}
+    return _make_tag(parts) if parts else None
+
+
+def _stack_tags(tags: list, values: list) -> tuple | None:
+    if not any(tags):
+        return None
+    origins = list(dict.fromkeys(o for t in tags if t for o, _ in t))
+    if len(origins) == 1:
+        return ((origins[0], None),)
+    stacked = {}
+    for o in origins:
+        rows = []
+        for t, v in zip(tags, values, strict=True):
+            mine = [m for oo, m in _masks(t, v) if oo is o] if t else []
+            rows.append(np.asarray(mine[0]) if mine else np.zeros(np.shape(v), bool))
+        stacked[o] = np.stack(rows)
+    return tuple(stacked.items())
+
+
+class _Interpreter:
+    def __init__(self, unguard: bool = False) -> None:
+        self.count = 0
+        self.live = 0  # bytes of the values and masks computed here, alive
+        self.held = 0  # bytes of the outputs a sink kept
+        self.peak = 0
+        self.waiting: list = []  # weak references to origins not yet read
+        # Update phase: a guard's select (a uniform predicate keeping a
+        # finite value over a non-finite new one, as `skip_non_finite` and
+        # `optax.apply_if_finite` do) takes the new value, to see what the
+        # step would have written without the guard.
+        self.unguard = unguard
+
+    def run(self, closed, args: list, tags: list, module=None, sink=None):
+        """Evaluates ``closed``; returns ``(outputs, tags)``, or hands each
+        output to ``sink(i, value, tag)`` as it is computed (not kept)."""
+        jaxpr = closed.jaxpr
+        env: dict[Any, Any] = {}
+        tag_of: dict[Any, Any] = {}
+        last: dict[Any, int] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if not isinstance(v, jcore.Literal):
+                    last[v] = i
+        out_at: dict[Any, list[int]] = {}
+        for j, v in enumerate(jaxpr.outvars):
+            if isinstance(v, jcore.Literal):
+                if sink is not None:
+                    sink(j, v.val, None)
+            else:
+                out_at.setdefault(v, []).append(j)
+        keep = set() if sink is not None else set(out_at)
+        sizes: dict[Any, int] = {}  # what this run computed (not its inputs)
+
+        def write(v, val, t, computed=True):
+            if isinstance(v, jcore.DropVar):
+                return
+            env[v], tag_of[v] = val, t
+            if computed:
+                sizes[v] = _nbytes(val) + _tag_bytes(t)
+                self.live += sizes[v]
+            if sink is not None:
+                for j in out_at.get(v, ()):
+                    if sink(j, val, t):
+                        self.held += _nbytes(val)
+
+        def drop(v):
+            if v in env and v not in keep:
+                del env[v], tag_of[v]
+                self.live -= sizes.pop(v, 0)
+
+        def read(v):
+            if isinstance(v, jcore.Literal):
+                return v.val, None
+            return env[v], tag_of[v]
+
+        for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+            write(v, c, self.constant_tag(c, "constant"), computed=False)
+        for v, a, t in zip(jaxpr.invars, args, tags, strict=True):
+            write(v, a, t, computed=False)
+        for v in [*jaxpr.constvars, *jaxpr.invars]:
+            if v not in last:
+                drop(v)
+        for i, eqn in enumerate(jaxpr.eqns):
+            pairs = [read(v) for v in eqn.invars]
+            invals = [p[0] for p in pairs]
+            intags = [p[1] for p in pairs]
+            outs, outtags = self._eval(eqn, invals, intags, module)
+            for v, val, t in zip(eqn.outvars, outs, outtags, strict=True):
+                write(v, val, t)
+            self.peak = max(self.peak, self.live + self.held)
+            del pairs, invals, intags, outs, outtags
+            for v in eqn.invars:
+                if not isinstance(v, jcore.Literal) and last.get(v) == i:
+                    drop(v)
+            for v in eqn.outvars:
+                if v not in last:
+                    drop(v)
+        results = [] if sink is not None else [read(v) for v in jaxpr.outvars]
+        for v in list(env):
+            keep.discard(v)
+            drop(v)
+        return [r[0] for r in results], [r[1] for r in results]
+
+    def constant_tag(self, c: Any, what: str) -> tuple | None:
+        """The tag of a non-finite constant (intentional: a mask)."""
+        if _finite(c):
+            return None
+        self.count += 1
+        o = Origin(self.count, what, None, None, (array_stats(c), [], None), True)
+        return ((o, None),)
+
+    def _eval(self, eqn, invals, intags, module) -> tuple[list, list]:
+        name = eqn.primitive.name
+        sub = _sub_jaxpr(eqn)
+        if sub is not None:
+            return self.run(sub, invals, intags, _module_of(eqn.source_info, module))
+        if name in _BODIES:
+            if not any(intags):
+                outs = _bind(eqn, invals)
+                if all(_finite(o) for o in outs):
+                    return outs, [None] * len(outs)
+            here = _module_of(eqn.source_info, module)
+            return getattr(self, "_" + name)(eqn, invals, intags, here)
+        if self.unguard and name == "select_n":
+            guarded = _unguarded(invals, intags)
+            if guarded is not None:
+                return guarded
+        outs = _bind(eqn, invals)
+        return outs, self._tags(eqn, invals, intags, outs, module)
+
+    # -------------------------------------------------------- control flow
+    def _cond(self, eqn, invals, intags, module):
+        branch = eqn.params["branches"][int(np.asarray(invals[0]))]
+        return self.run(branch, invals[1:], intags[1:], module)
+
+    def _while(self, eqn, invals, intags, module):
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cvals, ctags = invals[:nc], intags[:nc]
+        bvals, btags = invals[nc : nc + nb], intags[nc : nc + nb]
+        carry, ktags = invals[nc + nb :], intags[nc + nb :]
+        while True:
+            (pred,), _ = self.run(p["cond_jaxpr"], cvals + carry, ctags + ktags, module)
+            if not bool(np.asarray(pred)):
+                return carry, ktags
+            carry, ktags = self.run(
+                p["body_jaxpr"], bvals + carry, btags + ktags, module
+            )
+
+    def _scan(self, eqn, invals, intags, module):
+        p = eqn.params
+        nc, nk = p["num_consts"], p["num_carry"]
+        cvals, ctags = invals[:nc], intags[:nc]
+        carry, ktags = invals[nc : nc + nk], intags[nc : nc + nk]
+        xs, xtags = invals[nc + nk :], intags[nc + nk :]
+        order = range(p["length"])
+        ys_at, yt_at = {}, {}
+        for i in reversed(order) if p["reverse"] else order:
+            x_i = [x[i] for x in xs]
+            xt_i = [_slice_tag(t, x, i) for t, x in zip(xtags, xs, strict=True)]
+            outs, otags = self.run(
+                p["jaxpr"], cvals + carry + x_i, ctags + ktags + xt_i, module
+            )
+            carry, ktags = outs[:nk], otags[:nk]
+            ys_at[i], yt_at[i] = outs[nk:], otags[nk:]
+        ys, ytags = [], []
+        for j, var in enumerate(eqn.outvars[nk:]):
+            parts = [ys_at[i][j] for i in order]
+            ys.append(
+                jnp.stack(parts) if parts else jnp.zeros(var.aval.shape, var.aval.dtype)
+            )
+            ytags.append(_stack_tags([yt_at[i][j] for i in order], parts))
+        return [*carry, *ys], [*ktags, *ytags]
+
+    # ---------------------------------------------------------------- tags
+    def _tags(self, eqn, invals, intags, outs, module) -> list:
+        bad = [not _finite(o) for o in outs]
+        if not any(bad):
+            return [None] * len(outs)
+        if not any(intags):
+            # Finite inputs: a new origin, intentional when a non-finite
+            # literal (``-inf`` written as a mask value) was an input.
+            k = bad.index(True)
+            lit = _literal_bad(eqn, invals)
+            o = self.new(eqn, invals, outs, k, _bad_mask(outs[k]), module, lit)
+            return [((o, None),) if b else None for b in bad]
+        origins = _order(dict.fromkeys(o for t in intags if t for o, _ in t))
+        if len(origins) == 1 and not origins[0].intentional:
+            # One real cause keeps every non-finite output: the first cause
+            # wins anyway, and a NaN cascade stays cheap.
+            return [((origins[0], None),) if b else None for b in bad]
+        bad = [_bad_mask(o) if b else None for o, b in zip(outs, bad, strict=True)]
+        if eqn.primitive.name in _ELEMENTWISE:
+            return self._elementwise(eqn, invals, intags, outs, bad, module)
+        return self._ablated(eqn, invals, intags, outs, bad, module)
+
+    def _elementwise(self, eqn, invals, intags, outs, bad, module) -> list:
+        result = []
+        for k, b in enumerate(bad):
+            if b is None:
+                result.append(None)
+                continue
+            acc: dict[Origin, Any] = {}
+            nan_in = b & False
+            xp = np if isinstance(b, np.ndarray) else jnp
+            for v, t in zip(invals, intags, strict=True):
+                if not t:
+                    continue
+                for o, m in _masks(t, v):
+                    if m is not None:
+                        m = _fit(m, b.shape)
+                        acc[o] = acc[o] | m if o in acc else m
+                nan_in = nan_in | _fit(xp.isnan(_arr(v)), b.shape)
+            explained = b & _union(acc.values(), b)
+            claims = _assign(acc, explained)
+            claims = self._masked_nan(eqn, invals, outs, k, claims, nan_in, module, acc)
+            new = b & ~explained
+            result.append(self._finish(eqn, invals, outs, k, claims, new, module))
+        return result
+
+    def _ablated(self, eqn, invals, intags, outs, bad, module) -> list:
+        origins = _order(dict.fromkeys(o for t in intags if t for o, _ in t))
+        filled = _bind(eqn, _fill(invals, intags, None))
+        each = (
+            {o: _bind(eqn, _fill(invals, intags, o)) for o in origins}
+            if len(origins) > 1
+            else {origins[0]: filled}
+        )
+        nan_in = any(
+            t and bool(_xp(v).isnan(_arr(v)).any())
+            for v, t in zip(invals, intags, strict=True)
+        )
+        result = []
+        for k, b in enumerate(bad):
+            if b is None:
+                result.append(None)
+                continue
+            still = _bad_mask(filled[k])
+            new = b & False if still is None else b & _fit(still, b.shape)
+            explained = b & ~new
+            acc = {}
+            for o in origins:
+                s = _bad_mask(each[o][k])
+                acc[o] = explained if s is None else explained & ~_fit(s, b.shape)
+            claims = _assign(acc, explained)
+            rest = explained & ~_union(claims.values(), b)
+            if bool(rest.any()):  # needs several origins at once: the first
+                claims[origins[0]] = claims.get(origins[0], b & False) | rest
+            claims = self._masked_row(eqn, outs, k, claims, module)
+            nan_here = b | True if nan_in else b & False
+            claims = self._masked_nan(
+                eqn, invals, outs, k, claims, nan_here, module, acc
+            )
+            result.append(self._finish(eqn, invals, outs, k, claims, new, module))
+        return result
+
+    def _masked_row(self, eqn, outs, k, claims, module) -> dict:
+        """A max over elements all ``-inf`` by a mask is ``-inf``: marked,
+        for the softmax that subtracts it next (NaN)."""
+        if eqn.primitive.name != "reduce_max":
+            return claims
+        rows = [m for o, m in claims.items() if o.intentional]
+        if not rows:
+            return claims
+        m = _union(rows, rows[0]) & (_arr(outs[k]) == -np.inf)
+        if not bool(m.any()):
+            return claims
+        o = self.new(eqn, [], outs, k, m, module, intentional=True, hint=MASKED_ROW)
+        kept = {x: c & ~m for x, c in claims.items()}
+        return {**{x: c for x, c in kept.items() if bool(c.any())}, o: m}
+
+    def _masked_nan(self, eqn, invals, outs, k, claims, nan_in, module, acc):
+        """NaN made from masked infinities alone (``-inf - -inf``,
+        ``0 * -inf``): a new, unintended origin; a softmax's when one of
+        them is the max of a fully masked row (``acc``: the elements each
+        origin reached)."""
+        masked = [c for o, c in claims.items() if o.intentional]
+        if not masked:
+            return claims
+        out = _arr(outs[k])
+        m = _union(masked, nan_in) & _xp(outs[k]).isnan(out) & ~nan_in
+        if not bool(m.any()):
+            return claims
+        row = any(
+            o.hint in (MASKED_ROW, SOFTMAX_MASKED) and bool((c & m).any())
+            for o, c in acc.items()
+        )
+        hint = SOFTMAX_MASKED if row else MASKED_NAN
+        o = self.new(eqn, invals, outs, k, m, module, hint=hint)
+        if row:
+            o.op = "softmax"
+        kept = {x: c & ~m for x, c in claims.items()}
+        return {**{x: c for x, c in kept.items() if bool(c.any())}, o: m}
+
+    def _finish(self, eqn, invals, outs, k, claims, new, module) -> tuple:
+        if bool(new.any()):
+            lit = _literal_bad(eqn, invals)
+            claims = {**claims, self.new(eqn, invals, outs, k, new, module, lit): new}
+        return _make_tag(claims)
+
+    def new(self, eqn, invals, outs, k, sel, module, intentional=False, hint=None):
+        """A new origin: the equation's output ``k`` at the elements ``sel``."""
+        self.count += 1
+        name = eqn.primitive.name
+        real = invals and not intentional
+        out = outs[k]
+
+        def facts():
+            return (
+                array_stats(out),
+                [array_stats(v) for v in invals if _numeric(v)],
+                _would_be(eqn, invals, k, sel) if real else None,
+            )
+
+        o = Origin(
+            index=self.count,
+            op=CANONICAL_OPS.get(name, name),
+            module=_module_of(eqn.source_info, module),
+            source=_source(eqn.source_info),
+            facts=facts,
+            intentional=intentional,
+            hint=hint,
+        )
+        self.waiting = [
+            r for r in self.waiting if (x := r()) is not None and callable(x.facts)
+        ]
+        if len(self.waiting) < _LAZY:
+            self.waiting.append(weakref.ref(o))
+        else:
+            o.out  # noqa: B018 (computes the facts now, releasing the inputs)
+        return o
+
+
+def _assign(acc: dict, explained: Any) -> dict:
+    """Each explained element to one origin, in `_order`."""
+    taken = explained & False
+    claims = {}
+    for o in _order(acc):
+        m = acc[o] & explained & ~taken
+        if bool(m.any()):
+            claims[o] = m
+            taken = taken | m
+    return claims
+
+
+def _bind(eqn, invals) -> list:
+    outs = eqn.primitive.bind(*invals, **eqn.params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _literal_bad(eqn, invals) -> bool:
+    return any(
+        isinstance(v, jcore.Literal) and _is_float(val) and not _finite(val)
+        for v, val in zip(eqn.invars, invals, strict=True)
     )
 
 
-# ----------------------------------------------------------- module scopes
-class module_scopes:
-    """While active, every Flax module call runs in a ``jax.named_scope``
-    naming its path, read back from the equations' name stacks.
+def _unguarded(invals, intags):
+    """A guard's select that keeps a finite case over a non-finite new one,
+    with the same choice for every element: the non-finite case instead."""
+    bad = [
+        j
+        for j, t in enumerate(intags[1:])
+        if t and any(not o.intentional for o, _ in t)
+    ]
+    if not bad:
+        return None
+    pred = np.asarray(invals[0]).ravel()
+    if not pred.size or not np.all(pred == pred[0]) or int(pred[0]) in bad:
+        return None
+    return [invals[1 + bad[0]]], [intags[1 + bad[0]]]
 
-    NNX: the attribute path from the outermost module called ("" for that
-    root, "decoders.0.conv1" for a child), the same names as torch's
-    ``named_modules()``; the ``__call__`` of every `nnx.Module` subclass is
-    wrapped and restored on exit. Linen: the module's ``path`` joined with
-    dots ("Dense_0", "blocks_0.lin"; "" for the root), through linen's own
-    method interceptor.
+
+# Traced jaxprs: owner (a TrainStep) -> {(name, input types): (pin, jaxpr,
+# output shape)}; `fit` locates up to `locate_first` steps of one TrainStep.
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _traced(fun, args, cache, scopes: bool):
+    """``make_jaxpr(fun)(*args)`` with jit disabled (a jitted function inside
+    the loss is traced inline, not taken from the hot path's trace cache,
+    which has no module scopes); memoised per ``cache = (owner, name, pin)``
+    and input types, as `jax.jit` memoises a trace (``pin``: an object the
+    trace closes over, checked by identity)."""
+    key = per = None
+    if cache is not None:
+        owner, name, pin = cache
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        key = (name, treedef, tuple(jax.typeof(x) for x in leaves))
+        per = _TRACES.setdefault(owner, {})
+        hit = per.get(key)
+        if hit is not None and hit[0] is pin:
+            return hit[1], hit[2]
+    with jax.disable_jit(), module_scopes() if scopes else contextlib.nullcontext():
+        closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    if per is not None:
+        per[key] = (cache[2], closed, shape)
+    return closed, shape
+
+
+def interpret(fun, *args, sink=None, unguard=False, cache=None, scopes=False):
+    """Runs ``fun(*args)`` op by op; returns ``(output shape, outputs,
+    tags)`` (flat lists; a tag is None for a finite leaf). Non-finite input
+    leaves are intentional constants (the phases before refused any other).
+    With ``sink``, each output leaf goes to ``sink(i, value, tag)`` as it is
+    computed (kept, and counted as held, when it returns True) and the lists
+    come back empty. ``scopes``: trace within `module_scopes`."""
+    closed, shape = _traced(fun, args, cache, scopes)
+    if sink is not None and hasattr(sink, "start"):
+        sink.start(shape)
+    leaves = jax.tree_util.tree_leaves(args)
+    engine = _Interpreter(unguard=unguard)
+    tags = [engine.constant_tag(x, "model_state") for x in leaves]
+    try:
+        outs, otags = engine.run(closed, leaves, tags, sink=sink)
+    finally:
+        stats["peaks"].append(engine.peak)
+        stats["peak_live_bytes"] = max(stats["peak_live_bytes"], engine.peak)
+    return shape, outs, otags
+
+
+# --------------------------------------------------------- module scopes
+class module_scopes:
+    """While active, every Flax module method call runs in a
+    ``jax.named_scope`` naming its path, read back from the equations' name
+    stacks; a user's ``custom_vjp`` backward keeps its own source lines.
+
+    NNX: the path of the attribute the call went through (``self.dec(x)``
+    is ``dec`` even when ``dec`` is ``enc``), from the outermost module
+    called or the object the loss called a submodule on (``m.head(...)`` is
+    ``head``), the same names as torch's ``named_modules()``: ``""`` for
+    that root, ``decoders.0.conv1`` for a child. Wrapped: ``__call__`` and
+    ``attend`` of every `nnx.Module` subclass, and every public method of the
+    user's own subclasses (``model.encode(x)``); restored on exit. Inside
+    ``nnx.remat``/``nnx.scan`` (copies of the modules), a module is named by
+    its type within the running one. Linen: the module's ``path`` joined
+    with dots (``"Dense_0"``, ``"blocks_0.lin"``; ``""`` for the root),
+    through linen's own method interceptor.
     """
 
     def __enter__(self):
-        self.patched: list[tuple[type, Any]] = []
-        self.paths: dict[int, str] = {}
-        self.depth = 0
-        self.stack = contextlib.ExitStack()
+        self.patched: list[tuple[type, str, Any]] = []
+        self.stack: list[tuple[Any, str]] = []  # running modules, with paths
+        self.index: dict[int, tuple[Any, str]] = {}  # roots' subgraphs
+        self.subs: dict[int, tuple[Any, list]] = {}
+        self.exits = contextlib.ExitStack()
+        self.exits.enter_context(_own_backward_sources())
         try:
-            from flax import nnx
+            from flax import linen, nnx
         except ImportError:  # no flax: plain functions only
+            self._module = None
             return self
-        self._nnx = nnx
+        self._nnx, self._module = nnx, nnx.Module
+        base = set(dir(nnx.Module))
         for cls in _subclasses(nnx.Module):
-            if "__call__" in vars(cls):
-                orig = vars(cls)["__call__"]
-                cls.__call__ = self._wrap(orig)
-                self.patched.append((cls, orig))
-        from flax import linen
-
-        self.stack.enter_context(linen.intercept_methods(_linen_scope))
+            user = not cls.__module__.startswith("flax.")
+            for name, fn in list(vars(cls).items()):
+                if not isinstance(fn, types.FunctionType):
+                    continue
+                public = not name.startswith("_") and name not in base
+                if name == "__call__" or (public and (user or name == "attend")):
+                    setattr(cls, name, self._wrap(fn))
+                    self.patched.append((cls, name, fn))
+        self.exits.enter_context(linen.intercept_methods(_linen_scope))
         return self
+
+    def __exit__(self, *exc):
+        for cls, name, fn in reversed(self.patched):
+            setattr(cls, name, fn)
+        self.exits.close()
+        return False
 
     def _wrap(self, orig):
         scopes = self
 
-        def call(module, *args, **kwargs):
-            if scopes.depth == 0:
-                scopes._index(module)
-            path = scopes.paths.get(id(module))
-            if path is None:  # a module outside the root's graph: its own root
-                scopes._index(module)
-                path = scopes.paths.get(id(module), "")
-            scopes.depth += 1
+        @functools.wraps(orig)
+        def method(module, *args, **kwargs):
+            path = scopes.call_path(module, sys._getframe(1))
+            scopes.stack.append((module, path))
             try:
                 with jax.named_scope(_MARK + path):
                     return orig(module, *args, **kwargs)
             finally:
-                scopes.depth -= 1
+                scopes.stack.pop()
 
-        call.__wrapped__ = orig
-        return call
+        return method
 
-    def _index(self, root) -> None:
-        for path, node in self._nnx.iter_graph(root):
-            if isinstance(node, self._nnx.Module):
-                self.paths.setdefault(id(node), ".".join(str(p) for p in path))
+    def call_path(self, module, frame) -> str:
+        """The path of a call of ``module`` made in ``frame``: through the
+        attribute chain written at the call site when it resolves."""
+        found = call_site(frame, module)
+        if found is not None:
+            base, parts = found
+            at = self.path_of(base)
+            if at is not None:
+                return join(at, parts)
+        return self.path_of(module)
 
-    def __exit__(self, *exc):
-        for cls, orig in reversed(self.patched):
-            cls.__call__ = orig
-        self.stack.close()
-        return False
+    def path_of(self, obj) -> str | None:
+        for o, p in reversed(self.stack):
+            if o is obj:
+                return p
+        if self._module is None or not isinstance(obj, self._module):
+            return None
+        parent, at = self.stack[-1] if self.stack else (None, "")
+        if parent is not None:
+            for rel, node in self._subgraph(parent):
+                if node is obj:
+                    return join(at, [rel])
+        known = self.index.get(id(obj))
+        if known is not None and known[0] is obj:
+            return known[1]
+        if parent is None:  # a root: the loss called it
+            for rel, node in [("", obj), *self._subgraph(obj)]:
+                self.index.setdefault(id(node), (node, rel))
+            return ""
+        # A copy made by a transform (nnx.remat, nnx.scan): the running
+        # module itself, or its submodule of the same type.
+        if type(obj) is type(parent):
+            return at
+        for rel, node in self._subgraph(parent):
+            if type(node) is type(obj):
+                return join(at, [rel])
+        return at
+
+    def _subgraph(self, node) -> list[tuple[str, Any]]:
+        cached = self.subs.get(id(node))
+        if cached is None or cached[0] is not node:
+            nodes = [
+                (".".join(str(p) for p in path), n)
+                for path, n in self._nnx.iter_graph(node)
+                if path and isinstance(n, self._module)
+            ]
+            cached = self.subs[id(node)] = (node, nodes)
+        return cached[1]
+
+
+def join(base: str, parts) -> str:
+    return ".".join(str(p) for p in [base, *parts] if str(p) != "")
+
+
+# Per call instruction: the callee expression as (base name, ((kind, key), ...)).
+_SITES: dict[tuple[Any, int], Any] = {}
+
+
+def call_site(frame, target) -> tuple[Any, list] | None:
+    """``(base object, [attribute or key, ...])`` of the call being made in
+    ``frame`` when its callee is written as a chain (``self.dec``,
+    ``m.head``, ``self.layers[0]``) that resolves to ``target`` or to a
+    method of it; None otherwise (a loop variable, a computed index)."""
+    if frame is None:
+        return None
+    key = (frame.f_code, frame.f_lasti)
+    chain = _SITES.get(key, False)
+    if chain is False:
+        chain = _SITES[key] = _parse_callee(frame.f_code, frame.f_lasti)
+    if chain is None:
+        return None
+    name, parts = chain
+    sentinel = object()
+    obj = frame.f_locals.get(name, frame.f_globals.get(name, sentinel))
+    if obj is sentinel:
+        return None
+    base = obj
+    try:
+        for kind, key in parts:
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+    except Exception:  # a chain that does not resolve here: no site
+        return None
+    keys = [k for _, k in parts]
+    if obj is target:
+        return base, keys
+    if keys and getattr(obj, "__self__", None) is target:  # model.encode
+        return base, keys[:-1]
+    return None
+
+
+def _parse_callee(code, lasti: int):
+    try:
+        positions = list(code.co_positions())
+        line, end, col, end_col = positions[lasti // 2]
+        lines = linecache.getlines(code.co_filename)
+        if None in (line, end, col, end_col) or end > len(lines):
+            return None
+        text = [s.encode() for s in lines[line - 1 : end]]
+        if len(text) == 1:
+            seg = text[0][col:end_col]
+        else:
+            seg = text[0][col:] + b"".join(text[1:-1]) + text[-1][:end_col]
+        node = ast.parse(b"(" + seg + b"\n)", mode="eval").body
+    except (SyntaxError, ValueError, IndexError, TypeError):
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    func, parts = node.func, []
+    while True:
+        if isinstance(func, ast.Attribute):
+            parts.append(("attr", func.attr))
+            func = func.value
+        elif isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Constant):
+            parts.append(("item", func.slice.value))
+            func = func.value
+        elif isinstance(func, ast.Name):
+            return func.id, tuple(reversed(parts))
+        else:
+            return None
 
 
 def _linen_scope(next_fun, args, kwargs, context):
@@ -393,6 +1004,44 @@ def _subclasses(cls: type) -> list[type]:
     return out
 
 
+@contextlib.contextmanager
+def _own_backward_sources():
+    """A ``jax.custom_vjp`` backward is traced where JAX replays the forward
+    call's traceback; while active, its ops keep the user's own lines."""
+    cls = custom_derivatives.custom_vjp
+    orig = cls.__call__
+
+    def call(self, *args, **kwargs):
+        bwd = self.bwd
+        where = getattr(getattr(bwd, "__code__", None), "co_filename", "<")
+        if bwd is None or any(m in where for m in _LIB_MARKERS):
+            return orig(self, *args, **kwargs)
+
+        @functools.wraps(bwd)
+        def own(*a):
+            # No traceback in the context: each op takes its own (its line
+            # in ``bwd``); the name stack (the module) stays.
+            ctx = source_info_util._source_info_context
+            prev = ctx.context
+            ctx.context = source_info_util.SourceInfo(None, prev.name_stack)
+            try:
+                return bwd(*a)
+            finally:
+                ctx.context = prev
+
+        self.bwd = own
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            self.bwd = bwd
+
+    cls.__call__ = call
+    try:
+        yield
+    finally:
+        cls.__call__ = orig
+
+
 # ------------------------------------------------------------------- text
 def kind(nan: int, inf: int) -> str:
     if nan and inf:
@@ -400,18 +1049,36 @@ def kind(nan: int, inf: int) -> str:
     return "NaN" if nan else "Inf"
 
 
-def dtype_max(dtype: str) -> float:
-    return float(jnp.finfo(jnp.dtype(dtype)).max)
+def dtype_max(dtype: str) -> float | None:
+    dt = jnp.dtype(dtype)
+    return float(jnp.finfo(dt).max) if jnp.issubdtype(dt, jnp.floating) else None
+
+
+def _constant(s: Stats) -> str:
+    if s.neg_inf == s.inf and s.inf:
+        return "-inf"
+    return "inf" if not s.neg_inf and s.inf else "NaN or inf"
 
 
 def cause(o: Origin, where: str) -> str:
     """One line: why ``o.op`` gave a non-finite value (same text as torchref)."""
     op, ins, out = o.op, o.ins, o.out
-    lim = (
-        dtype_max(out.dtype)
-        if jnp.issubdtype(jnp.dtype(out.dtype), jnp.floating)
-        else None
-    )
+    if o.hint == SOFTMAX_MASKED:
+        return f"softmax over a fully masked row (every value -inf) {where}"
+    if o.hint == MASKED_ROW:
+        return f"max over a fully masked row (every value -inf) {where}"
+    if o.hint == MASKED_NAN:
+        return (
+            f"{op} turned a masked -inf into NaN {where} "
+            "(inf - inf, 0 * inf or inf / inf)"
+        )
+    if o.intentional and op in ("constant", "model_state"):
+        return f"the {_constant(out)} held in the {op} (a mask) reaches it"
+    if o.intentional:
+        return (
+            f"the constant {_constant(out)} written by {op} {where} (a mask) reaches it"
+        )
+    lim = dtype_max(out.dtype)
     exp_over = op == "exp" and ins and lim is not None and ins[0].max > math.log(lim)
     if o.would_be is not None and lim is not None and o.would_be > lim:
         text = (
@@ -421,7 +1088,7 @@ def cause(o: Origin, where: str) -> str:
         if exp_over:
             text += f" (exp of up to {ins[0].max:.3g} > {math.log(lim):.4g})"
         return text
-    if exp_over:  # float32 itself: no wider dtype to recompute in
+    if exp_over:  # no finite float64 value to compare (exp(1e4))
         return (
             f"{out.dtype} overflow: exp of up to {ins[0].max:.3g} > "
             f"{math.log(lim):.4g} (log of {lim:.6g}) {where}"
@@ -459,15 +1126,31 @@ def dotted(key_path: Any) -> str:
     return ".".join(parts)
 
 
-def _first_bad(tree: Any) -> tuple[Any, Any, Stats] | None:
+def _named(key_path: Any, root: str) -> str:
+    # A bare array (params = jnp.zeros(3)) has the empty path: name the tree.
+    return dotted(key_path) or root
+
+
+def _masks_only(leaf: Any) -> bool:
+    """Non-finite only as ``-inf``: a mask kept in the model state."""
+    a = _arr(leaf)
+    xp = _xp(leaf)
+    return not bool(xp.isnan(a).any()) and not bool((a == xp.inf).any())
+
+
+def _first_bad(tree: Any, masks_ok: bool = False) -> tuple[Any, Any, Stats] | None:
     """(key path, leaf, stats) of the non-finite leaf of ``tree`` whose dotted
     path sorts first. torchref uses the same rule, so both name the same leaf
     whatever their own order (pytree keys sorted here, registration order in
-    torch; ``bias`` sorts before ``kernel`` as before ``weight``)."""
+    torch; ``bias`` sorts before ``kernel`` as before ``weight``). With
+    ``masks_ok``, a leaf whose only non-finite values are ``-inf`` (a mask)
+    does not count."""
     bad = [
         (dotted(path), path, leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if _is_float(leaf) and not _finite(leaf)
+        if _is_float(leaf)
+        and not _finite(leaf)
+        and not (masks_ok and _masks_only(leaf))
     ]
     if not bad:
         return None
@@ -544,12 +1227,48 @@ def _scaled_loss(step: Any):
     return jax.value_and_grad(fun, argnums=1, has_aux=True)
 
 
-def _grads_run(step, ls, state, batch):
-    with module_scopes():
-        return interpret(_scaled_loss(step), ls, state.params, state.model_state, batch)
+class _LossNotFinite(Exception):
+    pass
 
 
-def locate(step: Any, state: Any, batch: Any, cls: type) -> Any:
+class _Run(NamedTuple):
+    loss: Any
+    loss_tag: Any
+    grads: Any  # pytree of the params' structure (None: not computed)
+    grad_tags: dict  # key path in grads -> tag
+    model_state: Any
+
+
+def _grads_run(step, ls, state, batch) -> _Run:
+    """Forward and backward op by op; the backward is not run when the loss
+    is already non-finite (the loss is computed first in the jaxpr)."""
+    outs: dict[int, tuple[Any, Any]] = {}
+
+    def sink(i, val, tag):
+        outs[i] = (val, tag)
+        if i == 1 and tag:  # leaf 1: the unscaled loss
+            raise _LossNotFinite
+        return True
+
+    fun = _scaled_loss(step)
+    args = (ls, state.params, state.model_state, batch)
+    try:
+        shape, _, _ = interpret(
+            fun, *args, sink=sink, cache=(step, "grads", None), scopes=True
+        )
+    except _LossNotFinite:
+        loss, tag = outs[1]
+        return _Run(loss, tag, None, {}, None)
+    treedef = jax.tree_util.tree_structure(shape)
+    vals = jax.tree_util.tree_unflatten(treedef, [outs[i][0] for i in range(len(outs))])
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(vals)[0]]
+    grad_tags = {tuple(p[1:]): outs[i][1] for i, p in enumerate(paths) if p[0].idx == 1}
+    (_, (loss, new_ms)), grads = vals
+    return _Run(loss, outs[1][1], grads, grad_tags, new_ms)
+
+
+def locate(step: Any, state: Any, batch: Any, cls: type, finite=None) -> Any:
+    stats["peak_live_bytes"], stats["peaks"] = 0, []
     _check_step(step)
     bad = _first_bad(batch)
     if bad is not None:
@@ -563,26 +1282,53 @@ def locate(step: Any, state: Any, batch: Any, cls: type) -> Any:
             f"({s.nan + s.inf} of {s.size} values)",
             **_value_fields(s),
         )
-    for tree in (state.params, state.model_state):
-        bad = _first_bad(tree)
+    for tree, root, masks_ok in (
+        (state.params, "params", False),
+        (state.model_state, "model_state", True),
+    ):
+        bad = _first_bad(tree, masks_ok)
         if bad is not None:
             path, _, s = bad
+            name = _named(path, root)
             return cls(
                 phase="params",
-                path=dotted(path),
+                path=name,
                 op=None,
                 source=None,
-                detail=f"{kind(s.nan, s.inf)} in {dotted(path)} before the step "
+                detail=f"{kind(s.nan, s.inf)} in {name} before the step "
                 f"({s.nan + s.inf} of {s.size} values): the parameters or model "
                 "state were already non-finite",
                 **_value_fields(s),
             )
+    if finite is None and step.jit:
+        # jit=False: the step that ran was eager, as the re-run below.
+        finite = _compiled_finite(step, state, batch)
+    if finite:  # the step that ran was finite: nothing to locate
+        return None
+    return _eager(step, state, batch, cls)
+
+
+_UNDONATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _compiled_finite(step: Any, state: Any, batch: Any) -> bool:
+    """Whether the compiled step, run on (state, batch), was applied with a
+    finite loss. A donating step is run through its own non-donating jit
+    (compiled once per step), so ``state`` stays usable."""
+    fn = step
+    if getattr(step, "donate", False):
+        fn = _UNDONATED.get(step)
+        if fn is None:
+            fn = _UNDONATED[step] = jax.jit(step.raw) if step.jit else step.raw
+    _, metrics = fn(state, batch)
+    return bool(metrics["finite"]) and _finite(metrics["loss"])
+
+
+def _eager(step: Any, state: Any, batch: Any, cls: type) -> Any:
     ls = state.loss_scale
-    outs, origins = _grads_run(step, ls, state, batch)
-    (_, (loss, new_ms)), grads = outs
-    (_, (loss_o, _)), grads_o = origins
-    if loss_o is not None or not _finite(loss):
-        o = loss_o
+    run = _grads_run(step, ls, state, batch)
+    if run.loss_tag is not None or not _finite(run.loss):
+        o = blame(run.loss_tag)
         if o is None:  # cannot happen with finite inputs; said plainly anyway
             return cls(
                 phase="loss", path=None, op=None, source=None, detail="loss not finite"
@@ -591,45 +1337,41 @@ def locate(step: Any, state: Any, batch: Any, cls: type) -> Any:
         return cls(
             phase=phase, path=o.module, detail=cause(o, _where(o)), **_origin_fields(o)
         )
-    grads = ls.unscale(grads)
+    grads = ls.unscale(run.grads)
     bad = _first_bad(grads)
     if bad is not None:
-        return _grad_failure(step, state, batch, bad, grads_o, cls)
-    return _update_phase(state, grads, new_ms, cls)
+        return _grad_failure(step, state, batch, bad, run.grad_tags, cls)
+    return _update_phase(step, state, grads, run.model_state, cls)
 
 
-def _grad_origin(grads_o: Any, path: Any) -> Origin | None:
-    for p, o in jax.tree_util.tree_flatten_with_path(
-        grads_o, is_leaf=lambda x: x is None or isinstance(x, Origin)
-    )[0]:
-        if p == path:
-            return o
-    return None
-
-
-def _grad_failure(step, state, batch, bad, grads_o, cls):
+def _grad_failure(step, state, batch, bad, grad_tags, cls):
     path, _, s = bad
+    name = _named(path, "params")
+    o = blame(grad_tags.get(tuple(path)))
     scale = float(np.asarray(state.loss_scale.loss_scale))
     if scale != 1.0:
         from jaxstable._src.loss_scale import StaticLossScale
 
-        (_, _), grads1 = _grads_run(step, StaticLossScale(1.0), state, batch)[0]
-        if _first_bad(grads1) is None:
+        one = _grads_run(step, StaticLossScale(1.0), state, batch)
+        if one.grads is not None and _first_bad(one.grads) is None:
             return cls(
                 phase="loss_scale",
-                path=dotted(path),
+                path=name,
                 detail=f"gradient overflow at loss scale {scale:.6g}, finite at "
                 "scale 1 (benign: the scale backs off)",
-                **_origin_fields(_grad_origin(grads_o, path)),
+                **_origin_fields(o),
             )
-    o = _grad_origin(grads_o, path)
-    text = f"{kind(s.nan, s.inf)} in the gradient of {dotted(path)}, the loss finite"
+    text = f"{kind(s.nan, s.inf)} in the gradient of {name}, the loss finite"
     if o is not None:
         text += f"; it starts at {cause(o, _where(o))}"
-    return cls(phase="backward", path=dotted(path), detail=text, **_origin_fields(o))
+    return cls(phase="backward", path=name, detail=text, **_origin_fields(o))
 
 
-def _update_phase(state, grads, new_ms, cls):
+def _update_phase(step, state, grads, new_ms, cls):
+    """``state.tx.update`` op by op, guards off (see `_Interpreter`); each
+    output leaf is checked as it is computed and dropped unless non-finite
+    (or a float16 Adam ``nu``, for the message): no copy of the new
+    parameters and optimizer state is held."""
     import optax
 
     tx = state.tx
@@ -643,37 +1385,69 @@ def _update_phase(state, grads, new_ms, cls):
             updates, new_opt = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_opt
 
-    (params, opt_state), (params_o, _) = interpret(
-        apply, grads, state.opt_state, state.params
+    out_paths: list = []
+    n_params = len(jax.tree_util.tree_leaves(state.params))
+    first: dict[str, tuple] = {}  # "params"/"opt_state" -> (name, value, tag)
+    nus: dict[int, Any] = {}  # float16 Adam nu leaves, for the message
+
+    def sink(i, val, tag):
+        path = out_paths[i][1:]
+        if tag:
+            tree = "params" if i < n_params else "opt_state"
+            name = dotted(path)
+            if tree not in first or name < first[tree][0]:
+                first[tree] = (name, val, tag, path)
+                return True
+        nu = any(getattr(k, "name", None) == "nu" for k in path)
+        if nu and getattr(val, "dtype", None) == jnp.float16:
+            nus[i] = val
+            return True
+        return False
+
+    sink.start = lambda shape: out_paths.extend(
+        p for p, _ in jax.tree_util.tree_flatten_with_path(shape)[0]
     )
-    bad = _first_bad(params)
-    if bad is not None:
-        path, leaf, s = bad
-        o = _grad_origin(params_o, path)
+    args = (grads, state.opt_state, state.params)
+    interpret(apply, *args, sink=sink, unguard=True, cache=(step, "update", tx))
+    if "params" in first:
+        _, leaf, tag, path = first["params"]
+        name = _named(path, "params")
+        s, o = array_stats(leaf), blame(tag)
         text = (
-            f"{kind(s.nan, s.inf)} in {dotted(path)} after the optimizer update "
+            f"{kind(s.nan, s.inf)} in {name} after the optimizer update "
             "(gradients finite)"
         )
-        if _adam_nu_zero(opt_state, path, leaf):
-            text = ADAM_FP16 + f": the update of {dotted(path)} divides by 0"
+        nu = [v for i, v in nus.items() if _ends_with(out_paths[i], path)]
+        if nu and _adam_nu_zero(nu[0], leaf):
+            text = ADAM_FP16 + f": the update of {name} divides by 0"
         elif o is not None:
             text += f"; it starts at {cause(o, 'in the optimizer update')}"
-        return cls(phase="update", path=dotted(path), detail=text, **_origin_fields(o))
-    for name, tree in (("opt_state", opt_state), ("model_state", new_ms)):
-        bad = _first_bad(tree)
-        if bad is not None:
-            path, _, s = bad
-            where = f"{name}.{dotted(path)}" if dotted(path) else name
-            return cls(
-                phase="update",
-                path=where,
-                op=None,
-                source=None,
-                detail=f"{kind(s.nan, s.inf)} in {where} after the step "
-                "(loss and gradients finite)",
-                **_value_fields(s),
-            )
-    return None
+        return cls(phase="update", path=name, detail=text, **_origin_fields(o))
+    where = leaf = None
+    if "opt_state" in first:
+        name, leaf, _, _ = first["opt_state"]
+        where = join("opt_state", [name])
+    else:
+        ms_bad = _first_bad(new_ms, masks_ok=True)
+        if ms_bad is not None:
+            where, leaf = join("model_state", [dotted(ms_bad[0])]), ms_bad[1]
+    if where is None:
+        return None
+    s = array_stats(leaf)
+    return cls(
+        phase="update",
+        path=where,
+        op=None,
+        source=None,
+        detail=f"{kind(s.nan, s.inf)} in {where} after the step "
+        "(loss and gradients finite)",
+        **_value_fields(s),
+    )
+
+
+def _ends_with(path: Any, suffix: Any) -> bool:
+    path, suffix = tuple(path), tuple(suffix)
+    return len(path) >= len(suffix) and path[len(path) - len(suffix) :] == suffix
 
 
 ADAM_FP16 = (
@@ -682,21 +1456,8 @@ ADAM_FP16 = (
 )
 
 
-def _adam_nu_zero(opt_state: Any, path: Any, new_param: Any) -> bool:
-    """Whether Adam's ``nu`` for this parameter is a float16 0 exactly where
-    the new parameter is non-finite: ``m / (sqrt(0) + 0)``."""
-    import optax
-
+def _adam_nu_zero(nu: Any, new_param: Any) -> bool:
+    """Whether Adam's new float16 ``nu`` for this parameter is 0 exactly
+    where the new parameter is non-finite: ``m / (sqrt(0) + 0)``."""
     bad = ~np.isfinite(np.asarray(new_param, np.float64))
-    states = [
-        x
-        for x in jax.tree_util.tree_leaves(
-            opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
-        )
-        if isinstance(x, optax.ScaleByAdamState)
-    ]
-    for st in states:
-        for p, nu in jax.tree_util.tree_flatten_with_path(st.nu)[0]:
-            if p == path and nu.dtype == jnp.float16:
-                return bool(np.all(np.asarray(nu, np.float64)[bad] == 0))
-    return False
+    return bool(np.all(np.asarray(nu, np.float64)[bad] == 0))

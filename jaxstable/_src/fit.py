@@ -836,4 +836,5 @@ def _locate_failed(train_step, state_out, metrics, batch, pipeline):
     if pipeline and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
         return False
     used = StaticLossScale(metrics["loss_scale"])
-    return locate(train_step, state_out.replace(loss_scale=used), batch)
+    # finite=False: the compiled step was not applied (no need to re-run it).
+    return locate(train_step, state_out.replace(loss_scale=used), batch, finite=False)

@@ -261,7 +261,8 @@ def test_hot_path_hlo_unchanged_and_classes_restored():
 def test_memory_bounded_by_live_values():
     # 100 chained adds on a 4 MB array: keeping every value would hold 400 MB;
     # the interpreter drops each after its last use (add's gradient keeps no
-    # residuals, so a handful of arrays are alive at any time).
+    # residuals, so a handful of arrays are alive at any time). finite=False:
+    # run op by op although the compiled step is finite.
     def loss_fn(p, b):
         x = p["w"] * b
         for _ in range(100):
@@ -271,9 +272,9 @@ def test_memory_bounded_by_live_values():
     n = 1 << 20
     step = train.make_train_step(loss_fn)
     state = train.TrainState.create(params={"w": jnp.ones(n)}, optimizer=optax.sgd(1))
-    assert diagnostics.locate(step, state, jnp.ones(n)) is None
+    assert diagnostics.locate(step, state, jnp.ones(n), finite=False) is None
     one = 4 * n
-    assert one * 2 <= engine.stats["peak_live_bytes"] <= 8 * one
+    assert one * 2 <= engine.stats["peak_live_bytes"] <= 4 * one
 
 
 def test_fit_stop_puts_location_in_error_and_record(tmp_path):
@@ -338,3 +339,133 @@ def test_module_paths_inside_a_jitted_forward_traced_by_the_hot_path_first():
     step(state, _xy())  # `forward` is now in jax's trace cache, without scopes
     loc = _locate(step, state, _xy())
     assert (loc.phase, loc.path, loc.op) == ("forward", "layers.2", "matmul")
+
+
+def test_a_step_xla_computed_finite_gives_none():
+    # sqrt(sum(h * mask)) on a fully masked row: eagerly the gradient is
+    # mask * 1/(2 sqrt(0)) = 0 * inf = NaN, but XLA turns x * convert(bool)
+    # into a select and the compiled step is finite (applied): locate
+    # answers about the step that ran.
+    def loss_fn(p, b):
+        return jnp.sum(jnp.sqrt(jnp.sum(p["w"] * b["x"] * b["mask"], axis=-1)))
+
+    step = train.make_train_step(loss_fn)
+    state = train.TrainState.create(
+        params={"w": jnp.ones((2, 3))}, optimizer=optax.sgd(1)
+    )
+    batch = {"x": jnp.ones((2, 3)), "mask": jnp.array([[True] * 3, [False] * 3])}
+    assert _locate(step, state, batch) is None
+    # The eager re-run itself, when asked for (finite=False: the step was
+    # not applied), still finds the NaN XLA avoided.
+    loc = diagnostics.locate(step, state, batch, finite=False)
+    assert (loc.phase, loc.path, loc.op) == ("backward", "w", "div")
+
+
+def test_while_loop_names_the_op_in_its_body():
+    def grow(c):
+        return c[0] + 1, c[1] * 1e10  # 1e40 > float32's 3.4e38 at i = 4
+
+    def loss_fn(p, b):
+        _, y = jax.lax.while_loop(lambda c: c[0] < 5, grow, (0, b))
+        return jnp.sum(p["w"] * y)
+
+    step = train.make_train_step(loss_fn)
+    state = train.TrainState.create(params={"w": jnp.ones(3)}, optimizer=optax.sgd(1))
+    loc = _locate(step, state, jnp.ones(3))
+    assert (loc.phase, loc.path, loc.op) == ("loss", None, "mul")
+    assert loc.source.endswith("in grow")
+    assert loc.detail.startswith("float32 overflow: max |x| = 1e+40 > 3.40282e+38")
+
+
+def test_bare_array_params_are_named_params():
+    step = train.make_train_step(lambda p, b: jnp.sqrt(jnp.sum((p - b) ** 2)))
+    state = train.TrainState.create(params=jnp.ones(3), optimizer=optax.sgd(1))
+    loc = _locate(step, state, jnp.ones(3))
+    assert (loc.phase, loc.path) == ("backward", "params")
+    assert diagnostics.format_location(loc).startswith(
+        "non-finite value first in phase 'backward' at params, op div"
+    )
+    bad = train.TrainState.create(params=jnp.full(3, jnp.nan), optimizer=optax.sgd(1))
+    assert diagnostics.locate(step, bad, jnp.ones(3)).path == "params"
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(x)
+
+
+class Remat(nnx.Module):
+    def __init__(self):
+        self.block = Block(nnx.Rngs(0))
+        self.block.fc.kernel[...] = jnp.full((8, 8), 1e4)  # 8e4 > 65504
+
+    def __call__(self, x):
+        return nnx.remat(lambda block, x: block(x))(self.block, x)
+
+
+class Scan(nnx.Module):
+    def __init__(self):
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(key):
+            return Block(nnx.Rngs(key))
+
+        self.blocks = make(jax.random.split(jax.random.key(0), 3))
+        self.blocks.fc.kernel[...] = jnp.full((3, 8, 8), 20.0)  # 2.56e4 * 160
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return body(x, self.blocks)
+
+
+@pytest.mark.parametrize(
+    ("model", "path"), [(Remat, "block.fc"), (Scan, "blocks.fc")], ids=["remat", "scan"]
+)
+def test_modules_inside_nnx_remat_and_scan_are_named(model, path):
+    graphdef, params = nnx.split(model())
+
+    def loss_fn(p, b):
+        return jnp.mean(nnx.merge(graphdef, p)(b).astype(jnp.float32) ** 2)
+
+    step = train.make_train_step(loss_fn, policy=FP16)
+    state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
+    loc = _locate(step, state, jnp.ones((2, 8)))
+    assert (loc.phase, loc.path, loc.op) == ("forward", path, "matmul")
+
+
+def test_update_outputs_are_not_held():
+    # Adam over 8 leaves of 64 kB. optax computes each stage for the whole
+    # tree, so the new moments of every leaf are alive together (16 leaves)
+    # as in the compiled step; each output is checked when computed and not
+    # held after its last use (holding them would add 24 leaves).
+    params = {f"w{i}": jnp.ones(1 << 14) for i in range(8)}
+    step = train.make_train_step(lambda p, b: sum(jnp.sum(w * b) for w in p.values()))
+    state = train.TrainState.create(params=params, optimizer=optax.adam(1e-3))
+    assert diagnostics.locate(step, state, jnp.ones(1 << 14), finite=False) is None
+    leaf = 4 << 14
+    grads_run, update_run = engine.stats["peaks"]
+    assert grads_run <= 11 * leaf  # the 8 gradients it keeps, 2 in flight
+    assert update_run <= 20 * leaf, update_run / leaf
+
+
+def test_a_minus_inf_mask_in_the_model_state_is_no_params_failure():
+    # A causal mask of -inf kept in the model state, and a real overflow.
+    def loss_fn(p, ms, b):
+        s = (b @ p["w"]) + ms["mask"]
+        return jnp.mean(jax.nn.softmax(s.astype(jnp.float32), -1)), ms
+
+    mask = jnp.where(jnp.tril(jnp.ones((4, 4), bool)), 0.0, -jnp.inf)
+    step = train.make_train_step(loss_fn, has_state=True, policy=FP16)
+    state = train.TrainState.create(
+        params={"w": jnp.full((4, 4), 1e4)},
+        optimizer=optax.sgd(0.1),
+        model_state={"mask": mask},
+    )
+    loc = _locate(step, state, jnp.full((4, 4), 2.0))
+    assert (loc.phase, loc.op) == ("loss", "matmul")
+    assert loc.detail.startswith("float16 overflow: max |x| = 8e+04")

@@ -1,30 +1,54 @@
 """The engine of `torchref.diagnostics.locate` (private).
 
-The step is re-run on its own model (its parameters, buffers and gradients
-put back afterwards; the update runs on a deep copy of model and optimizer)
-under a `TorchDispatchMode` that sees every aten op, forward and
-backward, as it runs (after autocast's casts). Every non-finite tensor
-carries its *origin*: the first op whose output went non-finite while its
-own inputs were finite (or, when an input already was non-finite, that
-input's origin), the mirror of the jaxpr interpreter of `jaxstable`. The
-origins live in a weak dictionary keyed by tensor: only tensors still alive
-keep theirs, so memory stays that of the step itself. Module paths come from
-forward hooks (``named_modules()`` names); backward ops get the
-forward source line from autograd's anomaly-mode traceback and the module
-from a tag left on each autograd node by the module that created it.
+The step's forward and backward are re-run on its own model under a
+`TorchDispatchMode` that sees every aten op, forward and backward, as it
+runs (after autocast's casts), the mirror of the jaxpr interpreter of
+`jaxstable`. Every non-finite tensor carries a *tag*: which origin explains
+each of its non-finite elements. An origin is the op that made elements
+non-finite while the elements they were computed from were finite. Origins
+are tracked per element: an element that was ``-inf`` on purpose (an
+attention mask) does not hide a new overflow at another element of the
+same tensor. Pointwise ops map element i to element i (masks are
+broadcast); any other op is *ablated* when an intentional value or several
+origins reach it (re-run with the non-finite input elements of an origin
+replaced by 1: what turns finite was that origin's, what stays non-finite
+is the op's own); with one unintended origin at its inputs, it keeps that
+origin without a re-run. *Intentional* values are non-finite constants
+written on purpose (``masked_fill(mask, -inf)``, a ``-inf`` buffer): never
+blamed over a real overflow, and the NaN they make (a softmax over a fully
+masked row) is named for what it is.
+
+Tags live in a weak dictionary keyed by tensor: only tensors still alive
+keep theirs. Module paths come from forward pre-hooks and wrapped public
+methods: the attribute chain written at the call site (``self.dec(x)`` is
+``dec`` even when ``dec`` is ``enc``), else the ``named_modules()`` name;
+``_orig_mod.`` of ``torch.compile`` is dropped. A backward op gets the
+forward line from autograd's anomaly-mode traceback (or the line of a
+user's ``autograd.Function.backward`` running it) and the module from a tag
+left on each autograd node created during that module's call.
+
+Nothing the step can touch is changed: parameters are copied only if an op
+writes to them, buffers are copied and put back, gradients are put back,
+the global (CPU and CUDA) RNG and every `torch.Generator` held by a module
+are restored, and the update runs one parameter at a time on copies.
 """
 
 from __future__ import annotations
 
+import ast
+import collections
 import contextlib
 import copy
 import dataclasses
+import functools
+import linecache
 import math
 import os
-import re
 import sys
 import sysconfig
+import types
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -46,7 +70,16 @@ CANONICAL_OPS = {
     "true_divide": "div",
     "amax": "max",
     "amin": "min",
+    "_softmax": "softmax",
+    "_log_softmax": "log_softmax",
+    "native_layer_norm": "layer_norm",
+    "native_group_norm": "group_norm",
 }
+# Ops mapping element i to element i (broadcasting) without torch's
+# pointwise tag.
+_POSITIONAL = {"masked_fill", "copy", "_to_copy", "clone", "detach", "alias"}
+_SOFTMAX = {"softmax", "log_softmax"}
+_NORMS = {"layer_norm", "group_norm"}
 _LIB_MARKERS = (
     "site-packages",
     "dist-packages",
@@ -54,8 +87,26 @@ _LIB_MARKERS = (
 )
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _MODULE_TAG = "torchref.locate.module"
-_FRAME = re.compile(r'File "(?P<file>.+)", line (?P<line>\d+), in (?P<func>\S+)')
-_LOW = (torch.float16, torch.bfloat16)
+_SOURCE_TAG = "torchref.locate.source"
+_TORCH_MODULE_FILE = os.path.join("torch", "nn", "modules", "module.py")
+# In the last `locate` call: the peak bytes locate itself held (copies of
+# buffers, of parameters an op wrote to, of one parameter and its optimizer
+# state in the update, the re-run's gradients, masks), and the peak bytes of
+# the tensors carrying a tag that were still alive (their tags are weak:
+# only tensors the program itself keeps). Read by the memory tests and the
+# benchmark.
+stats = {"peak_live_bytes": 0, "peak_tagged_bytes": 0}
+
+
+def _hold(nbytes: int) -> None:
+    stats["peak_live_bytes"] = max(stats["peak_live_bytes"], nbytes)
+
+
+# What an origin is, beyond its op (see `cause`); the same words in jaxstable.
+MASKED_ROW = "max of a fully masked row"
+SOFTMAX_MASKED = "softmax over a fully masked row"
+MASKED_NAN = "NaN from a masked -inf"
+VARIANCE_ZERO = "variance 0"
 
 
 class Stats(NamedTuple):
@@ -70,29 +121,36 @@ class Stats(NamedTuple):
     zeros: int
     negatives: int
     size: int
+    neg_inf: int = 0
 
 
 def tensor_stats(t: torch.Tensor) -> Stats:
-    w = t.detach().to("cpu", torch.float64)
-    nan = torch.isnan(w)
-    inf = torch.isinf(w)
-    fin = w[~(nan | inf)]
+    """Computed where ``t`` lives, in its own dtype (no float64 copy)."""
+    w = t.detach()
+    if not (w.is_floating_point() or w.is_complex()):
+        w = w.float()
+    real = w.real if w.is_complex() else w
+    nan, inf = torch.isnan(w), torch.isinf(w)
+    fin = ~(nan | inf)
+    n_fin = int(fin.sum())
+    zero = torch.zeros((), dtype=real.dtype, device=w.device)
     return Stats(
         shape=tuple(t.shape),
         dtype=str(t.dtype).removeprefix("torch."),
         nan=int(nan.sum()),
         inf=int(inf.sum()),
-        max_abs=float(fin.abs().max()) if fin.numel() else float("nan"),
-        max=float(fin.max()) if fin.numel() else float("nan"),
-        zeros=int((fin == 0).sum()),
-        negatives=int((fin < 0).sum()),
+        max_abs=float(torch.where(fin, w.abs(), zero).max()) if n_fin else math.nan,
+        max=float(real[fin].max()) if n_fin else math.nan,
+        zeros=int(((w == 0) & fin).sum()),
+        negatives=int(((real < 0) & fin).sum()),
         size=int(w.numel()),
+        neg_inf=int((inf & (real < 0)).sum()),
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Origin:
-    """Where a non-finite value started."""
+    """Where non-finite elements started."""
 
     index: int
     op: str
@@ -100,15 +158,30 @@ class Origin:
     source: str | None
     out: Stats
     ins: list[Stats]
-    would_be: float | None  # max |x| of the output recomputed in float32
+    would_be: float | None  # max |x| of its elements recomputed in float64
+    intentional: bool = False  # a non-finite constant written on purpose
+    hint: str | None = None  # MASKED_ROW, SOFTMAX_MASKED, MASKED_NAN, VARIANCE_ZERO
 
 
 def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
+def _bad_mask(t: Any) -> torch.Tensor | None:
+    """Mask of the non-finite elements, or None when all are finite."""
+    if not _is_float(t) or not t.numel() or bool(torch.isfinite(t.detach().sum())):
+        return None
+    m = ~torch.isfinite(t.detach())
+    return m if bool(m.any()) else None
+
+
 def _finite(t: Any) -> bool:
-    return not _is_float(t) or bool(torch.isfinite(t.detach()).all())
+    if not _is_float(t) or not t.numel():
+        return True
+    # A finite sum has no NaN or Inf to add up: one pass, no mask (an
+    # overflow of the sum itself falls through to the exact test).
+    d = t.detach()
+    return bool(torch.isfinite(d.sum())) or bool(torch.isfinite(d).all())
 
 
 def format_frame(file_name: str, line: int, function: str) -> str:
@@ -140,133 +213,703 @@ def _python_source() -> str | None:
     return None
 
 
-def _node_source(node: Any) -> str | None:
-    """The forward line that created an autograd node (anomaly-mode traceback)."""
-    stack = node.metadata.get("traceback_") if node is not None else None
-    for entry in reversed(stack or []):
-        m = _FRAME.search(entry)
-        if m and _is_user(m["file"]):
-            return format_frame(m["file"], int(m["line"]), m["func"])
-    return None
-
-
-def _would_be(func: Any, args: tuple, kwargs: dict, ins: list) -> float | None:
-    """max |output| with the low-precision inputs upcast to float32: tells an
-    overflow (finite in float32) from a division by zero or a log of 0."""
+def _op_name(func: Any) -> str:
     name = func.overloadpacket.__name__
+    base = name.rstrip("_") or name
+    return CANONICAL_OPS.get(base, base)
+
+
+def _functional(func: Any) -> Any:
+    """``aten.mul.Tensor`` for ``aten.mul_.Tensor``; None when there is none."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_"):
+        return None
+    packet = getattr(torch.ops.aten, name.rstrip("_"), None)
+    return getattr(packet, func._overloadname, None) if packet is not None else None
+
+
+def _would_be(func, args, kwargs, k: int, sel) -> float | None:
+    """max |output k| over the elements ``sel`` recomputed with every
+    floating input in float64: tells an overflow (finite in float64, above
+    the dtype's max) from a division by zero or a log of 0 (non-finite in
+    float64 too), for float16, bfloat16 and float32 alike. An in-place op
+    is recomputed through its functional twin (``mul`` for ``mul_``), on
+    the values it read (``args`` holds those)."""
+    name = func.overloadpacket.__name__.rstrip("_")
     if CANONICAL_OPS.get(name) == "cast":
-        x = ins[0] if ins else None
-        return None if x is None or not _finite(x) else tensor_stats(x).max_abs
-    if func._schema.is_mutable or not any(t.dtype in _LOW for t in ins if _is_float(t)):
-        return None
+        src = args[1] if name == "copy" else args[0]
+        ref = src.detach().double() if _is_float(src) else None
+    else:
+        if func._schema.is_mutable:
+            func = _functional(func)
+            if func is None:
+                return None
 
-    def up(a):
-        return a.float() if _is_float(a) and a.dtype in _LOW else a
+        def up(a):
+            return a.detach().double() if _is_float(a) and not a.is_complex() else a
 
-    kw = {k: (torch.float32 if v in _LOW else up(v)) for k, v in kwargs.items()}
-    try:
-        out = func(*[up(a) for a in args], **kw)
-    except Exception:  # an op that refuses the upcast: no estimate
+        kw = {
+            key: (torch.float64 if isinstance(v, torch.dtype) else up(v))
+            for key, v in kwargs.items()
+        }
+        try:
+            with torch.no_grad():
+                out = func(*[up(a) for a in args], **kw)
+        except Exception:  # an op that refuses float64: no estimate
+            return None
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        ref = outs[k] if k < len(outs) else None
+    if ref is None or not ref.numel():
         return None
-    out = out[0] if isinstance(out, tuple | list) else out
-    if not isinstance(out, torch.Tensor) or not _finite(out):
+    a = ref.abs()
+    if sel is not None:
+        a = a[sel.expand_as(a)] if sel.shape != a.shape else a[sel]
+    if not a.numel() or not bool(torch.isfinite(a).all()):
         return None
-    return float(out.detach().abs().max().double()) if out.numel() else None
+    return float(a.max())
+
+
+# ------------------------------------------------------------------ tags
+# A tag is ((origin, mask), ...): disjoint masks whose union is the tensor's
+# non-finite elements; a single origin has the mask None ("all of them").
+
+
+def _masks(tag: tuple, val: torch.Tensor) -> list[tuple[Origin, Any]]:
+    if len(tag) == 1 and tag[0][1] is None:
+        return [(tag[0][0], _bad_mask(val))]
+    return list(tag)
+
+
+def _order(origins) -> list[Origin]:
+    """Who claims an element first: real causes before intentional values,
+    then the earliest."""
+    return sorted(origins, key=lambda o: (o.intentional, o.index))
+
+
+def blame(tag: tuple | None) -> Origin | None:
+    """The origin a non-finite tensor is reported with (see `_order`)."""
+    return _order([o for o, _ in tag])[0] if tag else None
+
+
+def _make_tag(claims: dict) -> tuple:
+    if len(claims) == 1:
+        return ((next(iter(claims)), None),)
+    return tuple(claims.items())
+
+
+def _union(masks, like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    for m in masks:
+        out = out | m
+    return out
+
+
+def _fit(m: torch.Tensor, shape) -> torch.Tensor:
+    return m if tuple(m.shape) == tuple(shape) else m.broadcast_to(shape)
+
+
+def _assign(acc: dict, explained: torch.Tensor) -> dict:
+    """Each explained element to one origin, in `_order`."""
+    taken = torch.zeros_like(explained)
+    claims = {}
+    for o in _order(acc):
+        m = acc[o] & explained & ~taken
+        if bool(m.any()):
+            claims[o] = m
+            taken = taken | m
+    return claims
 
 
 class Tracer(TorchDispatchMode):
-    """Records the origin of every non-finite tensor (see the module doc)."""
+    """Tags every non-finite tensor with its origins (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, watched: dict | None = None, sources: bool = False) -> None:
         super().__init__()
-        self.origins = WeakTensorKeyDictionary()
+        # With `sources`, each autograd node made by a forward op is tagged
+        # with the user's line (what anomaly mode's tracebacks give, at a
+        # fraction of the cost: no formatted stack per node).
+        self.sources = sources
+        self.unnamed: list[tuple[Any, str | None]] = []
+        self.tags = WeakTensorKeyDictionary()
         self.count = 0
-        self.stack: list[str] = []  # module paths being run (forward hooks)
+        self.stack: list[tuple[Any, str]] = []  # running modules, with paths
+        # Copy on write: storage of a parameter -> the parameter; its value
+        # is copied the first time an op writes to it (``saved``).
+        self.watched = watched or {}
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.base = 0  # bytes held outside this tracer (buffer copies, ...)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self._name_nodes()
+        mutable = func._schema.is_mutable
+        read_args, read_kwargs, before = args, kwargs, {}
+        if mutable:
+            # An in-place op overwrites its input: keep the values it read.
+            written = _written(func, args, kwargs)
+            self._copy_on_write(written)
+            before = {id(t): t.detach().clone() for t in written if _is_float(t)}
+            read_args, read_kwargs = _swap(args, kwargs, before)
         ins = [
             t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         ]
-        mutable = func._schema.is_mutable
-        pre_bad = [t for t in ins if not _finite(t)] if mutable else None
-        # An in-place op overwrites its input: keep the values it read.
-        before = [t.detach().clone() for t in ins] if mutable else ins
+        pre = [self.tags.get(t) for t in ins]  # before an in-place op retags
         out = func(*args, **kwargs)
-        self.count += 1
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        bad_out = [t for t in outs if not _finite(t)]
-        if not bad_out:
+        if self.sources and torch._C._current_autograd_node() is None:
+            # The forward line of the autograd node autograd attaches to
+            # these outputs when this returns (named at the next op).
+            source = _python_source()
+            self.unnamed.extend((weakref.ref(t), source) for t in outs)
+        bad = [not _finite(t) for t in outs]
+        if not any(bad):
+            for t in outs:
+                self.tags.pop(t, None)
             return out
-        bad_in = pre_bad if mutable else [t for t in ins if not _finite(t)]
-        known = [self.origins.get(t) for t in bad_in]
-        known = [o for o in known if o is not None]
-        if known:
-            origin = min(known, key=lambda o: o.index)
-        else:
-            origin = self._new(func, args, kwargs, before, bad_out[0])
-        for t in bad_out:
-            self.origins[t] = origin
+        vals = [before.get(id(t), t) for t in ins]
+        intags = [
+            p if p is not None else self._constant_tag(t, v)
+            for t, v, p in zip(ins, vals, pre, strict=True)
+        ]
+        tags = self._tags(
+            func, read_args, read_kwargs, vals, intags, outs, bad, mutable
+        )
+        for t, tag in zip(outs, tags, strict=True):
+            if tag is None:
+                self.tags.pop(t, None)
+                continue
+            self.tags[t] = tag
+            if mutable and t._base is not None:  # written through a view
+                self.tags[t._base] = ((blame(tag), None),)
+        self.account()
         return out
 
-    def _new(self, func, args, kwargs, ins, out) -> Origin:
-        name = func.overloadpacket.__name__.rstrip("_") or "op"
+    def account(self) -> None:
+        masks = sum(_tag_bytes(g) for g in self.tags.values())
+        tagged = sum(_nbytes(t) for t in self.tags.keys())
+        stats["peak_tagged_bytes"] = max(stats["peak_tagged_bytes"], tagged + masks)
+        _hold(self.base + masks + sum(_nbytes(c) for _, c in self.saved.values()))
+
+    def _constant_tag(self, t: torch.Tensor, value: torch.Tensor) -> tuple | None:
+        """Non-finite and made by no op seen here: a buffer or a constant (a
+        causal mask of -inf), intentional."""
+        if _finite(value):
+            return None
+        self.count += 1
+        o = Origin(
+            self.count, "constant", None, None, tensor_stats(value), [], None, True
+        )
+        tag = ((o, None),)
+        if value is t:
+            self.tags[t] = tag
+        return tag
+
+    def _name_nodes(self) -> None:
+        for ref, source in self.unnamed:
+            t = ref()
+            node = None if t is None else t.grad_fn
+            if node is not None and _SOURCE_TAG not in node.metadata:
+                node.metadata[_SOURCE_TAG] = source
+        self.unnamed.clear()
+
+    def _copy_on_write(self, written: list[torch.Tensor]) -> None:
+        for t in written:
+            try:
+                key = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue
+            param = self.watched.get(key)
+            if param is not None and key not in self.saved:
+                self.saved[key] = (param, param.detach().clone())
+                self.account()
+
+    # ---------------------------------------------------------------- tags
+    def _tags(self, func, args, kwargs, vals, intags, outs, bad, mutable) -> list:
+        literal = any(
+            isinstance(a, float) and not math.isfinite(a)
+            for a in tree_flatten((args, kwargs))[0]
+        )
+        if not any(intags):
+            k = bad.index(True)
+            o = self.new(func, args, kwargs, vals, outs, k, None, literal)
+            return [((o, None),) if b else None for b in bad]
+        origins = _order(dict.fromkeys(o for t in intags if t for o, _ in t))
+        if len(origins) == 1 and not origins[0].intentional:
+            # One real cause keeps every non-finite output: the first cause
+            # wins anyway, and a NaN cascade stays cheap.
+            return [((origins[0], None),) if b else None for b in bad]
+        bad = [_bad_mask(t) if b else None for t, b in zip(outs, bad, strict=True)]
+        name = func.overloadpacket.__name__.rstrip("_")
+        if torch.Tag.pointwise in func.tags or name in _POSITIONAL:
+            return self._pointwise(func, args, kwargs, vals, intags, outs, bad, literal)
+        return self._ablated(
+            func, args, kwargs, vals, intags, outs, bad, mutable, literal
+        )
+
+    def _pointwise(self, func, args, kwargs, vals, intags, outs, bad, literal) -> list:
+        result = []
+        for k, b in enumerate(bad):
+            if b is None:
+                result.append(None)
+                continue
+            acc: dict[Origin, torch.Tensor] = {}
+            nan_in = torch.zeros_like(b)
+            for v, t in zip(vals, intags, strict=True):
+                if not t or not _broadcastable(v.shape, b.shape):
+                    continue
+                for o, m in _masks(t, v):
+                    if m is not None:
+                        m = _fit(m, b.shape)
+                        acc[o] = acc[o] | m if o in acc else m
+                nan_in = nan_in | _fit(torch.isnan(v.detach()), b.shape)
+            explained = b & _union(acc.values(), b)
+            claims = _assign(acc, explained)
+            claims = self._masked_nan(
+                func, args, kwargs, vals, outs, k, claims, nan_in, acc
+            )
+            result.append(
+                self._finish(
+                    func, args, kwargs, vals, outs, k, claims, b & ~explained, literal
+                )
+            )
+        return result
+
+    def _ablated(self, func, args, kwargs, vals, intags, outs, bad, mutable, literal):
+        origins = _order(dict.fromkeys(o for t in intags if t for o, _ in t))
+        if mutable or torch.Tag.nondeterministic_seeded in func.tags:
+            # No re-run of an in-place op (it would write twice) nor of a
+            # random one (it would draw again, and shift later draws).
+            return [None if b is None else ((origins[0], None),) for b in bad]
+        filled = self._rerun(func, args, kwargs, intags, vals, None)
+        each = (
+            {o: self._rerun(func, args, kwargs, intags, vals, o) for o in origins}
+            if len(origins) > 1
+            else {origins[0]: filled}
+        )
+        nan_in = any(
+            t and bool(torch.isnan(v.detach()).any())
+            for v, t in zip(vals, intags, strict=True)
+        )
+        result = []
+        for k, b in enumerate(bad):
+            if b is None:
+                result.append(None)
+                continue
+            still = _bad_mask(filled[k]) if k < len(filled) else None
+            new = torch.zeros_like(b) if still is None else b & _fit(still, b.shape)
+            explained = b & ~new
+            acc = {}
+            for o in origins:
+                s = _bad_mask(each[o][k]) if k < len(each[o]) else None
+                acc[o] = explained if s is None else explained & ~_fit(s, b.shape)
+            claims = _assign(acc, explained)
+            rest = explained & ~_union(claims.values(), b)
+            if bool(rest.any()):  # needs several origins at once: the first
+                claims[origins[0]] = claims.get(origins[0], torch.zeros_like(b)) | rest
+            claims = self._masked_row(func, args, kwargs, outs, k, claims)
+            nan_here = torch.ones_like(b) if nan_in else torch.zeros_like(b)
+            claims = self._masked_nan(
+                func, args, kwargs, vals, outs, k, claims, nan_here, acc
+            )
+            result.append(
+                self._finish(func, args, kwargs, vals, outs, k, claims, new, literal)
+            )
+        return result
+
+    def _rerun(self, func, args, kwargs, intags, vals, only) -> list:
+        ins = [
+            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        ]
+        repl = {}
+        for t, tag, v in zip(ins, intags, vals, strict=True):
+            sel = None
+            for o, m in _masks(tag, v) if tag else ():
+                if only is None or o is only:
+                    sel = m if sel is None else sel | m
+            if sel is not None:
+                repl[id(t)] = torch.where(
+                    sel, torch.ones((), dtype=v.dtype, device=v.device), v.detach()
+                )
+        a, kw = _swap(args, kwargs, repl)
+        with torch.no_grad():
+            out = func(*a, **kw)
+        return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+    def _masked_row(self, func, args, kwargs, outs, k, claims) -> dict:
+        """A max over elements all ``-inf`` by a mask is ``-inf``: marked,
+        for the softmax that subtracts it next (NaN)."""
+        if _op_name(func) != "max":
+            return claims
+        rows = [m for o, m in claims.items() if o.intentional]
+        if not rows:
+            return claims
+        m = _union(rows, rows[0]) & (outs[k].detach() == -math.inf)
+        if not bool(m.any()):
+            return claims
+        o = self.new(func, args, kwargs, [], outs, k, m, True, hint=MASKED_ROW)
+        kept = {x: c & ~m for x, c in claims.items()}
+        return {**{x: c for x, c in kept.items() if bool(c.any())}, o: m}
+
+    def _masked_nan(self, func, args, kwargs, vals, outs, k, claims, nan_in, acc):
+        """NaN made from masked infinities alone (``-inf - -inf``, a softmax
+        over a fully masked row): a new, unintended origin."""
+        masked = [c for o, c in claims.items() if o.intentional]
+        if not masked:
+            return claims
+        m = _union(masked, nan_in) & torch.isnan(outs[k].detach()) & ~nan_in
+        if not bool(m.any()):
+            return claims
+        row = _op_name(func) in _SOFTMAX or any(
+            o.hint in (MASKED_ROW, SOFTMAX_MASKED) and bool((c & m).any())
+            for o, c in acc.items()
+        )
+        hint = SOFTMAX_MASKED if row else MASKED_NAN
+        o = self.new(func, args, kwargs, vals, outs, k, m, hint=hint)
+        if row:
+            o.op = "softmax"
+        kept = {x: c & ~m for x, c in claims.items()}
+        return {**{x: c for x, c in kept.items() if bool(c.any())}, o: m}
+
+    def _finish(self, func, args, kwargs, vals, outs, k, claims, new, literal):
+        if bool(new.any()):
+            o = self.new(func, args, kwargs, vals, outs, k, new, literal)
+            claims = {**claims, o: new}
+        return _make_tag(claims)
+
+    def new(self, func, args, kwargs, vals, outs, k, sel, intentional=False, hint=None):
+        """A new origin: output ``k`` of the op at the elements ``sel``."""
+        self.count += 1
+        name = _op_name(func)
         node = torch._C._current_autograd_node()
-        if node is not None:  # a backward op: the forward's line and module
-            source, module = _node_source(node), node.metadata.get(_MODULE_TAG)
+        if node is not None:  # a backward op: the forward's line and module,
+            # or the line of a user's autograd.Function.backward running it
+            source = _python_source() or node.metadata.get(_SOURCE_TAG)
+            module = node.metadata.get(_MODULE_TAG)
         else:
             source = _python_source()
-            module = self.stack[-1] if self.stack else None
+            module = self.stack[-1][1] if self.stack else None
+        if hint is None and name in _NORMS and not intentional:
+            hint = _variance_zero(func, args)
+        real = vals and not intentional
         return Origin(
             index=self.count,
-            op=CANONICAL_OPS.get(name, name),
+            op=name,
             module=module,
             source=source,
-            out=tensor_stats(out),
-            ins=[tensor_stats(t) for t in ins if _is_float(t)],
-            would_be=_would_be(func, args, kwargs, ins),
+            out=tensor_stats(outs[k]),
+            ins=[tensor_stats(t) for t in vals if _is_float(t)],
+            would_be=_would_be(func, args, kwargs, k, sel) if real else None,
+            intentional=intentional,
+            hint=hint,
         )
+
+
+def _variance_zero(func, args) -> str | None:
+    # native_layer_norm(x, shape, w, b, eps), native_group_norm(..., eps):
+    # eps is the last argument; with eps 0 a constant row is 0 / sqrt(0).
+    eps = args[-1] if args and isinstance(args[-1], float) else None
+    return VARIANCE_ZERO if eps == 0.0 else None
+
+
+def _broadcastable(shape, target) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
+    except RuntimeError:
+        return False
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an in-place or out= op writes to (its schema's ``a!``)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(arg.name)
+        out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
+def _swap(args, kwargs, repl: dict):
+    """``args``/``kwargs`` with the tensors whose id is in ``repl`` replaced."""
+    if not repl:
+        return args, kwargs
+
+    def sub(x):
+        if isinstance(x, torch.Tensor):
+            return repl.get(id(x), x)
+        if isinstance(x, list | tuple):
+            return type(x)(sub(y) for y in x)
+        return x
+
+    return tuple(sub(a) for a in args), {k: sub(v) for k, v in kwargs.items()}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _state_bytes(state: dict):
+    return (_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _tag_bytes(tag: tuple | None) -> int:
+    return sum(_nbytes(m) for _, m in tag if m is not None) if tag else 0
+
+
+# ----------------------------------------------------------- module paths
+def clean(path: str) -> str:
+    """A path without the ``_orig_mod`` of `torch.compile`'s wrapper."""
+    return ".".join(p for p in path.split(".") if p and p != "_orig_mod")
+
+
+def join(base: str, parts) -> str:
+    return ".".join(str(p) for p in [base, *parts] if str(p) != "")
+
+
+class _Paths:
+    """The path of each module call: the attribute chain written at the call
+    site when it resolves (``self.dec(x)``, ``m.head(...)``), else where the
+    module sits in the running module (or the model). Inside a call of a
+    copy of a module (none in torch but for user code that deep-copies), by
+    its type within the running one: the mirror of jaxstable's."""
+
+    def __init__(self, model: torch.nn.Module, tracer: Tracer) -> None:
+        self.stack = tracer.stack
+        self.index = {}
+        for name, m in model.named_modules():
+            self.index.setdefault(id(m), (m, clean(name)))
+        self.subs: dict[int, tuple[Any, list]] = {}
+
+    def call_path(self, module, frame) -> str:
+        found = call_site(frame, module)
+        if found is not None:
+            base, parts = found
+            at = self.path_of(base)
+            if at is not None:
+                return clean(join(at, parts))
+        return self.path_of(module) or ""
+
+    def path_of(self, obj) -> str | None:
+        for entry in reversed(self.stack):
+            if entry[0] is obj:
+                return entry[1]
+        if not isinstance(obj, torch.nn.Module):
+            return None
+        parent, at = self.stack[-1][:2] if self.stack else (None, "")
+        if parent is not None:
+            for rel, node in self._subgraph(parent):
+                if node is obj:
+                    return join(at, [rel])
+        known = self.index.get(id(obj))
+        if known is not None and known[0] is obj:
+            return known[1]
+        if parent is None:
+            return ""
+        if type(obj) is type(parent):
+            return at
+        for rel, node in self._subgraph(parent):
+            if type(node) is type(obj):
+                return join(at, [rel])
+        return at
+
+    def _subgraph(self, node) -> list[tuple[str, Any]]:
+        cached = self.subs.get(id(node))
+        if cached is None or cached[0] is not node:
+            nodes = [
+                (clean(n), m)
+                for n, m in node.named_modules(remove_duplicate=False)
+                if n
+            ]
+            cached = self.subs[id(node)] = (node, nodes)
+        return cached[1]
+
+
+# Per call instruction: the callee expression as (base name, ((kind, key), ...)).
+_SITES: dict[tuple[Any, int], Any] = {}
+
+
+def call_site(frame, target) -> tuple[Any, list] | None:
+    """``(base object, [attribute or key, ...])`` of the call being made in
+    ``frame`` when its callee is written as a chain (``self.dec``,
+    ``m.head``, ``self.layers[0]``) that resolves to ``target`` or to a
+    method of it; None otherwise (a loop variable, a computed index). The
+    same rule as jaxstable's."""
+    if frame is None:
+        return None
+    key = (frame.f_code, frame.f_lasti)
+    chain = _SITES.get(key, False)
+    if chain is False:
+        chain = _SITES[key] = _parse_callee(frame.f_code, frame.f_lasti)
+    if chain is None:
+        return None
+    name, parts = chain
+    sentinel = object()
+    obj = frame.f_locals.get(name, frame.f_globals.get(name, sentinel))
+    if obj is sentinel:
+        return None
+    base = obj
+    try:
+        for kind, key in parts:
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+    except Exception:  # a chain that does not resolve here: no site
+        return None
+    keys = [k for _, k in parts]
+    if obj is target:
+        return base, keys
+    if keys and getattr(obj, "__self__", None) is target:  # model.encode
+        return base, keys[:-1]
+    return None
+
+
+def _parse_callee(code, lasti: int):
+    try:
+        positions = list(code.co_positions())
+        line, end, col, end_col = positions[lasti // 2]
+        lines = linecache.getlines(code.co_filename)
+        if None in (line, end, col, end_col) or end > len(lines):
+            return None
+        text = [s.encode() for s in lines[line - 1 : end]]
+        if len(text) == 1:
+            seg = text[0][col:end_col]
+        else:
+            seg = text[0][col:] + b"".join(text[1:-1]) + text[-1][:end_col]
+        node = ast.parse(b"(" + seg + b"\n)", mode="eval").body
+    except (SyntaxError, ValueError, IndexError, TypeError):
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    func, parts = node.func, []
+    while True:
+        if isinstance(func, ast.Attribute):
+            parts.append(("attr", func.attr))
+            func = func.value
+        elif isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Constant):
+            parts.append(("item", func.slice.value))
+            func = func.value
+        elif isinstance(func, ast.Name):
+            return func.id, tuple(reversed(parts))
+        else:
+            return None
+
+
+def _caller(frame) -> Any:
+    """The first frame outside ``nn.Module.__call__`` and this file."""
+    while frame is not None and (
+        frame.f_code.co_filename.endswith(_TORCH_MODULE_FILE)
+        or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    return frame
+
+
+_BASE_NAMES = set(dir(torch.nn.Module))
 
 
 @contextlib.contextmanager
 def module_hooks(model: torch.nn.Module, tracer: Tracer):
-    """Keeps ``tracer.stack`` at the running module's ``named_modules()``
-    path and tags the autograd nodes each module created with its path."""
+    """Keeps ``tracer.stack`` at the running module and its path (forward
+    pre-hooks, and the public methods of the user's own module classes, as
+    ``model.encode(x)``), and tags the autograd nodes created during each
+    call with its path."""
+    paths = _Paths(model, tracer)
 
-    def pre(name):
-        def hook(module, args):
-            tracer.stack.append(name)
+    def pre(module, args):
+        path = paths.call_path(module, _caller(sys._getframe(1)))
+        tracer.stack.append((module, path, torch._C._autograd._get_sequence_nr()))
 
-        return hook
+    def post(module, args, output):
+        _, path, seq = tracer.stack.pop()
+        _tag_nodes(output, path, seq)
 
-    def post(name):
-        def hook(module, args, output):
-            tracer.stack.pop()
-            _tag_nodes(output, name)
+    def wrap(orig):
+        @functools.wraps(orig)
+        def method(module, *args, **kwargs):
+            path = paths.call_path(module, sys._getframe(1))
+            seq = torch._C._autograd._get_sequence_nr()
+            tracer.stack.append((module, path, seq))
+            try:
+                out = orig(module, *args, **kwargs)
+            finally:
+                tracer.stack.pop()
+            _tag_nodes(out, path, seq)
+            return out
 
-        return hook
+        return method
 
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(pre(name)))
-        handles.append(module.register_forward_hook(post(name), always_call=True))
+    handles, patched = [], []
+    modules = list(dict.fromkeys(model.modules()))
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    for cls in dict.fromkeys(type(m) for m in modules):
+        if cls.__module__.startswith("torch."):
+            continue
+        for name, fn in list(vars(cls).items()):
+            public = not name.startswith("_") and name not in _BASE_NAMES
+            if public and isinstance(fn, types.FunctionType):
+                setattr(cls, name, wrap(fn))
+                patched.append((cls, name, fn))
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for cls, name, fn in reversed(patched):
+            setattr(cls, name, fn)
 
 
-def _tag_nodes(output: Any, name: str) -> None:
-    # Inner modules finish first: their nodes are tagged already and stop
-    # the walk, so each node keeps the innermost module that made it.
+def _tag_nodes(output: Any, name: str, seq: int) -> None:
+    # Only nodes created during the call (sequence number from its start):
+    # the loss code's nodes before the model call stay untagged ("in the
+    # loss"). Inner modules finish first and keep their own tag.
     todo = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
     while todo:
         node = todo.pop()
-        if node is None or _MODULE_TAG in node.metadata:
+        if node is None or _MODULE_TAG in node.metadata or node._sequence_nr() < seq:
             continue
         node.metadata[_MODULE_TAG] = name
         todo.extend(n for n, _ in node.next_functions)
+
+
+# -------------------------------------------------------------------- RNG
+def _generators(model: torch.nn.Module) -> list[torch.Generator]:
+    found = {}
+    for module in model.modules():
+        for v in vars(module).values():
+            if isinstance(v, torch.Generator):
+                found[id(v)] = v
+    return list(found.values())
+
+
+def rng_snapshot(step: Any) -> dict[str, Any]:
+    """The RNG state a step starts from: the global CPU generator, every
+    initialised CUDA device's, and each `torch.Generator` held as an
+    attribute by a module of the step's model."""
+    model = getattr(step, "model", step)
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "generators": [(g, g.get_state()) for g in _generators(model)],
+    }
+
+
+def set_rng(snapshot: dict[str, Any]) -> None:
+    torch.set_rng_state(snapshot["cpu"])
+    if snapshot["cuda"] is not None:
+        torch.cuda.set_rng_state_all(snapshot["cuda"])
+    for g, state in snapshot["generators"]:
+        g.set_state(state)
+
+
+def _check_rng(rng_state: Any) -> None:
+    if rng_state is not None and not (
+        isinstance(rng_state, Mapping)
+        and {"cpu", "cuda", "generators"} <= set(rng_state)
+    ):
+        raise TypeError(
+            "rng_state must be None or what torchref.diagnostics.rng_snapshot(step) "
+            f"returns, got {type(rng_state).__name__}"
+        )
 
 
 # ------------------------------------------------------------------- text
@@ -283,9 +926,32 @@ def dtype_max(dtype: str) -> float | None:
     return float(torch.finfo(dt).max)
 
 
+def _constant(s: Stats) -> str:
+    if s.neg_inf == s.inf and s.inf:
+        return "-inf"
+    return "inf" if not s.neg_inf and s.inf else "NaN or inf"
+
+
 def cause(o: Origin, where: str) -> str:
     """One line: why ``o.op`` gave a non-finite value (same text as jaxstable)."""
     op, ins, out = o.op, o.ins, o.out
+    if o.hint == SOFTMAX_MASKED:
+        return f"softmax over a fully masked row (every value -inf) {where}"
+    if o.hint == MASKED_ROW:
+        return f"max over a fully masked row (every value -inf) {where}"
+    if o.hint == MASKED_NAN:
+        return (
+            f"{op} turned a masked -inf into NaN {where} "
+            "(inf - inf, 0 * inf or inf / inf)"
+        )
+    if o.hint == VARIANCE_ZERO:
+        return f"{op} of a row with variance 0 and eps 0 (0 / sqrt(0)) {where}"
+    if o.intentional and op in ("constant", "model_state"):
+        return f"the {_constant(out)} held in the {op} (a mask) reaches it"
+    if o.intentional:
+        return (
+            f"the constant {_constant(out)} written by {op} {where} (a mask) reaches it"
+        )
     lim = dtype_max(out.dtype)
     exp_over = op == "exp" and ins and lim is not None and ins[0].max > math.log(lim)
     if o.would_be is not None and lim is not None and o.would_be > lim:
@@ -296,7 +962,7 @@ def cause(o: Origin, where: str) -> str:
         if exp_over:
             text += f" (exp of up to {ins[0].max:.3g} > {math.log(lim):.4g})"
         return text
-    if exp_over:  # float32 itself: no wider dtype to recompute in
+    if exp_over:  # no finite float64 value to compare (exp(1e4))
         return (
             f"{out.dtype} overflow: exp of up to {ins[0].max:.3g} > "
             f"{math.log(lim):.4g} (log of {lim:.6g}) {where}"
@@ -327,11 +993,23 @@ def leaves(tree: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     return []
 
 
-def _first_bad(items: list[tuple[Any, torch.Tensor]]):
+def _masks_only(t: torch.Tensor) -> bool:
+    """Non-finite only as ``-inf``: a mask kept in a buffer."""
+    w = t.detach()
+    return not bool(torch.isnan(w).any()) and not bool((w == math.inf).any())
+
+
+def _first_bad(items: list[tuple[Any, torch.Tensor]], masks_ok: bool = False):
     """(path, tensor, stats) of the non-finite tensor whose dotted path sorts
     first: the rule of jaxstable's locate, so both name the same leaf
-    whatever their own order (registration order here, sorted keys there)."""
-    bad = [(path, t) for path, t in items if _is_float(t) and not _finite(t)]
+    whatever their own order (registration order here, sorted keys there).
+    With ``masks_ok``, a tensor whose only non-finite values are ``-inf``
+    (a mask) does not count."""
+    bad = [
+        (path, t)
+        for path, t in items
+        if _is_float(t) and not _finite(t) and not (masks_ok and _masks_only(t))
+    ]
     if not bad:
         return None
     path, t = min(bad, key=lambda item: _dotted(item[0]))
@@ -371,18 +1049,6 @@ def _where(o: Origin) -> str:
     return f"in {o.module}" if o.module else "in the outermost module"
 
 
-@contextlib.contextmanager
-def _rng_kept():
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
 def _scale_of(step: Any) -> float:
     scaler = step.scaler
     if scaler is None or not scaler.is_enabled():
@@ -390,70 +1056,112 @@ def _scale_of(step: Any) -> float:
     return float(scaler.get_scale())
 
 
+def named_parameters(step: Any) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters (``_orig_mod`` dropped), then those the
+    optimizer holds beyond them (a loss-side temperature): named by the
+    group's ``param_names`` when given, else ``param_groups.G.params.I``."""
+    out, seen = [], set()
+    for name, p in step.model.named_parameters():
+        out.append((clean(name), p))
+        seen.add(id(p))
+    for gi, group in enumerate(step.optimizer.param_groups):
+        names = group.get("param_names")
+        for pi, p in enumerate(group["params"]):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(
+                    (names[pi] if names else f"param_groups.{gi}.params.{pi}", p)
+                )
+    return out
+
+
 class _Run(NamedTuple):
     loss: torch.Tensor
-    loss_origin: Origin | None
-    grads: list[tuple[str, torch.Tensor]]
-    grad_origins: dict[str, Origin | None]
-    buffers: list[tuple[str, torch.Tensor]]  # after the forward
+    loss_tag: Any
+    grads: dict[str, torch.Tensor]
+    grad_tags: dict[str, Any]
+    buffer_bad: Any  # (name, tensor, stats) of a buffer the forward made non-finite
 
 
 @contextlib.contextmanager
-def _model_kept(model: torch.nn.Module):
-    """Runs on the step's own model (a ``loss_fn`` may close over it instead
-    of using its argument) and puts back its parameters, buffers (batch-norm
-    statistics) and gradients afterwards."""
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    params = list(model.parameters())
-    grads = [p.grad for p in params]
-    for p in params:
+def _grads_put_back(params: list[tuple[str, torch.Tensor]]):
+    grads = [p.grad for _, p in params]
+    for _, p in params:
         p.grad = None
     try:
         yield
     finally:
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                v.copy_(saved[k])
-        for p, g in zip(params, grads, strict=True):
+        for (_, p), g in zip(params, grads, strict=True):
             p.grad = g
 
 
-def _run(step: Any, batch: Any, scale: float) -> _Run:
-    """Forward and backward of the step at ``scale``, side effects undone."""
+def _eager_compiled():
+    """A `torch.compile`d model runs eagerly (its ops seen one by one). No
+    compiled model exists unless dynamo was imported (importing it costs
+    1.5 s)."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
+def _run(step: Any, batch: Any, scale: float, rng_state, params) -> _Run:
+    """Forward and backward of the step at ``scale``, on its own model (a
+    ``loss_fn`` may close over it instead of using its argument), with every
+    side effect undone: buffers (batch-norm statistics, non-persistent ones
+    too) copied and put back, a parameter copied the first time an op
+    writes to it and put back, gradients put back."""
     model = step.model
-    tracer = Tracer()
+    watched = {}
+    for _, p in params:
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            watched[p.untyped_storage().data_ptr()] = p
+    tracer = Tracer(watched, sources=True)
+    buffers = [(clean(n), b, b.detach().clone()) for n, b in model.named_buffers()]
+    tracer.base = sum(_nbytes(c) for _, _, c in buffers)
+    tracer.account()
     autocast = (
         torch.autocast(step.device_type, dtype=step.autocast_dtype)
         if step.autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    with warnings.catch_warnings(), _model_kept(model):
-        warnings.simplefilter("ignore")  # anomaly mode announces itself
-        with (
-            torch.autograd.detect_anomaly(check_nan=False),
-            module_hooks(model, tracer),
-            tracer,
-        ):
-            with autocast:
-                out = step.loss_fn(model, batch)
-            loss = out[0] if isinstance(out, tuple) else out
-            loss_origin = tracer.origins.get(loss)
-            if _finite(loss) and loss.requires_grad:
-                scaled = loss if scale == 1.0 else loss.float() * scale
-                scaled.backward()
-        grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        grad_origins = {n: tracer.origins.get(g) for n, g in grads}
-        buffers = [(n, b.detach().clone()) for n, b in model.named_buffers()]
-    return _Run(loss.detach(), loss_origin, grads, grad_origins, buffers)
+    with warnings.catch_warnings(), _grads_put_back(params):
+        warnings.simplefilter("ignore")  # shown once already, when the step ran
+        if rng_state is not None:
+            set_rng(rng_state)
+        try:
+            with _eager_compiled(), module_hooks(model, tracer), tracer:
+                with autocast:
+                    out = step.loss_fn(model, batch)
+                tracer._name_nodes()
+                loss = out[0] if isinstance(out, tuple) else out
+                loss_tag = tracer.tags.get(loss)
+                if _finite(loss) and loss.requires_grad:
+                    scaled = loss if scale == 1.0 else loss.float() * scale
+                    scaled.backward()
+            grads = {n: p.grad for n, p in params if p.grad is not None}
+            grad_tags = {n: tracer.tags.get(g) for n, g in grads.items()}
+            tracer.base += sum(_nbytes(g) for g in grads.values())
+            tracer.account()
+            buffer_bad = _first_bad([(n, b) for n, b, _ in buffers], masks_ok=True)
+        finally:
+            with torch.no_grad():
+                for _, b, saved in buffers:
+                    b.copy_(saved)
+                for p, saved in tracer.saved.values():
+                    p.copy_(saved)
+    return _Run(loss.detach(), loss_tag, grads, grad_tags, buffer_bad)
 
 
-def locate(step: Any, batch: Any, cls: type, loss_scale: float | None = None) -> Any:
+def locate(
+    step: Any, batch: Any, cls: type, loss_scale: float | None = None, rng_state=None
+) -> Any:
     from torchref._src.step import TrainStep
 
     if not isinstance(step, TrainStep):
         raise TypeError(
             f"locate needs a torchref.train.TrainStep, got {type(step).__name__}"
         )
+    _check_rng(rng_state)
     bad = _first_bad(leaves(batch))
     if bad is not None:
         path, _, s = bad
@@ -467,7 +1175,9 @@ def locate(step: Any, batch: Any, cls: type, loss_scale: float | None = None) ->
             f"({s.nan + s.inf} of {s.size} values)",
             **_value_fields(s),
         )
-    bad = _first_bad(list(step.model.state_dict(keep_vars=True).items()))
+    params = named_parameters(step)
+    buffers = [(clean(n), b) for n, b in step.model.named_buffers()]
+    bad = _first_bad(params) or _first_bad(buffers, masks_ok=True)
     if bad is not None:
         path, _, s = bad
         return cls(
@@ -481,14 +1191,18 @@ def locate(step: Any, batch: Any, cls: type, loss_scale: float | None = None) ->
             **_value_fields(s),
         )
     scale = _scale_of(step) if loss_scale is None else float(loss_scale)
-    with _rng_kept():
-        return _locate_step(step, batch, cls, scale)
+    stats["peak_live_bytes"] = stats["peak_tagged_bytes"] = 0
+    now = rng_snapshot(step)
+    try:
+        return _locate_step(step, batch, cls, scale, rng_state, params)
+    finally:
+        set_rng(now)
 
 
-def _locate_step(step: Any, batch: Any, cls: type, scale: float) -> Any:
-    run = _run(step, batch, scale)
-    if run.loss_origin is not None or not _finite(run.loss):
-        o = run.loss_origin
+def _locate_step(step, batch, cls, scale, rng_state, params) -> Any:
+    run = _run(step, batch, scale, rng_state, params)
+    if run.loss_tag is not None or not _finite(run.loss):
+        o = blame(run.loss_tag)
         if o is None:
             return cls(
                 phase="loss", path=None, op=None, source=None, detail="loss not finite"
@@ -497,74 +1211,135 @@ def _locate_step(step: Any, batch: Any, cls: type, scale: float) -> Any:
         return cls(
             phase=phase, path=o.module, detail=cause(o, _where(o)), **_origin_fields(o)
         )
-    bad = _first_bad(run.grads)
+    bad = _first_bad(list(run.grads.items()))
     if bad is not None:
         path, _, s = bad
-        o = run.grad_origins.get(path)
-        if scale != 1.0 and _first_bad(_run(step, batch, 1.0).grads) is None:
-            return cls(
-                phase="loss_scale",
-                path=path,
-                detail=f"gradient overflow at loss scale {scale:.6g}, finite at "
-                "scale 1 (benign: the scale backs off)",
-                **_origin_fields(o),
-            )
+        o = blame(run.grad_tags.get(path))
+        if scale != 1.0:
+            one = _run(step, batch, 1.0, rng_state, params)
+            if _finite(one.loss) and _first_bad(list(one.grads.items())) is None:
+                return cls(
+                    phase="loss_scale",
+                    path=path,
+                    detail=f"gradient overflow at loss scale {scale:.6g}, finite at "
+                    "scale 1 (benign: the scale backs off)",
+                    **_origin_fields(o),
+                )
         text = f"{kind(s.nan, s.inf)} in the gradient of {path}, the loss finite"
         if o is not None:
             text += f"; it starts at {cause(o, _where(o))}"
         return cls(phase="backward", path=path, detail=text, **_origin_fields(o))
-    return _update_phase(step, run, scale, cls)
+    return _update_phase(step, run, scale, params, cls)
 
 
-def _update_phase(step: Any, run: _Run, scale: float, cls: type) -> Any:
-    # The optimizer and the model are copied together, so that the copied
-    # optimizer owns the copied parameters (deepcopy's memo).
-    model, opt = copy.deepcopy((step.model, step.optimizer))
-    grads = dict(run.grads)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            g = grads.get(name)
-            p.grad = None if g is None else (g / scale if scale != 1.0 else g.clone())
-    params = [p for g in opt.param_groups for p in g["params"]]
-    tracer = Tracer()
-    with tracer:
-        if step.clip is not None:
-            step.clip(params)
-        opt.step()
-    bad = _first_bad(list(model.named_parameters()))
-    if bad is not None:
-        path, p, s = bad
-        o = tracer.origins.get(p)
+@contextlib.contextmanager
+def _grads_swapped(params, grads: dict):
+    saved = [p.grad for _, p in params]
+    try:
+        for n, p in params:
+            p.grad = grads.get(n)
+        yield
+    finally:
+        for (_, p), g in zip(params, saved, strict=True):
+            p.grad = g
+
+
+def _optimizer_for(opt, group: dict, p: torch.Tensor, state: dict, name: str):
+    """A shallow twin of ``opt`` stepping ``p`` alone with ``state``: its
+    class's ``step`` (not an instance-level wrapper, such as an LR
+    scheduler's, which would step the real optimizer), no step hooks."""
+    twin = object.__new__(type(opt))
+    twin.__dict__.update(opt.__dict__)
+    twin.__dict__.pop("step", None)
+    twin.param_groups = [{**group, "params": [p]}]
+    if "param_names" in group:
+        twin.param_groups[0]["param_names"] = [name]
+    twin.state = collections.defaultdict(dict)
+    if state:
+        twin.state[p] = state
+    twin._optimizer_step_pre_hooks = collections.OrderedDict()
+    twin._optimizer_step_post_hooks = collections.OrderedDict()
+    return twin
+
+
+def _update_phase(step: Any, run: _Run, scale: float, params, cls: type) -> Any:
+    """The optimizer update (with the step's clipping) one parameter at a
+    time, on a copy of that parameter and its state: exact for the
+    per-parameter optimizers (every `torch.optim` one but LBFGS), with the
+    memory of the largest parameter and its state, not of the model. Then
+    the first parameter (by name) the update made non-finite is stepped once
+    more under the tracer, for the op that did it."""
+    opt = step.optimizer
+    grads = dict(run.grads)  # the re-run's own tensors: unscaled in place
+    if scale != 1.0:
+        with torch.no_grad():
+            for g in grads.values():
+                g.div_(scale)
+    held = sum(_nbytes(g) for g in grads.values())
+    if step.clip is not None:
+        with _grads_swapped(params, grads):
+            step.clip([p for n, p in params if n in grads])
+    names = {id(p): n for n, p in params}
+    first_param = first_state = None  # (name, group, parameter)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            if name not in grads:
+                continue
+            twin_p, state = _twin_step(opt, group, p, name, grads[name], held)
+            if not _finite(twin_p) and (first_param is None or name < first_param[0]):
+                first_param = (name, group, p)
+            for k, v in state.items():
+                where = f"opt_state.{name}.{k}"
+                if isinstance(v, torch.Tensor) and not _finite(v):
+                    if first_state is None or where < first_state[0]:
+                        first_state = (where, v)
+            del twin_p, state
+    if first_param is not None:
+        name, group, p = first_param
+        tracer = Tracer()
+        twin_p, state = _twin_step(opt, group, p, name, grads[name], held, tracer)
+        s, o = tensor_stats(twin_p), blame(tracer.tags.get(twin_p))
         text = (
-            f"{kind(s.nan, s.inf)} in {path} after the optimizer update "
+            f"{kind(s.nan, s.inf)} in {name} after the optimizer update "
             "(gradients finite)"
         )
-        if _adam_nu_zero(opt, p):
-            text = ADAM_FP16 + f": the update of {path} divides by 0"
+        if _adam_nu_zero(state, twin_p):
+            text = ADAM_FP16 + f": the update of {name} divides by 0"
         elif o is not None:
             text += f"; it starts at {cause(o, 'in the optimizer update')}"
-        return cls(phase="update", path=path, detail=text, **_origin_fields(o))
-    names = {id(p): n for n, p in model.named_parameters()}
-    opt_leaves = [
-        (f"opt_state.{names.get(id(p), '?')}.{k}", v)
-        for p, st in opt.state.items()
-        for k, v in st.items()
-        if isinstance(v, torch.Tensor)
-    ]
-    buffers = [(f"model_state.{n}", b) for n, b in run.buffers]
-    bad = _first_bad(opt_leaves) or _first_bad(buffers)
-    if bad is not None:
-        path, _, s = bad
-        return cls(
-            phase="update",
-            path=path,
-            op=None,
-            source=None,
-            detail=f"{kind(s.nan, s.inf)} in {path} after the step "
-            "(loss and gradients finite)",
-            **_value_fields(s),
-        )
-    return None
+        return cls(phase="update", path=name, detail=text, **_origin_fields(o))
+    bad = first_state
+    if bad is None and run.buffer_bad is not None:
+        bad = (f"model_state.{run.buffer_bad[0]}", run.buffer_bad[1])
+    if bad is None:
+        return None
+    path, s = bad[0], tensor_stats(bad[1])
+    return cls(
+        phase="update",
+        path=path,
+        op=None,
+        source=None,
+        detail=f"{kind(s.nan, s.inf)} in {path} after the step "
+        "(loss and gradients finite)",
+        **_value_fields(s),
+    )
+
+
+def _twin_step(opt, group, p, name, grad, held, tracer=None):
+    """``opt``'s step for ``p`` alone, on a copy of it and of its state
+    (under ``tracer`` when given): the new copy and its new state."""
+    twin_p = p.detach().clone().requires_grad_(p.requires_grad)
+    twin_p.grad = grad
+    state = {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        for k, v in opt.state.get(p, {}).items()
+    }
+    twin = _optimizer_for(opt, group, twin_p, state, name)
+    _hold(held + _nbytes(twin_p) + sum(_state_bytes(state)))
+    with tracer if tracer is not None else contextlib.nullcontext():
+        type(opt).step(twin)
+    return twin_p, twin.state.get(twin_p, {})
 
 
 ADAM_FP16 = (
@@ -573,10 +1348,10 @@ ADAM_FP16 = (
 )
 
 
-def _adam_nu_zero(opt: torch.optim.Optimizer, p: torch.Tensor) -> bool:
+def _adam_nu_zero(state: dict, p: torch.Tensor) -> bool:
     """Whether Adam's ``exp_avg_sq`` of ``p`` is a float16 0 exactly where
     ``p`` became non-finite: ``m / (sqrt(0) + 0)``."""
-    nu = opt.state.get(p, {}).get("exp_avg_sq")
+    nu = state.get("exp_avg_sq")
     if not isinstance(nu, torch.Tensor) or nu.dtype != torch.float16:
         return False
     bad = ~torch.isfinite(p.detach())

@@ -24,6 +24,7 @@ __all__ = [
     "locate",
     "non_finite_grad_report",
     "non_finite_report",
+    "rng_snapshot",
 ]
 
 
@@ -231,9 +232,11 @@ class NonFiniteLocation(NamedTuple):
         ``"update"`` (finite gradients, non-finite new parameters, optimizer
         state or model state).
       path: dotted module path (``"decoders.0.conv1"``; ``""`` is the
-        outermost module; ``named_modules()`` names) for forward; parameter
-        or buffer name (``state_dict`` names) for params,
-        backward, loss_scale and update; batch key for input; None where
+        outermost module; ``named_modules()`` names, without the
+        ``_orig_mod`` of `torch.compile`) for forward; parameter or buffer
+        name for params, backward, loss_scale and update (a parameter the
+        optimizer holds beyond the model: its ``param_names`` entry, else
+        ``param_groups.G.params.I``); batch key for input; None where
         nothing applies (a plain loss function, a bare-array batch).
       op: the operation whose output was first non-finite from finite inputs
         (``"exp"``, ``"log"``, ``"div"``, ``"matmul"``, ``"conv"``, ...), or None.
@@ -324,24 +327,60 @@ def format_location(loc: NonFiniteLocation | None) -> str:
 
 
 def locate(
-    step: Any, batch: Any, *, loss_scale: float | None = None
+    step: Any,
+    batch: Any,
+    *,
+    loss_scale: float | None = None,
+    rng_state: dict[str, Any] | None = None,
 ) -> NonFiniteLocation | None:
     """Re-runs one train step op by op and says where its first NaN/Inf arose.
 
     Off the hot path and without side effects: the forward and backward run
-    on the step's model (its parameters, buffers and gradients are put back
-    afterwards; the update runs on a deep copy of model and optimizer
-    together) under a `TorchDispatchMode` that sees every aten op
-    after autocast's casts; forward hooks give the ``named_modules()`` path,
-    autograd's anomaly-mode tracebacks the source line of a backward op. The
-    model, optimizer, GradScaler and the RNG state are left as they were.
-    Phases are tried in order: the batch, the parameters and buffers, the
-    loss (forward pass, then loss code), the gradients at the scaler's
-    current scale (and at scale 1 to tell a benign loss-scale overflow),
-    then the optimizer update (with the step's clipping). A NaN made by an
-    op and absorbed later (``1 / (1 + exp(50))`` is 0 in float16 although
-    ``exp(50)`` is inf) counts only where it reaches the loss or a gradient.
-    The same phases, paths and texts as `jaxstable.diagnostics.locate`.
+    on the step's own model under a `TorchDispatchMode` that sees every aten
+    op after autocast's casts, then the update runs one parameter at a time
+    on a copy of it and of its optimizer state (exact for per-parameter
+    optimizers: every `torch.optim` one but LBFGS). Everything the step can
+    touch is put back: a parameter an op writes to is copied first and
+    restored, buffers (non-persistent ones too) are copied and restored,
+    gradients are put back, and the global CPU/CUDA RNG and every
+    `torch.Generator` a module holds are restored. The optimizer and
+    GradScaler are not touched. Parameters the optimizer holds beyond the
+    model (a loss-side temperature) are located too. A `torch.compile`d
+    model runs eagerly here.
+
+    Names: the path of the attribute a module was called through
+    (``self.dec(x)`` is ``dec`` even when ``dec`` is ``enc``), else its
+    ``named_modules()`` name; public methods of the user's own module
+    classes count as calls (``model.encode(x)``). A backward op gets the
+    forward line that made its autograd node (or the line of a user's
+    ``autograd.Function.backward``) and that node's module: only nodes
+    created during a module's call are its, so a ``sqrt`` in the loss code
+    before the model call stays "in the loss". Origins are tracked per
+    element, as in `jaxstable.diagnostics.locate`: a ``-inf`` written on
+    purpose (``masked_fill``, a ``-inf`` buffer) never hides a new overflow
+    in the same tensor; a softmax over a fully masked row (a
+    ``MultiheadAttention`` whose ``key_padding_mask`` is all True) and a
+    LayerNorm with ``eps=0`` on a constant row say so; an overflow is told
+    from a division by zero by recomputing the op in float64 (an in-place
+    op through its functional twin).
+
+    Phases, in order: the batch, the parameters and buffers, the loss
+    (forward pass, then loss code), the gradients at the scaler's current
+    scale (and at scale 1 to tell a benign loss-scale overflow), then the
+    optimizer update (with the step's clipping). A NaN made by an op and
+    absorbed later (``1 / (1 + exp(50))`` is 0 in float16 although
+    ``exp(50)`` is inf) counts only where it reaches the loss or a
+    gradient. The same phases, paths and texts as
+    `jaxstable.diagnostics.locate`.
+
+    Cost, measured (``benchmarks/results/bench_locate_cpu.md``: a 64-layer
+    MLP and a 12-layer transformer, Adam, on a loaded 2-core CPU): a
+    forward overflow is located before the backward (0.2-0.3x a step there,
+    whose float16 matmuls are slow on a CPU); a full re-run (a finite step,
+    or a failure in the update) takes 1.5-3x a step. Memory: the re-run's
+    activations and gradients, and copies of the buffers, of any parameter
+    an op writes to and of the largest parameter with its optimizer state
+    (1.1-1.3x the parameters on the MLP, whose step takes 1.6-1.8x).
 
     Args:
         step: a `torchref.train.TrainStep`, in the state the failing step
@@ -352,13 +391,17 @@ def locate(
         loss_scale: the loss scale to re-run at; None: the scaler's current
             one (`fit` passes the scale the failing step used, as the
             scaler has backed off since).
+        rng_state: what `rng_snapshot` returned just before the step, so
+            that it is re-run with the dropout masks it drew (`fit` does
+            so); None: the generators as they are now.
 
     Returns:
         None when every value of the step is finite, else a
         `NonFiniteLocation` (render it with `format_location`).
 
     Raises:
-        TypeError: ``step`` is not a `torchref.train.TrainStep`.
+        TypeError: ``step`` is not a `torchref.train.TrainStep`, or
+            ``rng_state`` is not what `rng_snapshot` returns.
 
     Example:
         >>> import torch
@@ -380,7 +423,52 @@ def locate(
     """
     from torchref._src import _locate  # the engine, imported when used
 
-    return _locate.locate(step, batch, NonFiniteLocation, loss_scale)
+    return _locate.locate(step, batch, NonFiniteLocation, loss_scale, rng_state)
+
+
+def rng_snapshot(step: Any) -> dict[str, Any]:
+    """The random state a step starts from, for `locate` to re-run it with.
+
+    A dropout mask is drawn from hidden generators: the global CPU one, each
+    initialised CUDA device's, and any `torch.Generator` a module holds as an
+    attribute. `locate` runs after the step, when they have moved on, so a
+    NaN that depends on the mask (``log`` of a dropped activation) may not
+    come back: take a snapshot before the step and pass it as ``rng_state``
+    (`fit` does so for every step it may locate). Cost: a copy of the CPU
+    generator's 5 kB state and 16 bytes per CUDA device or Philox
+    generator; no device sync.
+
+    Args:
+        step: a `torchref.train.TrainStep` (or an `nn.Module`).
+
+    Returns:
+        ``{"cpu": ByteTensor, "cuda": list or None, "generators": [(generator,
+        state), ...]}``; `locate` restores every generator afterwards.
+
+    Example:
+        >>> import torch
+        >>> from torchref import diagnostics, train
+        >>> class Drop(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.ones(4))
+        ...         self.drop = torch.nn.Dropout(0.5)
+        ...     def forward(self, x):
+        ...         return torch.log(self.drop(self.w * x))   # log(0) where dropped
+        >>> model = Drop()
+        >>> step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                        lambda m, b: m(b).sum())
+        >>> _ = torch.manual_seed(3)
+        >>> snap = diagnostics.rng_snapshot(step)
+        >>> step(torch.ones(4))["finite"]
+        False
+        >>> loc = diagnostics.locate(step, torch.ones(4), rng_state=snap)
+        >>> loc.phase, loc.path, loc.detail
+        ('forward', '', 'log of 0 in the outermost module')
+    """
+    from torchref._src import _locate  # the engine, imported when used
+
+    return _locate.rng_snapshot(step)
 
 
 # ------------------------------------------------------------ check points

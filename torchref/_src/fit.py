@@ -23,6 +23,7 @@ from torchref._src.diagnostics import (
     locate,
     non_finite_grad_report,
     non_finite_report,
+    rng_snapshot,
 )
 from torchref._src.step import TrainStep
 
@@ -389,8 +390,12 @@ def _run(
         kept = snapshot if in_memory and policy.snapshot_at != done else None
         mgr._save(done, step, None, metrics, policy.state(), kept)
 
+    locatable = isinstance(step, TrainStep)  # as jaxstable's fit
     try:
         for i, batch in enumerate(it, start):
+            # The random state the step draws its dropout masks from, for
+            # locate to re-run it with (a 5 kB copy, no device sync).
+            rng = rng_snapshot(step) if locatable else None
             t0 = time.perf_counter()
             metrics = step(batch)
             done = i + 1
@@ -406,9 +411,10 @@ def _run(
             location = None
             # A skipped step left model and optimizer as they were; only the
             # scaler backed off: re-run at the scale the step used.
-            locatable = isinstance(step, TrainStep)  # as jaxstable's fit
             if locatable and policy.wants_location(entry["finite"], action):
-                location = locate(step, batch, loss_scale=entry["loss_scale"])
+                location = locate(
+                    step, batch, loss_scale=entry["loss_scale"], rng_state=rng
+                )
                 policy.located += 1
                 entry["location"] = None if location is None else location._asdict()
             history.append(entry)
