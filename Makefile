@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench gpu-check gpu-wheels lint format clean
+.PHONY: venv test demo docs bench gpu-check gpu-wheels lint format clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,14 @@ test: venv
 demo: venv
 	$(PY) examples/compare.py demo
 
+# The documentation site (MkDocs, Material theme, mkdocstrings: guides in
+# docs/, the API reference from both packages' docstrings) into the
+# git-ignored site/. Strict: a broken link, anchor or reference fails it
+# (tests/test_docs.py builds it the same way). NO_MKDOCS_2_WARNING silences
+# the theme's banner about its end of life (May 2027).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 bench: venv
 	$(PY) benchmarks/bench_losses.py
 	$(PY) benchmarks/bench_step.py
@@ -63,4 +71,4 @@ format: venv
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site
