@@ -26,8 +26,8 @@ import optax
 import pytest
 import torch
 
+from _stablecore import lock as core_lock
 from jaxstable import train as jtrain
-from jaxstable._src import _lock as jlock
 from parity_tests.test_checkpoint_integrity import (
     DATA,
     _ckpt,
@@ -36,7 +36,6 @@ from parity_tests.test_checkpoint_integrity import (
     _torch_setup,
 )
 from torchref import train as ttrain
-from torchref._src import _lock as tlock
 
 FRAMEWORKS = ["jax", "torch"]
 # Two NaN batches in a row (3 and 4): max_consecutive_nonfinite=2 triggers.
@@ -355,8 +354,7 @@ def test_a_dead_runs_lock_is_stale_and_a_live_ones_is_refused(
     lock = tmp_path / "ck" / ".fit.lock"
     lock.parent.mkdir()
     if not flock:  # a filesystem without flock: the lock's content decides
-        module = jlock if framework == "jax" else tlock
-        monkeypatch.setattr(module, "_flock", lambda fd: None)
+        monkeypatch.setattr(core_lock, "_flock", lambda fd: None)
     host = socket.gethostname()
     lock.write_text(json.dumps({"pid": DEAD_PID, "host": host, "start": None}))
     _run(framework, tmp_path, DATA[:2])  # taken over
@@ -367,9 +365,15 @@ def test_a_dead_runs_lock_is_stale_and_a_live_ones_is_refused(
             _run(framework, tmp_path, DATA[:2], resume=True)
 
 
-def test_the_lock_module_is_one_text_in_both_packages():
-    files = [Path(m.__file__).read_text() for m in (jlock, tlock)]
-    assert files[0] == files[1]
+def test_both_fits_take_the_one_lock():
+    from jaxstable._src import checkpoint as jckpt
+    from jaxstable._src import fit as jfit
+    from torchref._src import checkpoint as tckpt
+    from torchref._src import fit as tfit
+
+    assert jfit.DirectoryLock is tfit.DirectoryLock is core_lock.DirectoryLock
+    elsewhere = core_lock.locked_elsewhere
+    assert jckpt.locked_elsewhere is tckpt.locked_elsewhere is elsewhere
 
 
 # -- 21.4: fewer steps than asked ------------------------------------------------

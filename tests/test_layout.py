@@ -1,5 +1,6 @@
 """The two packages stay apart and mirror each other, module for module."""
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -18,6 +19,9 @@ MODULES = [
 ]
 
 PACKAGES = ("jaxstable", "torchref")
+ROOT = Path(__file__).resolve().parents[1]
+# The framework-free code both packages import, written once.
+CORE = "_stablecore"
 
 # Names that exist on one side only, and why. Keep this list short and honest.
 JAX_ONLY = {
@@ -101,3 +105,52 @@ def test_implementation_modules_mirror():
         f"only in jaxstable {sorted(files['jaxstable'] - files['torchref'])}, "
         f"only in torchref {sorted(files['torchref'] - files['jaxstable'])}"
     )
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules a file imports (absolute names), at any depth."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_core_imports_only_the_standard_library():
+    # No jax, torch or numpy: both packages import it, and neither may pull
+    # in the other's framework through it.
+    outside = {
+        (f.name, name)
+        for f in (ROOT / CORE).glob("*.py")
+        for name in _imports(f)
+        if name.split(".")[0] not in sys.stdlib_module_names | {CORE, "__future__"}
+    }
+    assert not outside, f"{CORE} imports more than the standard library: {outside}"
+    out = _run(
+        f"import sys, pkgutil, importlib, {CORE}\n"
+        f"for m in pkgutil.iter_modules({CORE}.__path__):\n"
+        f"    importlib.import_module('{CORE}.' + m.name)\n"
+        "print(sorted({'jax', 'torch', 'numpy'} & set(sys.modules)))"
+    )
+    assert out == "[]", out
+
+
+def test_both_packages_use_every_core_module():
+    # Each shared module replaces a copy that used to live in both packages.
+    used = {
+        p: {
+            name
+            for f in (ROOT / p / "_src").rglob("*.py")
+            for name in _imports(f)
+            if name.startswith(f"{CORE}.")
+        }
+        for p in PACKAGES
+    }
+    core = {f"{CORE}.{f.stem}" for f in (ROOT / CORE).glob("*.py")} - {
+        f"{CORE}.__init__"
+    }
+    assert core, f"{CORE} is empty"
+    for p in PACKAGES:
+        assert used[p] == core, f"{p} does not import {sorted(core - used[p])}"

@@ -38,11 +38,9 @@ touched: nothing here runs on the hot path.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import functools
-import linecache
 import math
 import os
 import sys
@@ -55,6 +53,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jcore
 from jax._src import custom_derivatives, source_info_util
+
+from _stablecore.locate import ADAM_FP16 as ADAM_FP16
+from _stablecore.locate import MASKED_NAN as MASKED_NAN
+from _stablecore.locate import MASKED_ROW as MASKED_ROW
+from _stablecore.locate import SOFTMAX_MASKED as SOFTMAX_MASKED
+from _stablecore.locate import Stats as Stats
+from _stablecore.locate import blame as blame
+from _stablecore.locate import call_site as call_site
+from _stablecore.locate import cause as _cause
+from _stablecore.locate import format_frame as format_frame
+from _stablecore.locate import join as join
+from _stablecore.locate import kind as kind
+from _stablecore.locate import make_tag as _make_tag
+from _stablecore.locate import order as _order
+from _stablecore.locate import origin_fields as _origin_fields
+from _stablecore.locate import value_fields as _value_fields
+from _stablecore.locate import where_text as _where
 
 _MARK = "@jaxstable.module:"  # prefix of the named scope of a module call
 # Higher-order primitives whose body is evaluated op by op (recursively).
@@ -108,25 +123,6 @@ _LIB_MARKERS = (
 stats: dict[str, Any] = {"peak_live_bytes": 0, "peaks": []}
 # Origins whose facts may wait to be read, each holding its op's inputs.
 _LAZY = 8
-# What an origin is, beyond its op (see `cause`); the same words in torchref.
-MASKED_ROW = "max of a fully masked row"
-SOFTMAX_MASKED = "softmax over a fully masked row"
-MASKED_NAN = "NaN from a masked -inf"
-
-
-class Stats(NamedTuple):
-    """Shape, dtype and the finite-value facts of one array."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nan: int
-    inf: int
-    max_abs: float  # over finite elements; nan when none
-    max: float  # largest finite (real part) value; nan when none
-    zeros: int
-    negatives: int
-    size: int
-    neg_inf: int = 0
 
 
 def _on_cpu(x: Any) -> bool:
@@ -234,13 +230,6 @@ def _source(source_info: Any) -> str | None:
     return None
 
 
-def format_frame(file_name: str, line: int, function: str) -> str:
-    """``file:line in function`` (the same format as torchref's)."""
-    rel = os.path.relpath(file_name)
-    name = rel if not rel.startswith("..") else file_name
-    return f"{name}:{line} in {function.split('.')[-1]}"
-
-
 def _module_of(source_info: Any, outer: str | None) -> str | None:
     module = outer
     for entry in source_info.name_stack.stack:
@@ -320,23 +309,6 @@ def _masks(tag: tuple, val: Any) -> list[tuple[Origin, Any]]:
     if len(tag) == 1 and tag[0][1] is None:
         return [(tag[0][0], _bad_mask(val))]
     return list(tag)
-
-
-def _order(origins) -> list[Origin]:
-    """Who claims an element first: real causes before intentional values,
-    then the earliest."""
-    return sorted(origins, key=lambda o: (o.intentional, o.index))
-
-
-def blame(tag: tuple | None) -> Origin | None:
-    """The origin a non-finite value is reported with (see `_order`)."""
-    return _order([o for o, _ in tag])[0] if tag else None
-
-
-def _make_tag(claims: dict) -> tuple:
-    if len(claims) == 1:
-        return ((next(iter(claims)), None),)
-    return tuple(claims.items())
 
 
 def _tag_bytes(tag: tuple | None) -> int:
@@ -916,77 +888,6 @@ class module_scopes:
         return cached[1]
 
 
-def join(base: str, parts) -> str:
-    return ".".join(str(p) for p in [base, *parts] if str(p) != "")
-
-
-# Per call instruction: the callee expression as (base name, ((kind, key), ...)).
-_SITES: dict[tuple[Any, int], Any] = {}
-
-
-def call_site(frame, target) -> tuple[Any, list] | None:
-    """``(base object, [attribute or key, ...])`` of the call being made in
-    ``frame`` when its callee is written as a chain (``self.dec``,
-    ``m.head``, ``self.layers[0]``) that resolves to ``target`` or to a
-    method of it; None otherwise (a loop variable, a computed index)."""
-    if frame is None:
-        return None
-    key = (frame.f_code, frame.f_lasti)
-    chain = _SITES.get(key, False)
-    if chain is False:
-        chain = _SITES[key] = _parse_callee(frame.f_code, frame.f_lasti)
-    if chain is None:
-        return None
-    name, parts = chain
-    sentinel = object()
-    obj = frame.f_locals.get(name, frame.f_globals.get(name, sentinel))
-    if obj is sentinel:
-        return None
-    base = obj
-    try:
-        for kind, key in parts:
-            obj = getattr(obj, key) if kind == "attr" else obj[key]
-    except Exception:  # a chain that does not resolve here: no site
-        return None
-    keys = [k for _, k in parts]
-    if obj is target:
-        return base, keys
-    if keys and getattr(obj, "__self__", None) is target:  # model.encode
-        return base, keys[:-1]
-    return None
-
-
-def _parse_callee(code, lasti: int):
-    try:
-        positions = list(code.co_positions())
-        line, end, col, end_col = positions[lasti // 2]
-        lines = linecache.getlines(code.co_filename)
-        if None in (line, end, col, end_col) or end > len(lines):
-            return None
-        text = [s.encode() for s in lines[line - 1 : end]]
-        if len(text) == 1:
-            seg = text[0][col:end_col]
-        else:
-            seg = text[0][col:] + b"".join(text[1:-1]) + text[-1][:end_col]
-        node = ast.parse(b"(" + seg + b"\n)", mode="eval").body
-    except (SyntaxError, ValueError, IndexError, TypeError):
-        return None
-    if not isinstance(node, ast.Call):
-        return None
-    func, parts = node.func, []
-    while True:
-        if isinstance(func, ast.Attribute):
-            parts.append(("attr", func.attr))
-            func = func.value
-        elif isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Constant):
-            parts.append(("item", func.slice.value))
-            func = func.value
-        elif isinstance(func, ast.Name):
-            return func.id, tuple(reversed(parts))
-        else:
-            return None
-
-
 def _linen_scope(next_fun, args, kwargs, context):
     if context.method_name == "setup":
         return next_fun(*args, **kwargs)
@@ -1043,10 +944,6 @@ def _own_backward_sources():
 
 
 # ------------------------------------------------------------------- text
-def kind(nan: int, inf: int) -> str:
-    if nan and inf:
-        return "NaN and Inf"
-    return "NaN" if nan else "Inf"
 
 
 def dtype_max(dtype: str) -> float | None:
@@ -1054,57 +951,9 @@ def dtype_max(dtype: str) -> float | None:
     return float(jnp.finfo(dt).max) if jnp.issubdtype(dt, jnp.floating) else None
 
 
-def _constant(s: Stats) -> str:
-    if s.neg_inf == s.inf and s.inf:
-        return "-inf"
-    return "inf" if not s.neg_inf and s.inf else "NaN or inf"
-
-
 def cause(o: Origin, where: str) -> str:
-    """One line: why ``o.op`` gave a non-finite value (same text as torchref)."""
-    op, ins, out = o.op, o.ins, o.out
-    if o.hint == SOFTMAX_MASKED:
-        return f"softmax over a fully masked row (every value -inf) {where}"
-    if o.hint == MASKED_ROW:
-        return f"max over a fully masked row (every value -inf) {where}"
-    if o.hint == MASKED_NAN:
-        return (
-            f"{op} turned a masked -inf into NaN {where} "
-            "(inf - inf, 0 * inf or inf / inf)"
-        )
-    if o.intentional and op in ("constant", "model_state"):
-        return f"the {_constant(out)} held in the {op} (a mask) reaches it"
-    if o.intentional:
-        return (
-            f"the constant {_constant(out)} written by {op} {where} (a mask) reaches it"
-        )
-    lim = dtype_max(out.dtype)
-    exp_over = op == "exp" and ins and lim is not None and ins[0].max > math.log(lim)
-    if o.would_be is not None and lim is not None and o.would_be > lim:
-        text = (
-            f"{out.dtype} overflow: max |x| = {o.would_be:.3g} > {lim:.6g} in "
-            f"the output of {op} {where}"
-        )
-        if exp_over:
-            text += f" (exp of up to {ins[0].max:.3g} > {math.log(lim):.4g})"
-        return text
-    if exp_over:  # no finite float64 value to compare (exp(1e4))
-        return (
-            f"{out.dtype} overflow: exp of up to {ins[0].max:.3g} > "
-            f"{math.log(lim):.4g} (log of {lim:.6g}) {where}"
-        )
-    first = ins[0] if ins else None
-    if op == "log" and first is not None and first.zeros:
-        return f"log of 0 {where}"
-    if op in ("log", "sqrt", "rsqrt") and first is not None and first.negatives:
-        return f"{op} of a negative number {where}"
-    if op == "rsqrt" and first is not None and first.zeros:
-        return f"rsqrt of 0 {where}"
-    if op == "div" and len(ins) == 2 and ins[1].zeros:
-        return f"division by 0 {where}"
-    if op == "reciprocal" and first is not None and first.zeros:
-        return f"division by 0 (reciprocal of 0) {where}"
-    return f"{op} gave {kind(out.nan, out.inf)} from finite inputs {where}"
+    """One line: why ``o.op`` gave a non-finite value (in float dtypes' limits)."""
+    return _cause(o, where, dtype_max)
 
 
 # ------------------------------------------------------------------ phases
@@ -1156,35 +1005,6 @@ def _first_bad(tree: Any, masks_ok: bool = False) -> tuple[Any, Any, Stats] | No
         return None
     _, path, leaf = min(bad, key=lambda item: item[0])
     return path, leaf, array_stats(leaf)
-
-
-def _value_fields(s: Stats) -> dict[str, Any]:
-    return {
-        "shape": s.shape,
-        "dtype": s.dtype,
-        "nan_count": s.nan,
-        "inf_count": s.inf,
-        "max_abs": s.max_abs,
-    }
-
-
-def _origin_fields(o: Origin | None) -> dict[str, Any]:
-    if o is None:
-        return {"op": None, "source": None}
-    return {
-        "op": o.op,
-        "source": o.source,
-        **_value_fields(o.out),
-        "input_shapes": tuple(s.shape for s in o.ins),
-        "input_dtypes": tuple(s.dtype for s in o.ins),
-        "input_max_abs": tuple(s.max_abs for s in o.ins),
-    }
-
-
-def _where(o: Origin) -> str:
-    if o.module is None:
-        return "in the loss"
-    return f"in {o.module}" if o.module else "in the outermost module"
 
 
 def _batch_name(key_path: Any) -> str:
@@ -1448,12 +1268,6 @@ def _update_phase(step, state, grads, new_ms, cls):
 def _ends_with(path: Any, suffix: Any) -> bool:
     path, suffix = tuple(path), tuple(suffix)
     return len(path) >= len(suffix) and path[len(path) - len(suffix) :] == suffix
-
-
-ADAM_FP16 = (
-    "Adam's second moment underflowed to 0 in float16 and its eps is 0 in "
-    "float16 (eps < 6e-08 rounds to 0)"
-)
 
 
 def _adam_nu_zero(nu: Any, new_param: Any) -> bool:

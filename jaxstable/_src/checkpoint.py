@@ -39,7 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
-from jaxstable._src._lock import locked_elsewhere
+from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
+from _stablecore.checkpoint import check_manager_options as _check_manager_options
+from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
+from _stablecore.checks import check_int as _check_int
+from _stablecore.lock import locked_elsewhere
 from jaxstable._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxstable._src.step import TrainState
 
@@ -51,17 +55,11 @@ _FORMAT_1 = "jaxstable-checkpoint-1"
 # optimizer state's types: two optimizers can share a state layout (adam's
 # and adabelief's are both (count, mu, nu)) but not their type names.
 _TYPES_KEY = "_types"
-# Mismatch lines listed in one error; the rest are counted.
-_MAX_MISMATCH_LINES = 12
 _NAME = re.compile(r"^step_(\d{8,})$")
 # orbax writes checkpoint n under this name, renamed to step_n once complete.
 _TMP = re.compile(r"^step_\d{8,}\.orbax-checkpoint-tmp")
 # What a checkpoint stores as a leaf; any other pytree node is walked into.
 _VALUES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
-
-
-class _CorruptCheckpoint(ValueError):
-    """A checkpoint that cannot be read back as saved (truncated, damaged)."""
 
 
 def _ocp():
@@ -516,15 +514,6 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
-    """One validator for every int option: ``name must be [None or ]an int >= m``."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = "None or " if optional else ""
-        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
-
-
 # -- a run's checkpoints -------------------------------------------------------
 
 
@@ -585,11 +574,7 @@ class CheckpointManager:
         best_mode: str = "min",
         async_save: bool = True,
     ) -> None:
-        _check_int("max_to_keep", max_to_keep, 1)
-        if best_metric is not None and not isinstance(best_metric, str):
-            raise TypeError(f"best_metric must be None or a str, got {best_metric!r}")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        _check_manager_options(max_to_keep, best_metric, best_mode)
         self.directory = os.path.abspath(directory)
         self.max_to_keep = max_to_keep
         self.best_metric = best_metric
@@ -844,21 +829,6 @@ def _structure_mismatches(saved: dict[str, tuple], expected: dict[str, tuple]):
         elif s != e:
             lines.append(f"  {key}: checkpoint {_as_text(s)}, target {_as_text(e)}")
     return lines
-
-
-def _raise_mismatches(path: Any, lines: list[str]) -> None:
-    # Same text as torchref.train.load_checkpoint.
-    if not lines:
-        return
-    more = len(lines) - _MAX_MISMATCH_LINES
-    shown = lines[:_MAX_MISMATCH_LINES] + (
-        [f"  ... and {more} more"] if more > 0 else []
-    )
-    raise ValueError(
-        f"checkpoint {os.fspath(path)!r} does not match the target "
-        f"({len(lines)} leaf/leaves differ):\n" + "\n".join(shown) + "\nbuild the "
-        "target with the model, optimizer and dtypes the checkpoint was saved with"
-    )
 
 
 def _as_text(spec: tuple) -> str:

@@ -14,6 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _stablecore.diagnostics import FIRST_NON_FINITE_CHECK as FIRST_NON_FINITE_CHECK
+from _stablecore.diagnostics import NON_FINITE_CHECKS as NON_FINITE_CHECKS
+from _stablecore.diagnostics import PHASES as PHASES
+from _stablecore.diagnostics import check_message as _check_message
+from _stablecore.diagnostics import check_name as _check_name
+from _stablecore.diagnostics import format_location as _format_location
+from _stablecore.diagnostics import format_points as _format_points
+from _stablecore.diagnostics import format_table as _format_table
+from _stablecore.diagnostics import record_entries as _record_entries
+from _stablecore.diagnostics import record_points as _record_points
+
 __all__ = [
     "PHASES",
     "CheckPoints",
@@ -131,31 +142,7 @@ def format_report(report: list[LeafReport]) -> str:
       >>> diagnostics.format_report([])
       'all finite'
     """
-    if not report:
-        return "all finite"
-    header = ("path", "nan", "inf", "max|finite|", "shape", "dtype")
-    rows = [
-        (
-            r.path,
-            str(r.nan_count),
-            str(r.inf_count),
-            f"{r.max_abs_finite:.6g}",
-            str(tuple(r.shape)),
-            r.dtype,
-        )
-        for r in report
-    ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    right = {1, 2, 3}  # numbers right-aligned
-
-    def fmt(cells):
-        out = [
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  ".join(out).rstrip()
-
-    return "\n".join([fmt(header), *(fmt(r) for r in rows)])
+    return _format_table(report)
 
 
 def check_params(tree: Any) -> None:
@@ -191,20 +178,7 @@ def check_params(tree: Any) -> None:
         )
 
 
-def _check_message(report: list[LeafReport], n_leaves: int) -> str:
-    # "1 of 2 leaves is not finite: ['w']" + the table; same text as torchref.
-    noun = "leaf" if n_leaves == 1 else "leaves"
-    verb = "is" if len(report) == 1 else "are"
-    names = ", ".join(r.path for r in report)
-    return (
-        f"{len(report)} of {n_leaves} {noun} {verb} not finite: {names}\n"
-        f"{format_report(report)}"
-    )
-
-
 # ------------------------------------------------------------------ locate
-# The phases of a step in the order `locate` tries them (NonFiniteLocation.phase).
-PHASES = ("input", "params", "forward", "loss", "backward", "loss_scale", "update")
 
 
 class NonFiniteLocation(NamedTuple):
@@ -258,11 +232,6 @@ class NonFiniteLocation(NamedTuple):
     input_max_abs: tuple[float, ...] = ()
 
 
-def _max_finite(m: float) -> str:
-    # nan: the value holds no finite element at all.
-    return "none (no finite value)" if m != m else f"{m:.3g}"
-
-
 def format_location(loc: NonFiniteLocation | None) -> str:
     """Renders a `locate` result for people (same text as torchref's).
 
@@ -288,30 +257,7 @@ def format_location(loc: NonFiniteLocation | None) -> str:
       >>> diagnostics.format_location(None)
       'all finite'
     """
-    if loc is None:
-        return "all finite"
-    head = f"non-finite value first in phase {loc.phase!r}"
-    if loc.path is not None:
-        head += f" at {loc.path or '(the outermost module)'}"
-    if loc.op is not None:
-        head += f", op {loc.op}"
-    if loc.source is not None:
-        head += f" at {loc.source}"
-    lines = [head, f"  cause: {loc.detail}"]
-    if loc.shape is not None:
-        lines.append(
-            f"  value: {loc.dtype}{tuple(loc.shape)} {loc.nan_count} NaN "
-            f"{loc.inf_count} Inf, max |finite| {_max_finite(loc.max_abs)}"
-        )
-    if loc.input_shapes:
-        ins = "; ".join(
-            f"{d}{tuple(s)} max |finite| {_max_finite(m)}"
-            for s, d, m in zip(
-                loc.input_shapes, loc.input_dtypes, loc.input_max_abs, strict=True
-            )
-        )
-        lines.append(f"  inputs: {ins}")
-    return "\n".join(lines)
+    return _format_location(loc)
 
 
 def locate(
@@ -401,10 +347,6 @@ def locate(
 
 
 # ------------------------------------------------------------ check points
-# Names of the record keys `fit` writes for the check points of a step (the
-# same in torchref): checks['<name>']['finite'|'max_abs'], then these two.
-NON_FINITE_CHECKS = "non_finite_checks"
-FIRST_NON_FINITE_CHECK = "first_non_finite_check"
 
 
 @jax.tree_util.register_pytree_node_class
@@ -542,19 +484,6 @@ class CheckPoints:
         return cls(names, *children)
 
 
-def _check_name(name: Any, used: tuple[str, ...]) -> None:
-    # Same checks and texts as torchref.diagnostics.
-    if not isinstance(name, str):
-        raise TypeError(f"a check point name must be a string, got {name!r}")
-    if not name:
-        raise ValueError("a check point name must be a non-empty string")
-    if name in used:
-        raise ValueError(
-            f"check point name {name!r} is already used; names so far, in order: "
-            f"{list(used)}"
-        )
-
-
 def check_points(**values: Any) -> CheckPoints:
     """A `CheckPoints` of the keyword values, in the order they are given.
 
@@ -621,31 +550,6 @@ def _is_checks(x: Any) -> bool:
     return isinstance(x, CheckPoints)
 
 
-def _record_entries(names, finite, max_abs) -> dict[str, Any]:
-    # Same layout as torchref.diagnostics: per point, then the summary keys.
-    rec: dict[str, Any] = {}
-    for name, ok, big in zip(names, finite, max_abs, strict=True):
-        rec[f"checks[{name!r}]['finite']"] = ok
-        rec[f"checks[{name!r}]['max_abs']"] = big
-    bad = [n for n, ok in zip(names, finite, strict=True) if not ok]
-    rec[NON_FINITE_CHECKS] = bad
-    rec[FIRST_NON_FINITE_CHECK] = bad[0] if bad else None
-    return rec
-
-
-def _record_points(record: dict[str, Any]) -> list[tuple[str, bool, float]]:
-    # (name, finite, max_abs) of the checks['...'] keys of a record, in order.
-    import ast
-
-    out = []
-    for key, value in record.items():
-        if key.startswith("checks[") and key.endswith("]['finite']"):
-            name = ast.literal_eval(key[len("checks[") : -len("]['finite']")])
-            big = record.get(f"checks[{name!r}]['max_abs']")
-            out.append((name, bool(value), float("nan") if big is None else big))
-    return out
-
-
 def format_checks(checks: CheckPoints | dict[str, Any]) -> str:
     """One line: each check point in order, finite (with max|x|) or NON-FINITE.
 
@@ -668,16 +572,3 @@ def format_checks(checks: CheckPoints | dict[str, Any]) -> str:
     if isinstance(checks, CheckPoints):
         checks = check_record(checks)
     return _format_points(_record_points(checks))
-
-
-def _format_points(points: list[tuple[str, bool, float]]) -> str:
-    # Same text as torchref.diagnostics.format_checks.
-    if not points:
-        return "no check points"
-    parts = [
-        f"{n} finite (max|x| {m:.3g})" if ok else f"{n} NON-FINITE"
-        for n, ok, m in points
-    ]
-    bad = [n for n, ok, _ in points if not ok]
-    tail = f"first non-finite: {bad[0]}" if bad else "all finite"
-    return ", ".join(parts) + "; " + tail

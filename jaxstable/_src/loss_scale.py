@@ -29,6 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
+from _stablecore.checks import check_count as _core_check_count
+from _stablecore.loss_scale import resolve_factors as _core_resolve_factors
+
 T = TypeVar("T")
 
 __all__ = [
@@ -62,9 +65,6 @@ def _as_i32(x: Any) -> Any:
 # and every later step was skipped), so a scale lives in [_TINY, _HUGE].
 _TINY = float(np.finfo(np.float32).tiny)  # 2**-126 = 1.1754944e-38
 _HUGE = float(np.finfo(np.float32).max)  # 3.4028235e+38
-# The counters are int32 (GradScaler's growth tracker too): a period or a
-# hysteresis of 2**31 could never be reached.
-_INT32_LIMIT = 2**31
 
 
 def _check_positive_scalar(value: Any, name: str) -> None:
@@ -705,15 +705,7 @@ class DynamicLossScale:
 
 def _check_count(name: str, value: Any) -> None:
     """An int with 1 <= value < 2**31 (the counters are int32)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value}")
-    if value >= _INT32_LIMIT:
-        raise ValueError(
-            f"{name} must be < 2**31 (its counter is an int32 and would never "
-            f"reach it), got {value}"
-        )
+    return _core_check_count(name, value, int | np.integer)
 
 
 def _factor_value(name: str, value: Any, valid: str) -> float:
@@ -738,30 +730,8 @@ def _factor_value(name: str, value: Any, valid: str) -> float:
 
 def _resolve_factors(factor: Any, growth: Any, backoff: Any) -> tuple[float, float]:
     """(growth_factor, backoff_factor) from jmp's ``factor`` and/or
-    GradScaler's two; same rules and messages as `torchref.loss_scale`."""
-    if factor is not None:
-        f = _factor_value("factor", factor, "a finite number > 1")
-        if not (math.isfinite(f) and f > 1):
-            raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
-    if growth is None:
-        growth = 2.0 if factor is None else f
-    g = _factor_value("growth_factor", growth, "a finite number > 1")
-    if not (math.isfinite(g) and g > 1):
-        raise ValueError(f"growth_factor must be a finite number > 1, got {growth!r}")
-    if factor is not None and f != g:
-        raise ValueError(
-            f"factor={f!r} and growth_factor={g!r} disagree: factor is jmp's name "
-            "for the growth factor; pass one of them"
-        )
-    if backoff is None:
-        backoff = 0.5 if factor is None else 1.0 / f
-    b = _factor_value("backoff_factor", backoff, "a number with 0 < backoff < 1")
-    if not 0 < b < 1:
-        raise ValueError(
-            f"backoff_factor must be a number with 0 < backoff_factor < 1, "
-            f"got {backoff!r}"
-        )
-    return g, b
+    GradScaler's two (the rules and messages of both frameworks)."""
+    return _core_resolve_factors(factor, growth, backoff, _factor_value)
 
 
 jax.tree_util.register_pytree_node(

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _stablecore.checks import check_microbatches as _core_check_microbatches
 from jaxstable._src.diagnostics import CheckPoints
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
 from jaxstable._src.precision import get_policy
@@ -275,20 +276,8 @@ def _keep_model_state(keep: jax.Array, new: Any, old: Any) -> Any:
 
 
 def _check_microbatches(microbatches: Any) -> int | None:
-    # Same text as torchref.train.TrainStep.
-    if microbatches is None:
-        return None
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int | np.integer):
-        raise TypeError(
-            "microbatches must be None or an int >= 1 (the number of equal "
-            f"micro-batches the batch is split into), got {microbatches!r}"
-        )
-    if microbatches < 1:
-        raise ValueError(
-            "microbatches must be None or an int >= 1 (the number of equal "
-            f"micro-batches the batch is split into), got {microbatches}"
-        )
-    return int(microbatches)
+    checked = _core_check_microbatches(microbatches, int | np.integer)
+    return None if checked is None else int(checked)
 
 
 def _split_batch(batch: Any, k: int) -> Any:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _stablecore.checks import check_bool as _core_check_bool
 from jaxstable._src.loss_scale import (
     _NORM_SCALE,
     _leading_rows,
@@ -505,9 +506,8 @@ def skip_non_finite(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+# A bool option; ValueError, as this module always raised (fit: TypeError).
+_check_bool = functools.partial(_core_check_bool, error=ValueError)
 
 
 def _check_optional_count(name: str, value: Any) -> None:

@@ -35,13 +35,11 @@ are restored, and the update runs one parameter at a time on copies.
 
 from __future__ import annotations
 
-import ast
 import collections
 import contextlib
 import copy
 import dataclasses
 import functools
-import linecache
 import math
 import os
 import sys
@@ -56,6 +54,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from _stablecore.locate import ADAM_FP16 as ADAM_FP16
+from _stablecore.locate import MASKED_NAN as MASKED_NAN
+from _stablecore.locate import MASKED_ROW as MASKED_ROW
+from _stablecore.locate import SOFTMAX_MASKED as SOFTMAX_MASKED
+from _stablecore.locate import VARIANCE_ZERO as VARIANCE_ZERO
+from _stablecore.locate import Stats as Stats
+from _stablecore.locate import blame as blame
+from _stablecore.locate import call_site as call_site
+from _stablecore.locate import cause as _cause
+from _stablecore.locate import format_frame as format_frame
+from _stablecore.locate import join as join
+from _stablecore.locate import kind as kind
+from _stablecore.locate import make_tag as _make_tag
+from _stablecore.locate import order as _order
+from _stablecore.locate import origin_fields as _origin_fields
+from _stablecore.locate import value_fields as _value_fields
+from _stablecore.locate import where_text as _where
 
 # Op names as people say them, the same words as jaxstable's.
 CANONICAL_OPS = {
@@ -100,28 +116,6 @@ stats = {"peak_live_bytes": 0, "peak_tagged_bytes": 0}
 
 def _hold(nbytes: int) -> None:
     stats["peak_live_bytes"] = max(stats["peak_live_bytes"], nbytes)
-
-
-# What an origin is, beyond its op (see `cause`); the same words in jaxstable.
-MASKED_ROW = "max of a fully masked row"
-SOFTMAX_MASKED = "softmax over a fully masked row"
-MASKED_NAN = "NaN from a masked -inf"
-VARIANCE_ZERO = "variance 0"
-
-
-class Stats(NamedTuple):
-    """Shape, dtype and the finite-value facts of one tensor."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nan: int
-    inf: int
-    max_abs: float  # over finite elements; nan when none
-    max: float  # largest finite (real part) value; nan when none
-    zeros: int
-    negatives: int
-    size: int
-    neg_inf: int = 0
 
 
 def tensor_stats(t: torch.Tensor) -> Stats:
@@ -182,13 +176,6 @@ def _finite(t: Any) -> bool:
     # overflow of the sum itself falls through to the exact test).
     d = t.detach()
     return bool(torch.isfinite(d.sum())) or bool(torch.isfinite(d).all())
-
-
-def format_frame(file_name: str, line: int, function: str) -> str:
-    """``file:line in function`` (the same format as jaxstable's)."""
-    rel = os.path.relpath(file_name)
-    name = rel if not rel.startswith("..") else file_name
-    return f"{name}:{line} in {function.split('.')[-1]}"
 
 
 def _is_user(file_name: str) -> bool:
@@ -278,23 +265,6 @@ def _masks(tag: tuple, val: torch.Tensor) -> list[tuple[Origin, Any]]:
     if len(tag) == 1 and tag[0][1] is None:
         return [(tag[0][0], _bad_mask(val))]
     return list(tag)
-
-
-def _order(origins) -> list[Origin]:
-    """Who claims an element first: real causes before intentional values,
-    then the earliest."""
-    return sorted(origins, key=lambda o: (o.intentional, o.index))
-
-
-def blame(tag: tuple | None) -> Origin | None:
-    """The origin a non-finite tensor is reported with (see `_order`)."""
-    return _order([o for o, _ in tag])[0] if tag else None
-
-
-def _make_tag(claims: dict) -> tuple:
-    if len(claims) == 1:
-        return ((next(iter(claims)), None),)
-    return tuple(claims.items())
 
 
 def _union(masks, like: torch.Tensor) -> torch.Tensor:
@@ -662,10 +632,6 @@ def clean(path: str) -> str:
     return ".".join(p for p in path.split(".") if p and p != "_orig_mod")
 
 
-def join(base: str, parts) -> str:
-    return ".".join(str(p) for p in [base, *parts] if str(p) != "")
-
-
 class _Paths:
     """The path of each module call: the attribute chain written at the call
     site when it resolves (``self.dec(x)``, ``m.head(...)``), else where the
@@ -722,74 +688,6 @@ class _Paths:
             ]
             cached = self.subs[id(node)] = (node, nodes)
         return cached[1]
-
-
-# Per call instruction: the callee expression as (base name, ((kind, key), ...)).
-_SITES: dict[tuple[Any, int], Any] = {}
-
-
-def call_site(frame, target) -> tuple[Any, list] | None:
-    """``(base object, [attribute or key, ...])`` of the call being made in
-    ``frame`` when its callee is written as a chain (``self.dec``,
-    ``m.head``, ``self.layers[0]``) that resolves to ``target`` or to a
-    method of it; None otherwise (a loop variable, a computed index). The
-    same rule as jaxstable's."""
-    if frame is None:
-        return None
-    key = (frame.f_code, frame.f_lasti)
-    chain = _SITES.get(key, False)
-    if chain is False:
-        chain = _SITES[key] = _parse_callee(frame.f_code, frame.f_lasti)
-    if chain is None:
-        return None
-    name, parts = chain
-    sentinel = object()
-    obj = frame.f_locals.get(name, frame.f_globals.get(name, sentinel))
-    if obj is sentinel:
-        return None
-    base = obj
-    try:
-        for kind, key in parts:
-            obj = getattr(obj, key) if kind == "attr" else obj[key]
-    except Exception:  # a chain that does not resolve here: no site
-        return None
-    keys = [k for _, k in parts]
-    if obj is target:
-        return base, keys
-    if keys and getattr(obj, "__self__", None) is target:  # model.encode
-        return base, keys[:-1]
-    return None
-
-
-def _parse_callee(code, lasti: int):
-    try:
-        positions = list(code.co_positions())
-        line, end, col, end_col = positions[lasti // 2]
-        lines = linecache.getlines(code.co_filename)
-        if None in (line, end, col, end_col) or end > len(lines):
-            return None
-        text = [s.encode() for s in lines[line - 1 : end]]
-        if len(text) == 1:
-            seg = text[0][col:end_col]
-        else:
-            seg = text[0][col:] + b"".join(text[1:-1]) + text[-1][:end_col]
-        node = ast.parse(b"(" + seg + b"\n)", mode="eval").body
-    except (SyntaxError, ValueError, IndexError, TypeError):
-        return None
-    if not isinstance(node, ast.Call):
-        return None
-    func, parts = node.func, []
-    while True:
-        if isinstance(func, ast.Attribute):
-            parts.append(("attr", func.attr))
-            func = func.value
-        elif isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Constant):
-            parts.append(("item", func.slice.value))
-            func = func.value
-        elif isinstance(func, ast.Name):
-            return func.id, tuple(reversed(parts))
-        else:
-            return None
 
 
 def _caller(frame) -> Any:
@@ -913,10 +811,6 @@ def _check_rng(rng_state: Any) -> None:
 
 
 # ------------------------------------------------------------------- text
-def kind(nan: int, inf: int) -> str:
-    if nan and inf:
-        return "NaN and Inf"
-    return "NaN" if nan else "Inf"
 
 
 def dtype_max(dtype: str) -> float | None:
@@ -926,59 +820,9 @@ def dtype_max(dtype: str) -> float | None:
     return float(torch.finfo(dt).max)
 
 
-def _constant(s: Stats) -> str:
-    if s.neg_inf == s.inf and s.inf:
-        return "-inf"
-    return "inf" if not s.neg_inf and s.inf else "NaN or inf"
-
-
 def cause(o: Origin, where: str) -> str:
-    """One line: why ``o.op`` gave a non-finite value (same text as jaxstable)."""
-    op, ins, out = o.op, o.ins, o.out
-    if o.hint == SOFTMAX_MASKED:
-        return f"softmax over a fully masked row (every value -inf) {where}"
-    if o.hint == MASKED_ROW:
-        return f"max over a fully masked row (every value -inf) {where}"
-    if o.hint == MASKED_NAN:
-        return (
-            f"{op} turned a masked -inf into NaN {where} "
-            "(inf - inf, 0 * inf or inf / inf)"
-        )
-    if o.hint == VARIANCE_ZERO:
-        return f"{op} of a row with variance 0 and eps 0 (0 / sqrt(0)) {where}"
-    if o.intentional and op in ("constant", "model_state"):
-        return f"the {_constant(out)} held in the {op} (a mask) reaches it"
-    if o.intentional:
-        return (
-            f"the constant {_constant(out)} written by {op} {where} (a mask) reaches it"
-        )
-    lim = dtype_max(out.dtype)
-    exp_over = op == "exp" and ins and lim is not None and ins[0].max > math.log(lim)
-    if o.would_be is not None and lim is not None and o.would_be > lim:
-        text = (
-            f"{out.dtype} overflow: max |x| = {o.would_be:.3g} > {lim:.6g} in "
-            f"the output of {op} {where}"
-        )
-        if exp_over:
-            text += f" (exp of up to {ins[0].max:.3g} > {math.log(lim):.4g})"
-        return text
-    if exp_over:  # no finite float64 value to compare (exp(1e4))
-        return (
-            f"{out.dtype} overflow: exp of up to {ins[0].max:.3g} > "
-            f"{math.log(lim):.4g} (log of {lim:.6g}) {where}"
-        )
-    first = ins[0] if ins else None
-    if op == "log" and first is not None and first.zeros:
-        return f"log of 0 {where}"
-    if op in ("log", "sqrt", "rsqrt") and first is not None and first.negatives:
-        return f"{op} of a negative number {where}"
-    if op == "rsqrt" and first is not None and first.zeros:
-        return f"rsqrt of 0 {where}"
-    if op == "div" and len(ins) == 2 and ins[1].zeros:
-        return f"division by 0 {where}"
-    if op == "reciprocal" and first is not None and first.zeros:
-        return f"division by 0 (reciprocal of 0) {where}"
-    return f"{op} gave {kind(out.nan, out.inf)} from finite inputs {where}"
+    """One line: why ``o.op`` gave a non-finite value (in float dtypes' limits)."""
+    return _cause(o, where, dtype_max)
 
 
 # ------------------------------------------------------------------ phases
@@ -1018,35 +862,6 @@ def _first_bad(items: list[tuple[Any, torch.Tensor]], masks_ok: bool = False):
 
 def _dotted(path: Any) -> str:
     return ".".join(map(str, path)) if isinstance(path, tuple) else str(path)
-
-
-def _value_fields(s: Stats) -> dict[str, Any]:
-    return {
-        "shape": s.shape,
-        "dtype": s.dtype,
-        "nan_count": s.nan,
-        "inf_count": s.inf,
-        "max_abs": s.max_abs,
-    }
-
-
-def _origin_fields(o: Origin | None) -> dict[str, Any]:
-    if o is None:
-        return {"op": None, "source": None}
-    return {
-        "op": o.op,
-        "source": o.source,
-        **_value_fields(o.out),
-        "input_shapes": tuple(s.shape for s in o.ins),
-        "input_dtypes": tuple(s.dtype for s in o.ins),
-        "input_max_abs": tuple(s.max_abs for s in o.ins),
-    }
-
-
-def _where(o: Origin) -> str:
-    if o.module is None:
-        return "in the loss"
-    return f"in {o.module}" if o.module else "in the outermost module"
 
 
 def _scale_of(step: Any) -> float:
@@ -1340,12 +1155,6 @@ def _twin_step(opt, group, p, name, grad, held, tracer=None):
     with tracer if tracer is not None else contextlib.nullcontext():
         type(opt).step(twin)
     return twin_p, twin.state.get(twin_p, {})
-
-
-ADAM_FP16 = (
-    "Adam's second moment underflowed to 0 in float16 and its eps is 0 in "
-    "float16 (eps < 6e-08 rounds to 0)"
-)
 
 
 def _adam_nu_zero(state: dict, p: torch.Tensor) -> bool:

@@ -39,7 +39,11 @@ from typing import Any
 
 import torch
 
-from torchref._src._lock import locked_elsewhere
+from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
+from _stablecore.checkpoint import check_manager_options as _check_manager_options
+from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
+from _stablecore.checks import check_int as _check_int
+from _stablecore.lock import locked_elsewhere
 from torchref._src.step import TrainStep, _scaler_kind
 
 __all__ = ["CheckpointManager", "load_checkpoint", "save_checkpoint"]
@@ -56,15 +60,9 @@ _STATE_KEYS = ("model", "optimizer", "scaler", "skip_state", "steps_done")
 _PARAMS_KEY = "params"
 # Keys of the payload besides the state dict's.
 _EXTRA_KEYS = (_CLASSES_KEY, "rng", "data_position", _PARAMS_KEY, "snapshot")
-# Mismatch lines listed in one error; the rest are counted.
-_MAX_MISMATCH_LINES = 12
 # The largest header read; a header is ~200 bytes.
 _MAX_HEADER = 1 << 16
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
-
-
-class _CorruptCheckpoint(ValueError):
-    """A checkpoint that cannot be read back as saved (truncated, damaged)."""
 
 
 def _rng_states() -> dict[str, Any]:
@@ -371,15 +369,6 @@ def _check_train_step(path: Any, state: Any, saved: dict, step: TrainStep) -> No
     _raise_mismatches(path, lines)
 
 
-def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
-    """One validator for every int option: ``name must be [None or ]an int >= m``."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        none = "None or " if optional else ""
-        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
-
-
 class CheckpointManager:
     """The checkpoints of one run in a directory, named by the run's global step.
 
@@ -439,11 +428,7 @@ class CheckpointManager:
         best_mode: str = "min",
         async_save: bool = True,
     ) -> None:
-        _check_int("max_to_keep", max_to_keep, 1)
-        if best_metric is not None and not isinstance(best_metric, str):
-            raise TypeError(f"best_metric must be None or a str, got {best_metric!r}")
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        _check_manager_options(max_to_keep, best_metric, best_mode)
         self.directory = os.path.abspath(directory)
         self.max_to_keep = max_to_keep
         self.best_metric = best_metric
@@ -815,21 +800,6 @@ def _structure_mismatches(saved: dict[str, tuple], expected: dict[str, tuple]):
         elif s != e:
             lines.append(f"  {key}: checkpoint {_spec(s)}, target {_spec(e)}")
     return lines
-
-
-def _raise_mismatches(path: Any, lines: list[str]) -> None:
-    # Same text as jaxstable.train.load_checkpoint.
-    if not lines:
-        return
-    more = len(lines) - _MAX_MISMATCH_LINES
-    shown = lines[:_MAX_MISMATCH_LINES] + (
-        [f"  ... and {more} more"] if more > 0 else []
-    )
-    raise ValueError(
-        f"checkpoint {os.fspath(path)!r} does not match the target "
-        f"({len(lines)} leaf/leaves differ):\n" + "\n".join(shown) + "\nbuild the "
-        "target with the model, optimizer and dtypes the checkpoint was saved with"
-    )
 
 
 def _spec(spec: tuple) -> str:

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from torchref._src._lock import DirectoryLock
-from torchref._src.checkpoint import CheckpointManager, _check_int
+from _stablecore.checks import check_callable as _check_callable
+from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
+from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
+from _stablecore.fit import NanPolicy as _NanPolicy
+from _stablecore.fit import add_skip_reason as _add_skip_reason
+from _stablecore.fit import batches_from as _batches_from
+from _stablecore.fit import check_fit_args as _check_fit_args
+from _stablecore.fit import open_log as _open_log
+from _stablecore.fit import policy_note as _policy_note
+from _stablecore.fit import show as _show
+from _stablecore.fit import warn_if_short as _warn_if_short
+from _stablecore.lock import DirectoryLock
+from torchref._src.checkpoint import CheckpointManager
 from torchref._src.diagnostics import (
     check_record,
     format_checks,
@@ -26,9 +35,6 @@ from torchref._src.diagnostics import (
     rng_snapshot,
 )
 from torchref._src.step import TrainStep
-
-NAN_POLICIES = ("skip", "stop", "rollback")
-_ROLLBACK_TARGETS = ("memory", "disk")
 
 
 class NonFiniteError(FloatingPointError):
@@ -80,19 +86,6 @@ def _scalar_leaves(tree: Any, path: str = "") -> Iterable[tuple[str, float]]:
             yield path, float(tree.detach().float())
     elif isinstance(tree, (int, float)):
         yield path, float(tree)
-
-
-def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
-    # Only a guarded step reports grads_finite (a plain step that does not
-    # skip has no reason to give); then its record tells why it skipped.
-    if grads_finite is None:
-        return
-    # Same keys as jaxstable.train.fit: a skipped step says why.
-    rec["grads_finite"] = bool(grads_finite)
-    if not rec["finite"]:
-        rec["skip_reason"] = (
-            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
-        )
 
 
 def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -454,17 +447,6 @@ def _run(
     return history
 
 
-def _show(bar, rec) -> None:
-    bar.set_postfix(
-        loss=f"{rec['loss']:.4g}",
-        grad_norm=f"{rec['grad_norm']:.3g}",
-        loss_scale=f"{rec['loss_scale']:.3g}",
-        skipped=rec["skipped_total"],
-        refresh=False,
-    )
-    bar.update(1)
-
-
 def _manager(checkpoint_dir):
     """``(manager, owned, lock)``: a `CheckpointManager` for `checkpoint_dir`
     and the directory's lock, taken first (one run writes a directory)."""
@@ -497,218 +479,6 @@ def _resume(mgr, step, resume) -> tuple[int, dict]:
         )
     _, info = mgr.restore(step)
     return int(info["data_position"]), info
-
-
-# Same in jaxstable.train.fit (the shared fit helpers below).
-class _NanPolicy:
-    """The NaN-policy bookkeeping of a run, checkpointed with it.
-
-    ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
-    ``located``: non-finite steps located; ``first_bad``: index of the
-    run's first non-finite step (for ``stop_after_nonfinite``);
-    ``snapshot_at``: the step of the run the rollback snapshot holds. A
-    resumed `fit` loads them from its checkpoint (`load`), so that a run
-    killed and resumed counts, stops and rolls back as the uninterrupted one.
-    """
-
-    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at")
-
-    def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
-        self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
-        self.locate_first, self.stop_after = locate_first, stop_after
-        self.run = self.rollbacks = self.located = self.snapshot_at = 0
-        self.first_bad = None
-
-    def state(self) -> dict[str, int | None]:
-        """What a checkpoint keeps (JSON, under its checksum)."""
-        return {k: getattr(self, k) for k in self._SAVED}
-
-    def load(self, saved: dict | None, start: int) -> None:
-        """The state of a checkpoint at step `start` (None: a new run, or a
-        checkpoint written before fit saved it: counts from 0)."""
-        self.snapshot_at = start
-        for k in self._SAVED:
-            if saved and k in saved:
-                setattr(self, k, saved[k])
-
-    def observe(self, index: int, finite: bool) -> str | None:
-        """What the step just recorded triggers: "rollback", "raise" or None."""
-        self.run = 0 if finite else self.run + 1
-        if not finite and self.first_bad is None:
-            self.first_bad = index
-        if self.policy == "skip" or self.run < self.limit:
-            return None
-        if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
-            self.rollbacks, self.run = self.rollbacks + 1, 0
-            return "rollback"
-        return "raise"
-
-    def wants_location(self, finite: bool, action: str | None) -> bool:
-        return not finite and (action is not None or self.located < self.locate_first)
-
-    def stop_due(self, index: int) -> bool:
-        if self.stop_after is None or self.first_bad is None:
-            return False
-        return index - self.first_bad >= self.stop_after
-
-
-def _batches_from(batches, position: int, steps: int | None):
-    """`batches` from the run's `position`, up to `steps` of the run in all.
-
-    A sequence (``__getitem__`` and ``__len__``) is indexed from `position`;
-    anything else is iterated and its first `position` batches dropped.
-    """
-    if position and hasattr(batches, "__getitem__") and hasattr(batches, "__len__"):
-        it = (batches[i] for i in range(position, len(batches)))
-    else:
-        it = itertools.islice(iter(batches), position, None)
-    return it if steps is None else itertools.islice(it, max(steps - position, 0))
-
-
-def _open_log(log_path, resumed_at: int | None):
-    """The JSONL log: overwritten, or on resume kept up to `resumed_at`
-    (records of steps after the checkpoint are re-run, so dropped) and
-    appended to. A missing log, and lines that are not records (damaged;
-    the crash's torn last line excepted), give a RuntimeWarning; the valid
-    records around a damaged line are kept."""
-    if log_path is None:
-        return None
-    if resumed_at is None:
-        return open(log_path, "w", encoding="utf-8")
-    where = f"log_path {os.fspath(log_path)!r}"
-    if not os.path.exists(log_path):
-        warnings.warn(
-            f"{where} does not exist: the run resumes at step {resumed_at} and "
-            "its log starts there (the records of the steps before are not in "
-            "it)",
-            RuntimeWarning,
-            4,
-        )
-        return open(log_path, "w", encoding="utf-8")
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")
-    kept, damaged = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            rec = None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            damaged.append(number)
-        elif rec["step"] < resumed_at:
-            kept.append(line + "\n")
-    if damaged and damaged[-1] == len(lines):
-        damaged.pop()  # torn by the crash: no newline after it
-    if damaged:
-        warnings.warn(
-            f"{where}: line(s) {damaged} are not JSON records (damaged) and "
-            f"were dropped; the records around them up to step {resumed_at} "
-            "are kept",
-            RuntimeWarning,
-            4,
-        )
-    tmp = f"{os.fspath(log_path)}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, log_path)
-    return open(log_path, "a", encoding="utf-8")
-
-
-def _warn_if_short(steps: int | None, start: int, done: int) -> None:
-    """A UserWarning when fit ran fewer steps than `steps` asked (not after a
-    stop it was asked for). Same text in jaxstable.train and torchref.train."""
-    if steps is None or (done >= steps and start <= steps):
-        return
-    if start > steps:
-        why = (
-            f"fit ran no step: the checkpoint it resumed from is at step {start}, "
-            f"past steps={steps} (the state returned is that checkpoint's)"
-        )
-    else:
-        why = (
-            f"fit ran {done - start} of the {steps - start} step(s) asked "
-            f"(steps={steps}, from step {start}): the batches ended at step {done}"
-        )
-    warnings.warn(why, UserWarning, 4)
-
-
-def _check_callable(name: str, fn: Any) -> None:
-    if fn is not None and not callable(fn):
-        raise TypeError(f"{name} must be None or a callable, got {fn!r}")
-
-
-def _check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_needs(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _check_fit_args(
-    nan_policy, max_consecutive, rollback_every, max_rollbacks, steps,
-    locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
-    time_steps, eval_fn, eval_every, on_step, stop_after,
-):  # fmt: skip
-    # Same checks and texts as jaxstable.train.fit.
-    _check_bool("time_steps", time_steps)
-    _check_bool("resume", resume)
-    _check_callable("eval_fn", eval_fn)
-    _check_callable("on_step", on_step)
-    _check_needs(
-        (eval_fn is None) == (eval_every is None),
-        "eval_fn and eval_every go together: pass both or neither, got "
-        f"eval_fn={eval_fn!r}, eval_every={eval_every!r}",
-    )
-    _check_int("eval_every", eval_every, 1, optional=True)
-    _check_int("stop_after_nonfinite", stop_after, 0, optional=True)
-    _check_choice("nan_policy", nan_policy, NAN_POLICIES)
-    _check_choice("rollback_to", rollback_to, _ROLLBACK_TARGETS)
-    _check_int("max_consecutive_nonfinite", max_consecutive, 1)
-    _check_int("rollback_every", rollback_every, 1)
-    _check_int("max_rollbacks", max_rollbacks, 1)
-    _check_int("steps", steps, 0, optional=True)
-    _check_int("locate_first", locate_first, 0)
-    _check_int("checkpoint_every", checkpoint_every, 1, optional=True)
-    _check_needs(
-        checkpoint_every is None or checkpoint_dir is not None,
-        "checkpoint_every needs checkpoint_dir",
-    )
-    _check_needs(
-        not resume or checkpoint_dir is not None, "resume needs checkpoint_dir"
-    )
-    _check_needs(
-        rollback_to == "memory" or checkpoint_dir is not None,
-        "rollback_to='disk' needs checkpoint_dir",
-    )
-
-
-_UPDATE_NOTE = (
-    "its gradients were finite: the update it computed (new parameters or "
-    "optimizer state) was non-finite, e.g. float16 Adam state whose second "
-    "moment underflowed to 0 while eps is 0 in float16"
-)
-
-
-def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
-    # Same text as jaxstable.train.fit.
-    if nan_policy == "rollback":
-        return (
-            "nan_policy='rollback': rollbacks exhausted "
-            f"(max_rollbacks={max_rollbacks})"
-        )
-    return f"nan_policy={nan_policy!r}"
 
 
 def _raise_non_finite(

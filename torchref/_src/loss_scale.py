@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+from _stablecore.checks import check_count as _check_count
+from _stablecore.loss_scale import resolve_factors as _core_resolve_factors
+
 __all__ = [
     "DynamicGradScaler",
     "DynamicLossScale",
@@ -119,8 +122,6 @@ def all_finite(tensors: Any) -> bool:
 # it to 0), so both accept [2**-126, 3.4028235e38] only.
 _TINY = 2.0**-126
 _HUGE = float(torch.finfo(torch.float32).max)
-# GradScaler's growth tracker is an int32 tensor.
-_INT32_LIMIT = 2**31
 
 
 def _check_scale(name: str, value: Any) -> float:
@@ -154,19 +155,6 @@ def _check_scale(name: str, value: Any) -> float:
     return float(value)
 
 
-def _check_count(name: str, value: Any) -> None:
-    """An int with 1 <= value < 2**31 (the counters are int32)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value}")
-    if value >= _INT32_LIMIT:
-        raise ValueError(
-            f"{name} must be < 2**31 (its counter is an int32 and would never "
-            f"reach it), got {value}"
-        )
-
-
 def _factor_value(name: str, value: Any, valid: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name} must be {valid}, got {value!r}")
@@ -175,30 +163,8 @@ def _factor_value(name: str, value: Any, valid: str) -> float:
 
 def _resolve_factors(factor: Any, growth: Any, backoff: Any) -> tuple[float, float]:
     """(growth_factor, backoff_factor) from jmp's ``factor`` and/or
-    GradScaler's two; same rules and messages as `jaxstable.loss_scale`."""
-    if factor is not None:
-        f = _factor_value("factor", factor, "a finite number > 1")
-        if not (math.isfinite(f) and f > 1):
-            raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
-    if growth is None:
-        growth = 2.0 if factor is None else f
-    g = _factor_value("growth_factor", growth, "a finite number > 1")
-    if not (math.isfinite(g) and g > 1):
-        raise ValueError(f"growth_factor must be a finite number > 1, got {growth!r}")
-    if factor is not None and f != g:
-        raise ValueError(
-            f"factor={f!r} and growth_factor={g!r} disagree: factor is jmp's name "
-            "for the growth factor; pass one of them"
-        )
-    if backoff is None:
-        backoff = 0.5 if factor is None else 1.0 / f
-    b = _factor_value("backoff_factor", backoff, "a number with 0 < backoff < 1")
-    if not 0 < b < 1:
-        raise ValueError(
-            f"backoff_factor must be a number with 0 < backoff_factor < 1, "
-            f"got {backoff!r}"
-        )
-    return g, b
+    GradScaler's two (the rules and messages of both frameworks)."""
+    return _core_resolve_factors(factor, growth, backoff, _factor_value)
 
 
 class StaticGradScaler(torch.amp.GradScaler):

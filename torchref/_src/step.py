@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from _stablecore.checks import check_microbatches as _core_check_microbatches
 from torchref._src.diagnostics import CheckPoints
 from torchref._src.loss_scale import (
     DynamicLossScale,
@@ -78,20 +79,7 @@ def _autocast_dtype(dtype: Any, model: torch.nn.Module) -> torch.dtype | None:
 
 
 def _check_microbatches(microbatches: Any) -> int | None:
-    # Same text as jaxstable.train.make_train_step.
-    if microbatches is None:
-        return None
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int):
-        raise TypeError(
-            "microbatches must be None or an int >= 1 (the number of equal "
-            f"micro-batches the batch is split into), got {microbatches!r}"
-        )
-    if microbatches < 1:
-        raise ValueError(
-            "microbatches must be None or an int >= 1 (the number of equal "
-            f"micro-batches the batch is split into), got {microbatches}"
-        )
-    return microbatches
+    return _core_check_microbatches(microbatches)
 
 
 def _split_batch(batch: Any, k: int, path: str = "") -> list[Any]:

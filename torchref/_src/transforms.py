@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from _stablecore.checks import check_bool as _core_check_bool
 from torchref._src.loss_scale import _tensors, all_finite
 
 __all__ = [
@@ -421,10 +423,8 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
+# A bool option; ValueError, as this module always raised (fit: TypeError).
+_check_bool = functools.partial(_core_check_bool, error=ValueError)
 
 
 def _check_optimizer(optimizer: Any, where: str) -> None:

@@ -15,7 +15,6 @@ import numpy as np
 
 Array = Any  # jax.Array or anything jnp.asarray accepts
 
-_REDUCTIONS = ("mean", "sum", "none")
 _F32 = jnp.float32
 
 # float32's smallest normal number 1.1754944e-38: the floor of every eps (a
@@ -52,13 +51,6 @@ def _compute_dtype(*predictions) -> Any:
     (possible only with x64 on), float32 otherwise ("at least float32")."""
     wide = any(x is not None and x.dtype == jnp.float64 for x in predictions)
     return jnp.float64 if wide else _F32
-
-
-def _check_reduction(reduction: str) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(
-            f"unknown reduction {reduction!r}; valid values: {', '.join(_REDUCTIONS)}"
-        )
 
 
 def _check_float(name: str, x: Array) -> None:

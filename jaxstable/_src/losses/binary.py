@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _stablecore.losses import check_reduction as _check_reduction
 from jaxstable._src.losses._checks import (
     _F32,
     _TINY,
@@ -19,7 +20,6 @@ from jaxstable._src.losses._checks import (
     _check_eps,
     _check_float,
     _check_positive,
-    _check_reduction,
     _check_same_shape,
     _compute_dtype,
     _is_concrete,

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _stablecore.losses import check_reduction as _check_reduction
 from jaxstable._src.losses._checks import (
     Array,
     _as_arrays,
     _check_float,
-    _check_reduction,
     _compute_dtype,
     _is_concrete,
     _masked_mean,

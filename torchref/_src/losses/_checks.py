@@ -11,8 +11,6 @@ import math
 
 import torch
 
-_REDUCTIONS = ("mean", "sum", "none")
-
 # float32's smallest normal number 1.1754944e-38: the floor of every eps (as
 # jaxstable, where XLA on CPU flushes a subnormal eps to 0) and of the focal
 # loss' modulating base (see sigmoid_focal_loss)
@@ -24,13 +22,6 @@ def _compute_dtype(*predictions) -> torch.dtype:
     float32 otherwise ("at least float32", jaxstable's `_compute_dtype`)."""
     wide = any(x is not None and x.dtype == torch.float64 for x in predictions)
     return torch.float64 if wide else torch.float32
-
-
-def _check_reduction(reduction: str) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(
-            f"unknown reduction {reduction!r}; valid values: {', '.join(_REDUCTIONS)}"
-        )
 
 
 def _check_float(name: str, x: torch.Tensor) -> None:

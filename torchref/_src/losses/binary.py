@@ -10,13 +10,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from _stablecore.losses import check_reduction as _check_reduction
 from torchref._src.losses._checks import (
     _TINY,
     _as_tensors,
     _check_eps,
     _check_float,
     _check_positive,
-    _check_reduction,
     _check_same_shape,
     _compute_dtype,
     _isnan,

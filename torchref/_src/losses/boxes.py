@@ -8,25 +8,17 @@ import math
 
 import torch
 
+from _stablecore.losses import check_kind as _check_kind
+from _stablecore.losses import check_reduction as _check_reduction
 from torchref._src.losses._checks import (
     _as_tensors,
     _check_eps,
     _check_float,
-    _check_reduction,
     _check_same_shape,
     _compute_dtype,
     _nan_if,
     _reduce,
 )
-
-_BOX_KINDS = ("iou", "giou", "diou", "ciou")
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in _BOX_KINDS:
-        raise ValueError(
-            f"unknown kind {kind!r}; valid values: {', '.join(_BOX_KINDS)}"
-        )
 
 
 def _check_boxes(name: str, boxes: torch.Tensor) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from _stablecore.losses import check_reduction as _check_reduction
 from torchref._src.losses._checks import (
     _as_tensors,
     _check_float,
-    _check_reduction,
     _compute_dtype,
     _masked_mean,
     _nan_if,

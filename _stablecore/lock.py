@@ -1,8 +1,6 @@
 """One writer per checkpoint directory: the lock `fit` takes on it.
 
-Framework-free: jaxstable/_src/_lock.py and torchref/_src/_lock.py are the
-same text (parity_tests/test_resume_edges.py compares them), since neither
-package may import the other.
+Framework-free: `jaxstable.train.fit` and `torchref.train.fit` both take it.
 
 The lock is the file ``DIRECTORY/.fit.lock`` holding the owner's pid, host
 and process start time (JSON), held with ``flock``: the kernel drops it when

@@ -1,0 +1,73 @@
+"""Validators of options, one line each (the messages both packages give)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    """One validator for every int option: ``name must be [None or ]an int >= m``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = "None or " if optional else ""
+        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
+
+
+def check_bool(name: str, value: Any, error: type[Exception] = TypeError) -> bool:
+    """`value` if it is True or False; else `error` (fit raises TypeError, the
+    transforms ValueError: each keeps the type it always raised)."""
+    if not isinstance(value, bool):
+        raise error(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_callable(name: str, fn: Any) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be None or a callable, got {fn!r}")
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def check_needs(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+# The counters are int32 (GradScaler's growth tracker too): a period or a
+# hysteresis of 2**31 could never be reached.
+INT32_LIMIT = 2**31
+
+
+def check_count(name: str, value: Any, int_types: Any = int) -> None:
+    """An int with 1 <= value < 2**31 (the counters are int32); `int_types`
+    are the types accepted as ints (jaxstable adds numpy's)."""
+    if isinstance(value, bool) or not isinstance(value, int_types):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value}")
+    if value >= INT32_LIMIT:
+        raise ValueError(
+            f"{name} must be < 2**31 (its counter is an int32 and would never "
+            f"reach it), got {value}"
+        )
+
+
+def check_microbatches(microbatches: Any, int_types: Any = int) -> Any:
+    """None, or an int >= 1 (`int_types`: what counts as an int)."""
+    if microbatches is None:
+        return None
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int_types):
+        raise TypeError(
+            "microbatches must be None or an int >= 1 (the number of equal "
+            f"micro-batches the batch is split into), got {microbatches!r}"
+        )
+    if microbatches < 1:
+        raise ValueError(
+            "microbatches must be None or an int >= 1 (the number of equal "
+            f"micro-batches the batch is split into), got {microbatches}"
+        )
+    return microbatches
