@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from torchref._src import distributed as _dist
 from torchref._src.diagnostics import CheckPoints
 from torchref._src.loss_scale import (
     DynamicLossScale,
@@ -353,6 +354,10 @@ class TrainStep:
         self.check_update = _check_bool("check_update", check_update)
         self.microbatches = _check_microbatches(microbatches)
         self._undo = _StepUndo()
+        # Under DDP/FSDP2: the process group's size, the loss share each
+        # replica backpropagates and the hook that tells a loss_fn bypassing
+        # the wrapper (see `_step`); None / 1 in one process.
+        self._replicas = _dist._Replicas.of(model)
         self.skip_state = SkipNonFiniteState()
         self.steps_done = 0
         # State machine: "ready" between steps, else the stage a step is in
@@ -466,6 +471,9 @@ class TrainStep:
         # The scale USED for this step (read before update changes it).
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
         losses, auxes = [], []
+        rep = self._replicas
+        if rep is not None:
+            rep.forward_calls = 0
         for part in parts:
             # GradScaler's accumulation recipe: scaler.scale(loss / k).backward()
             # for each micro-batch, the gradients adding up in .grad.
@@ -473,9 +481,16 @@ class TrainStep:
             loss, aux = self._forward(part)
             self._stage = "backward"
             share = loss if k is None else loss / k
+            if rep is not None:
+                share = rep.share(share)
             (scaler.scale(share) if scaler is not None else share).backward()
             losses.append(loss.detach().float())
             auxes.append(aux)
+        local_loss = losses[0] if k is None else torch.stack(losses).mean()
+        if rep is not None:
+            # One all-reduce: the global loss, the ranks' agreement on a
+            # non-finite loss and on which parameters got a gradient.
+            local_loss, losses = rep.agree(local_loss, self.steps_done)
         if scaler is not None:
             scaler.unscale_(opt)
         self._stage = "check"
@@ -520,7 +535,7 @@ class TrainStep:
         self.steps_done += 1
         self._stage = "ready"
         metrics = {
-            "loss": float(losses[0] if k is None else torch.stack(losses).mean()),
+            "loss": float(local_loss),
             "grad_norm": float(grad_norm),
             "loss_scale": loss_scale,
             "finite": applied,
@@ -558,7 +573,9 @@ class TrainStep:
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, scaler and counters (for `torch.save`)."""
         return {
-            "model": self.model.state_dict(),
+            # The unwrapped module's keys (no DDP "module." prefix), so that a
+            # checkpoint restores in any placement (see `load_state_dict`).
+            "model": _dist._plain_state_dict(self.model),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "skip_state": dataclasses.asdict(self.skip_state),
@@ -585,7 +602,7 @@ class TrainStep:
                 f"the checkpoint holds {_scaler_kind(saved)} but this TrainStep has "
                 f"{have}: build it with the loss scale the checkpoint was saved with"
             )
-        self.model.load_state_dict(state["model"])
+        _dist._load_plain_state_dict(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self._scaler_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
