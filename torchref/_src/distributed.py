@@ -379,35 +379,60 @@ class _Replicas:
     def _count(self, *_: Any) -> None:
         self.forward_calls += 1
 
-    def share(self, loss: torch.Tensor) -> torch.Tensor:
-        """What this replica backpropagates (the loss / N under DDP)."""
-        if self.ddp is None:
-            return loss
-        if self.forward_calls == 0:
+    def share(
+        self, share: torch.Tensor, loss: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(what this replica backpropagates, the global loss)``.
+
+        One all-reduce (SUM, float64) before the backward, so that no rank
+        is left inside DDP's gradient all-reduces: the ranks' losses (the
+        global mean over equal shards, as one device reports it; a non-finite
+        loss on one rank is non-finite on all, so all skip) and, under DDP
+        without ``find_unused_parameters``, which parameters this loss uses
+        (a walk of its autograd graph: a parameter used on some ranks only
+        would leave DDP's all-reduces unpaired; a RuntimeError names it on
+        every rank instead). Under DDP the share is ``share / N`` (see the
+        class docstring).
+        """
+        if self.ddp is not None and self.forward_calls == 0:
             raise RuntimeError(
                 "loss_fn did not call the DistributedDataParallel model it was "
                 "given (e.g. it called model.module(x)): its gradients would not "
                 "be all-reduced and the ranks' parameters and loss scales would "
                 "drift apart. Call model(x) in loss_fn"
             )
-        return loss / self.size
-
-    def agree(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, list]:
-        """``(global loss, [global loss])`` after one all-reduce (SUM)."""
-        flags = []
-        if self.ddp is not None:
-            flags = [float(p.grad is not None) for p in self.params]
-        vec = torch.tensor([float(loss), *flags], dtype=torch.float64)
+        flags: list[float] = []
+        if self.ddp is not None and not self.ddp.find_unused_parameters:
+            used = _graph_leaves(share)
+            flags = [float(id(p) in used) for p in self.params]
+        vec = torch.tensor([float(loss.detach()), *flags], dtype=torch.float64)
         dist.all_reduce(vec, group=self.group)
         counts = zip(self.names if flags else [], vec[1:].tolist(), strict=True)
         partial = [n for n, c in counts if 0 < c < self.size]
         if partial:
             raise RuntimeError(
-                f"step {step}: parameter(s) {', '.join(partial)} got a gradient on "
-                f"some ranks only (unused in this rank's forward or in another's): "
-                "DDP would apply unsynchronised updates. Wrap the model with "
-                "torchref.distributed.shard_state(model, mesh, "
-                "find_unused_parameters=True), or use every parameter on every rank"
+                f"step {step}: parameter(s) {', '.join(partial)} take part in the "
+                "loss on some ranks only: DDP's gradient all-reduces would not "
+                "pair up. Wrap the model with torchref.distributed.shard_state("
+                "model, mesh, find_unused_parameters=True), or use every "
+                "parameter on every rank"
             )
-        total = (vec[0] / self.size).to(torch.float32)
-        return total, [total]
+        total = (vec[0] / self.size).to(loss.dtype)
+        # The value: the global loss; the gradient: this rank's share's.
+        share = share / self.size if self.ddp is not None else share
+        return share, total
+
+
+def _graph_leaves(t: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors (parameters) ``t``'s autograd graph reaches."""
+    seen, todo, leaves = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            leaves.add(id(var))
+        todo.extend(n for n, _ in node.next_functions)
+    return leaves

@@ -482,15 +482,15 @@ class TrainStep:
             self._stage = "backward"
             share = loss if k is None else loss / k
             if rep is not None:
-                share = rep.share(share)
+                # Before the backward (DDP's own all-reduces): the global loss
+                # and the ranks' agreement on the parameters it uses.
+                share, loss = rep.share(share, loss, self.steps_done)
             (scaler.scale(share) if scaler is not None else share).backward()
             losses.append(loss.detach().float())
             auxes.append(aux)
+        # Under DDP/FSDP2 the losses are already the global ones (`share`): a
+        # non-finite loss on one rank is one on every rank.
         local_loss = losses[0] if k is None else torch.stack(losses).mean()
-        if rep is not None:
-            # One all-reduce: the global loss, the ranks' agreement on a
-            # non-finite loss and on which parameters got a gradient.
-            local_loss, losses = rep.agree(local_loss, self.steps_done)
         if scaler is not None:
             scaler.unscale_(opt)
         self._stage = "check"
