@@ -266,10 +266,16 @@ def fit(
             skipped batches are not transformed), e.g. this rank's rows of a
             global batch under DDP:
             ``lambda b: torchref.distributed.shard_batch(b, mesh)``. Under
-            DDP every rank runs fit on the same replicated state; give
-            ``log_path`` and ``checkpoint_dir`` on rank 0 only (two ranks
-            must not write one file) and, to resume, load rank 0's
-            checkpoint on every rank before the call (not done here).
+            a process group of N > 1 ranks (DDP, FSDP2) every rank calls fit
+            with the same arguments and takes the same path (the decisions
+            are global, see `TrainStep`); rank 0 alone writes ``log_path``
+            and the checkpoints, ``resume=True`` loads rank 0's checkpoint
+            on every rank, ``on_step`` stopping one rank stops all, `locate`
+            re-runs a DDP step on this rank's unwrapped module (no
+            collective) and is not run under FSDP2; a rank that raises
+            makes the others' next collective fail with a RuntimeError
+            naming its rank, step and error (after the process group's
+            timeout at worst). See docs/distributed.md.
         The same records and options as `jaxstable.train.fit`.
 
     Returns:

@@ -240,6 +240,14 @@ class TrainStep:
        running stats), and so they are when the step was applied but left a
        non-finite buffer (one more `all_finite` pass and host sync).
 
+    Under DDP or FSDP2 (a process group of N ranks) the step also
+    all-reduces the ranks' losses before the backward: ``loss`` is the
+    global mean and a non-finite loss on one rank is one on every rank;
+    under DDP it backpropagates ``loss / N`` and sums the gradients (its
+    comm hook: one device's float16 headroom), refuses a ``loss_fn`` that
+    bypasses the wrapper and a parameter used on some ranks only (see
+    `torchref.distributed`).
+
     Args:
         model: the `nn.Module` (its device gives autocast's device type).
         optimizer: a `torch.optim.Optimizer` owning every trainable
