@@ -436,3 +436,61 @@ def _graph_leaves(t: torch.Tensor) -> set[int]:
             leaves.add(id(var))
         todo.extend(n for n, _ in node.next_functions)
     return leaves
+
+
+def _gather_full(tree: Any) -> Any:
+    """``tree`` with every sharded DTensor gathered into a plain tensor (a
+    collective per DTensor, in the tree's order: every rank calls it).
+
+    Used by `TrainStep.state_dict` under FSDP2, so that the checkpoint rank 0
+    writes holds every shard (not rank 0's alone) with the shapes one
+    process has: it restores in any placement.
+    """
+    if isinstance(tree, dict):
+        return type(tree)((k, _gather_full(v)) for k, v in tree.items())
+    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
+        return type(tree)(_gather_full(v) for v in tree)
+    if hasattr(tree, "full_tensor"):
+        return tree.full_tensor()
+    return tree
+
+
+def _shard_like(saved: Any, like: Any) -> Any:
+    """``saved`` (full tensors) placed as the DTensors of ``like`` are (the
+    keys both hold; the rest as saved)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(saved, dict) and isinstance(like, dict):
+        return type(saved)(
+            (k, _shard_like(v, like[k]) if k in like else v) for k, v in saved.items()
+        )
+    if hasattr(like, "placements") and torch.is_tensor(saved):
+        if hasattr(saved, "placements"):
+            saved = saved.full_tensor()
+        # src_data_rank=None: every rank holds the full tensor and keeps its
+        # own part (no collective: ranks restore one after the other).
+        return distribute_tensor(
+            saved.to(like.dtype),
+            like.device_mesh,
+            list(like.placements),
+            src_data_rank=None,
+        )
+    return saved
+
+
+def _fsdp_optimizer_like(optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """The DTensor placements each saved optimizer-state tensor takes: its
+    parameter's when it has the parameter's shape (Adam's moments), else
+    none (Adam's step count)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    like = {}
+    for i, state in saved.get("state", {}).items():
+        p = params[i] if isinstance(i, int) and i < len(params) else None
+        if p is None or not hasattr(p, "placements"):
+            continue
+        like[i] = {
+            k: p
+            for k, v in state.items()
+            if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape)
+        }
+    return {"state": like}

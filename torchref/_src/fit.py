@@ -342,13 +342,11 @@ def fit(
         if group.size > 1:
             mgr, own_mgr = group.plan(mgr, own_mgr, checkpoint_dir, resume)
         start, resumed = _resume(mgr, step, resume, group)
-        if (
-            writer
-            and mgr is not None
-            and rollback_to == "disk"
-            and mgr.latest_step() is None
-        ):
-            mgr.save(start, step)  # what the first rollback goes back to
+        if mgr is not None and rollback_to == "disk" and group.latest_step(mgr) is None:
+            if writer:
+                mgr.save(start, step)  # what the first rollback goes back to
+            elif _locate_step(step) is None and isinstance(step, TrainStep):
+                step.state_dict()  # FSDP2: rank 0's gather needs every rank
         return _run(**locals())
     finally:
         try:
@@ -407,6 +405,8 @@ def _run(
         # With the NaN policy's state and, unless it is this very state, the
         # rollback snapshot: a resumed run goes on as the uninterrupted one.
         if not writer:
+            if locate_step is None and isinstance(step, TrainStep):
+                step.state_dict()  # FSDP2: rank 0's gather needs every rank
             return
         kept = snapshot if in_memory and policy.snapshot_at != done else None
         mgr._save(done, step, None, metrics, policy.state(), kept)
@@ -558,6 +558,10 @@ class _Group:
                 not given
             )
         return mgr, own_mgr
+
+    def latest_step(self, mgr):
+        """Rank 0's latest checkpoint step (taken in `plan`) or this one's."""
+        return self.latest if self.size > 1 else mgr.latest_step()
 
     def restore(self, mgr, step, **kwargs):
         """`CheckpointManager.restore` of the checkpoint rank 0 restores."""

@@ -580,11 +580,18 @@ class TrainStep:
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, scaler and counters (for `torch.save`)."""
+        model, optimizer = (
+            _dist._plain_state_dict(self.model),
+            self.optimizer.state_dict(),
+        )
+        if _dist._is_fsdp(self.model):
+            # Every shard, gathered (a collective: every rank calls this).
+            model, optimizer = _dist._gather_full((model, optimizer))
         return {
-            # The unwrapped module's keys (no DDP "module." prefix), so that a
-            # checkpoint restores in any placement (see `load_state_dict`).
-            "model": _dist._plain_state_dict(self.model),
-            "optimizer": self.optimizer.state_dict(),
+            # The unwrapped module's keys (no DDP "module." prefix) and full
+            # tensors, so that a checkpoint restores in any placement.
+            "model": model,
+            "optimizer": optimizer,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "skip_state": dataclasses.asdict(self.skip_state),
             "steps_done": self.steps_done,
@@ -610,8 +617,14 @@ class TrainStep:
                 f"the checkpoint holds {_scaler_kind(saved)} but this TrainStep has "
                 f"{have}: build it with the loss scale the checkpoint was saved with"
             )
-        _dist._load_plain_state_dict(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        model, optimizer = state["model"], state["optimizer"]
+        if _dist._is_fsdp(self.model):
+            # Full tensors (any placement's checkpoint) sharded as here.
+            model = _dist._shard_like(model, self.model.state_dict())
+            like = _dist._fsdp_optimizer_like(self.optimizer, optimizer)
+            optimizer = _dist._shard_like(optimizer, like)
+        _dist._load_plain_state_dict(self.model, model)
+        self.optimizer.load_state_dict(optimizer)
         if self._scaler_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.skip_state = SkipNonFiniteState(**state["skip_state"])

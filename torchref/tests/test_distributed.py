@@ -21,6 +21,7 @@ import datetime
 import json
 import os
 import queue
+import shutil
 import socket
 import time
 import traceback
@@ -513,7 +514,26 @@ def _fits(params, batches, folder, ddp):
         out, _ = run(step, fp16)
         return {**out, "final_scale": step.scaler.get_scale()}
 
+    def fsdp():
+        # FSDP2 resumes from the DDP run's checkpoint at step 20 and writes
+        # its own (rank 0, gathered) at step 40.
+        src, dst = os.path.join(folder, "skip"), os.path.join(folder, "fsdp")
+        if dist.get_rank() == 0:
+            os.makedirs(dst)
+            shutil.copy(os.path.join(src, "step_00000020.pt"), dst)
+        dist.barrier()
+        model = distributed.shard_state(MLP(params), mesh, "fsdp")
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ls = DynamicLossScale(loss_scale=2.0**10, period=8)
+        step = train.TrainStep(
+            model, opt, mse, max_grad_norm=1.0, scaler=ls, check_update=False
+        )
+        out, hist = run(step, data, checkpoint_dir=dst, resume=True)
+        return {**out, "first": hist[0]["step"]}
+
     sections = {"skip": skip, "resume": resume, "rollback": rollback}
+    if ddp:
+        sections["fsdp"] = fsdp
     sections.update(stop=stop, fp16=fp16)
     return {name: _guarded(fn) for name, fn in sections.items()}
 
@@ -635,6 +655,22 @@ def test_fit_under_ddp_writes_on_rank_0_and_resumes_on_every_rank(ranks, fits_si
     step = _new_step(problem()[0], False)
     train.CheckpointManager(os.path.join(folder, "skip")).restore(step)
     np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["skip"]["params"])
+
+
+def test_fsdp_checkpoints_hold_every_shard_across_placements(ranks, fits_single):
+    # FSDP2 resumed from a DDP checkpoint (step 20) and ended on the
+    # 1-process trajectory; its checkpoint (written by rank 0 alone) holds
+    # every shard, and restores into one process.
+    skip = fits_single["skip"]
+    for rank, r in enumerate(ranks):
+        got = r["fits"]["fsdp"]
+        assert isinstance(got, dict) and got["first"] == 20, (rank, got)
+        rest = {k: v[20:] for k, v in skip.items() if k not in ("params", "located")}
+        _same_records(got, {**rest, "params": skip["params"]}, f"fsdp rank {rank}")
+    step = _new_step(problem()[0], False)
+    folder = os.path.join(ranks[0]["folder"], "fits", "fsdp")
+    train.CheckpointManager(folder).restore(step)
+    np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["fsdp"]["params"])
 
 
 def test_fp16_ddp_has_one_devices_headroom(ranks, fits_single):
