@@ -356,16 +356,19 @@ class _Replicas:
         self.forward_calls = 0
         self.names = [n for n, p in _plain(model).named_parameters() if p.requires_grad]
         self.params = [p for p in _plain(model).parameters() if p.requires_grad]
-        if ddp is not None:
-            if ddp._comm_hooks:
-                raise ValueError(
-                    "TrainStep registers its own DDP communication hook (a sum of "
-                    "the gradients, for float16 headroom: see torchref.distributed)"
-                    "; this DistributedDataParallel already has one: wrap the "
-                    "model without a comm hook"
-                )
+        if ddp is None:
+            return
+        hooks = [h for h, _ in ddp._comm_hooks]
+        if hooks and hooks != [_sum_hook]:  # [_sum_hook]: a TrainStep before
+            raise ValueError(
+                "TrainStep registers its own DDP communication hook (a sum of "
+                "the gradients, for float16 headroom: see torchref.distributed)"
+                "; this DistributedDataParallel already has one: wrap the "
+                "model without a comm hook"
+            )
+        if not hooks:
             ddp.register_comm_hook(self.group, _sum_hook)
-            ddp.register_forward_pre_hook(self._count)
+        ddp.register_forward_pre_hook(self._count)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> _Replicas | None:

@@ -561,10 +561,21 @@ def _errors(params, batches):
         step = _new_step(params, True, loss_fn=unused, find_unused=True)
         for _ in range(2):
             step(batch)
+        # A second TrainStep on the same DDP model reuses the comm hook.
+        again = train.TrainStep(step.model, step.optimizer, unused)
+        again(batch)
         return distributed.replicas_identical((step.model, step.optimizer))
+
+    def foreign_hook():  # a DDP model with a comm hook of the user's
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model = distributed.shard_state(MLP(params), mesh)
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), mse)
 
     return {
         "differ": _guarded(differ),
+        "foreign_hook": _guarded(foreign_hook),
         "bypass": _guarded(lambda: _new_step(params, True, loss_fn=bypass)(batch)),
         "unused_ok": _guarded(unused_ok),
         "unused": _guarded(
@@ -694,6 +705,7 @@ def test_misuses_under_ddp_are_clear_errors_on_every_rank(ranks):
         assert "find_unused_parameters=True" in e["unused"]
         assert e["unused_ok"] is True
         assert "ranks [1] hold other initial parameters" in str(e["differ"])
+        assert "already has one: wrap the model without" in str(e["foreign_hook"])
 
 
 def test_a_rank_that_raises_stops_the_others_naming_it(ranks):
