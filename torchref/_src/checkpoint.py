@@ -44,6 +44,7 @@ from _stablecore.checkpoint import check_manager_options as _check_manager_optio
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
+from torchref._src.distributed import _plain
 from torchref._src.step import TrainStep, _scaler_kind
 
 __all__ = ["CheckpointManager", "load_checkpoint", "save_checkpoint"]
@@ -324,6 +325,7 @@ def _load(path: Any, step: Any, restore_rng: bool, expected: int | None = None):
     }
     snapshot = extras.get("snapshot")
     if isinstance(step, TrainStep):
+        state, extras, snapshot = _without_ddp_prefix(state, extras, snapshot)
         _check_train_step(path, state, extras.get(_CLASSES_KEY) or {}, step)
         saved = extras.get(_PARAMS_KEY)
         if saved is not None:  # keyed by name: checked, then numbered as here
@@ -346,6 +348,46 @@ def _load(path: Any, step: Any, restore_rng: bool, expected: int | None = None):
     return header
 
 
+def _strip(name: Any) -> Any:
+    return name[len("module.") :] if isinstance(name, str) else name
+
+
+def _strip_optimizer(state: dict) -> dict:
+    def convert(inner: dict) -> dict:
+        return {
+            **inner,
+            "state": {_strip(k): v for k, v in inner["state"].items()},
+            "param_groups": [
+                {**g, "params": [_strip(n) for n in g["params"]]}
+                for g in inner["param_groups"]
+            ],
+        }
+
+    return _optimizer_state(state, convert)
+
+
+def _without_ddp_prefix(state: Any, extras: dict, snapshot: Any):
+    """A checkpoint written from a DDP model's own state_dict (every key
+    ``module.``-prefixed, as `TrainStep` wrote before it saved the unwrapped
+    module's keys) as the unwrapped module's: it then restores into one
+    process, DDP or FSDP2 alike."""
+    model = state.get("model") if isinstance(state, dict) else None
+    if not model or not all(str(k).startswith("module.") for k in model):
+        return state, extras, snapshot
+    state = {**state, "model": {_strip(k): v for k, v in model.items()}}
+    names = extras.get(_PARAMS_KEY)
+    if names is not None:
+        extras = {**extras, _PARAMS_KEY: {_strip(k): v for k, v in names.items()}}
+        state["optimizer"] = _strip_optimizer(state["optimizer"])
+        if snapshot is not None:
+            snapshot = {
+                **snapshot,
+                "model": {_strip(k): v for k, v in snapshot["model"].items()},
+                "optimizer": _strip_optimizer(snapshot["optimizer"]),
+            }
+    return state, extras, snapshot
+
+
 def _check_train_step(path: Any, state: Any, saved: dict, step: TrainStep) -> None:
     missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
@@ -361,7 +403,7 @@ def _check_train_step(path: Any, state: Any, saved: dict, step: TrainStep) -> No
             **_leaf_specs(state["skip_state"], "skip_state"),
         },
         {
-            **_leaf_specs(step.model.state_dict(), "model"),
+            **_leaf_specs(_plain(step.model).state_dict(), "model"),
             **_leaf_specs(dataclasses.asdict(step.skip_state), "skip_state"),
         },
     )
@@ -609,7 +651,9 @@ def _param_names(step: TrainStep) -> tuple[list[str], dict[str, list]]:
     ``<unnamed k>`` for the k-th one outside the model) and
     ``{name: [shape, dtype]}``."""
     named = {}
-    for name, p in step.model.named_parameters():
+    # The unwrapped module's names (no DDP "module." prefix): a checkpoint
+    # restores in any placement.
+    for name, p in _plain(step.model).named_parameters():
         named.setdefault(id(p), name)
     names, specs, unnamed = [], {}, 0
     for group in step.optimizer.param_groups:
@@ -675,7 +719,7 @@ def _param_mismatches(saved: dict, state: dict, params: dict, step: TrainStep):
     """One line per optimizer parameter (by name) missing, extra, in another
     group, or of another shape or dtype (for one outside the model's state
     dict: the model check covers those)."""
-    in_model = set(step.model.state_dict())
+    in_model = set(_plain(step.model).state_dict())
     lines = []
     for name in [*params, *(n for n in saved if n not in params)]:
         s, e = saved.get(name), params.get(name)

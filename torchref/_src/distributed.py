@@ -104,18 +104,28 @@ def _check_mesh(mesh: Any) -> None:
 
 
 def shard_state(
-    model: torch.nn.Module, mesh: DeviceMesh, strategy: str = "data_parallel"
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    strategy: str = "data_parallel",
+    *,
+    find_unused_parameters: bool = False,
 ) -> torch.nn.Module:
     """Wraps ``model`` for ``strategy``: DDP or FSDP2 ``fully_shard``.
 
-    Every rank must build the same model (same seed or weights). Build the
-    optimizer AFTER this call for ``"fsdp"`` (the parameters become sharded
-    DTensors); DDP keeps the parameter objects.
+    Every rank must build the same model (same seed or weights): this is
+    checked (one all-gather of a sha256 of the parameters and buffers) and a
+    mismatch is a ValueError naming the ranks, as DDP would silently take
+    rank 0's values and FSDP2 would stitch the ranks' different shards into
+    one model. Build the optimizer AFTER this call for ``"fsdp"`` (the
+    parameters become sharded DTensors); DDP keeps the parameter objects.
 
     Args:
       model: the `nn.Module`.
       mesh: a 1-D mesh (`make_mesh`).
       strategy: ``"data_parallel"`` or ``"fsdp"``.
+      find_unused_parameters: DDP's option of that name, for a model whose
+        forward leaves some parameters unused on some ranks (a `TrainStep`
+        refuses such a step without it, naming the parameters).
 
     Returns:
       ``DistributedDataParallel(model, device_mesh=mesh)`` or the model
@@ -134,9 +144,23 @@ def shard_state(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if not isinstance(find_unused_parameters, bool):
+        raise TypeError(
+            "find_unused_parameters must be True or False, got "
+            f"{find_unused_parameters!r}"
+        )
     _check_mesh(mesh)
+    differ = _differing_ranks(model)
+    if differ:
+        raise ValueError(
+            f"ranks {differ} hold other initial parameters or buffers than rank 0 "
+            "(a sha256 of every tensor of the model differs): build the model "
+            "from the same seed or weights on every rank before shard_state"
+        )
     if strategy == "data_parallel":
-        return torch.nn.parallel.DistributedDataParallel(model, device_mesh=mesh)
+        return torch.nn.parallel.DistributedDataParallel(
+            model, device_mesh=mesh, find_unused_parameters=find_unused_parameters
+        )
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard(model, mesh=mesh)
@@ -218,6 +242,27 @@ def _local_replicas(t: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _digests(obj: Any) -> list[str] | None:
+    """Every rank's sha256 of the replicated tensors of ``obj`` (a
+    collective), or None with one rank or no process group."""
+    digest = hashlib.sha256()
+    for t in _tensors(obj):
+        local = _local_replicas(t)
+        if local is not None:
+            data = local.detach().cpu().contiguous().reshape(-1)
+            digest.update(data.view(torch.uint8).numpy().tobytes())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digest.hexdigest())
+    return every
+
+
+def _differing_ranks(obj: Any) -> list[int]:
+    every = _digests(obj)
+    return [] if every is None else [r for r, d in enumerate(every) if d != every[0]]
+
+
 def replicas_identical(obj: Any) -> bool:
     """Whether every rank holds bitwise the same replicated tensors.
 
@@ -240,15 +285,215 @@ def replicas_identical(obj: Any) -> bool:
       >>> distributed.replicas_identical(torch.nn.Linear(2, 1))
       True
     """
-    digest = hashlib.sha256()
-    for t in _tensors(obj):
-        local = _local_replicas(t)
-        if local is not None:
-            data = local.detach().cpu().contiguous().reshape(-1)
-            digest.update(data.view(torch.uint8).numpy().tobytes())
-    mine = digest.hexdigest()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return all(d == mine for d in every)
+    every = _digests(obj)
+    return every is None or all(d == every[0] for d in every)
+
+
+# ------------------------------------------------- used by TrainStep and fit
+def _ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return model if isinstance(model, ddp) else None
+
+
+def _is_fsdp(model: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _plain(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a DDP wrapper holds (the model itself otherwise)."""
+    ddp = _ddp(model)
+    return model if ddp is None else ddp.module
+
+
+def _plain_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with the keys of the unwrapped module."""
+    return _plain(model).state_dict()
+
+
+def _load_plain_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Loads a state dict saved with or without DDP's ``module.`` prefix."""
+    if state and all(k.startswith("module.") for k in state):
+        state = type(state)((k[len("module.") :], v) for k, v in state.items())
+    _plain(model).load_state_dict(state)
+
+
+def _sum_hook(group, bucket):  # unannotated: DDP checks the annotations
+    """A DDP comm hook: the ranks' gradients SUMMED (DDP's own hook averages).
+
+    `TrainStep` backpropagates ``scale / N`` times each replica's loss (see
+    `_Replicas.share`): the sum is then ``scale`` times the global gradient.
+    """
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class _Replicas:
+    """What `TrainStep` does differently on a DDP or FSDP2 model.
+
+    * float16 headroom (DDP): each replica's backward of its own mean is N
+      times its share of the global gradient (its rows are 1/N of the batch
+      but its mean divides by B/N), so under DDP's averaging every replica
+      overflows at 1/N of the scale one device overflows at. The step
+      backpropagates ``loss / N`` instead and the gradients are summed, not
+      averaged (`_sum_hook`): every row's gradient is then the one a single
+      device computes at the same scale, bit for bit with N a power of 2,
+      and the skip decisions and the final scale are one device's.
+    * `agree`: one all-reduce per step of the ranks' losses (the record's
+      loss is the global mean, as one device reports it; a non-finite loss
+      on one rank makes every rank skip) and of which parameters got a
+      gradient (a parameter used on one rank only is an error that names it,
+      instead of silently unsynchronised updates).
+    * a loss_fn that bypasses the DDP wrapper (``model.module(x)``): its
+      gradients would never be all-reduced; the step raises.
+    """
+
+    def __init__(self, model: torch.nn.Module, ddp: Any) -> None:
+        self.model, self.ddp = model, ddp
+        self.group = ddp.process_group if ddp is not None else None
+        self.size = dist.get_world_size(self.group)
+        self.forward_calls = 0
+        self.names = [n for n, p in _plain(model).named_parameters() if p.requires_grad]
+        self.params = [p for p in _plain(model).parameters() if p.requires_grad]
+        if ddp is None:
+            return
+        hooks = [h for h, _ in ddp._comm_hooks]
+        if hooks and hooks != [_sum_hook]:  # [_sum_hook]: a TrainStep before
+            raise ValueError(
+                "TrainStep registers its own DDP communication hook (a sum of "
+                "the gradients, for float16 headroom: see torchref.distributed)"
+                "; this DistributedDataParallel already has one: wrap the "
+                "model without a comm hook"
+            )
+        if not hooks:
+            ddp.register_comm_hook(self.group, _sum_hook)
+        ddp.register_forward_pre_hook(self._count)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> _Replicas | None:
+        ddp = _ddp(model)
+        if ddp is None and not _is_fsdp(model):
+            return None
+        if not dist.is_initialized():
+            return None
+        return cls(model, ddp)
+
+    def _count(self, *_: Any) -> None:
+        self.forward_calls += 1
+
+    def share(
+        self, share: torch.Tensor, loss: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(what this replica backpropagates, the global loss)``.
+
+        One all-reduce (SUM, float64) before the backward, so that no rank
+        is left inside DDP's gradient all-reduces: the ranks' losses (the
+        global mean over equal shards, as one device reports it; a non-finite
+        loss on one rank is non-finite on all, so all skip) and, under DDP
+        without ``find_unused_parameters``, which parameters this loss uses
+        (a walk of its autograd graph: a parameter used on some ranks only
+        would leave DDP's all-reduces unpaired; a RuntimeError names it on
+        every rank instead). Under DDP the share is ``share / N`` (see the
+        class docstring).
+        """
+        if self.ddp is not None and self.forward_calls == 0:
+            raise RuntimeError(
+                "loss_fn did not call the DistributedDataParallel model it was "
+                "given (e.g. it called model.module(x)): its gradients would not "
+                "be all-reduced and the ranks' parameters and loss scales would "
+                "drift apart. Call model(x) in loss_fn"
+            )
+        flags: list[float] = []
+        if self.ddp is not None and not self.ddp.find_unused_parameters:
+            used = _graph_leaves(share)
+            flags = [float(id(p) in used) for p in self.params]
+        vec = torch.tensor([float(loss.detach()), *flags], dtype=torch.float64)
+        dist.all_reduce(vec, group=self.group)
+        counts = zip(self.names if flags else [], vec[1:].tolist(), strict=True)
+        partial = [n for n, c in counts if 0 < c < self.size]
+        if partial:
+            raise RuntimeError(
+                f"step {step}: parameter(s) {', '.join(partial)} take part in the "
+                "loss on some ranks only: DDP's gradient all-reduces would not "
+                "pair up. Wrap the model with torchref.distributed.shard_state("
+                "model, mesh, find_unused_parameters=True), or use every "
+                "parameter on every rank"
+            )
+        total = (vec[0] / self.size).to(loss.dtype)
+        # The value: the global loss; the gradient: this rank's share's.
+        share = share / self.size if self.ddp is not None else share
+        return share, total
+
+
+def _graph_leaves(t: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors (parameters) ``t``'s autograd graph reaches."""
+    seen, todo, leaves = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            leaves.add(id(var))
+        todo.extend(n for n, _ in node.next_functions)
+    return leaves
+
+
+def _gather_full(tree: Any) -> Any:
+    """``tree`` with every sharded DTensor gathered into a plain tensor (a
+    collective per DTensor, in the tree's order: every rank calls it).
+
+    Used by `TrainStep.state_dict` under FSDP2, so that the checkpoint rank 0
+    writes holds every shard (not rank 0's alone) with the shapes one
+    process has: it restores in any placement.
+    """
+    if isinstance(tree, dict):
+        return type(tree)((k, _gather_full(v)) for k, v in tree.items())
+    if isinstance(tree, list | tuple) and not hasattr(tree, "_fields"):
+        return type(tree)(_gather_full(v) for v in tree)
+    if hasattr(tree, "full_tensor"):
+        return tree.full_tensor()
+    return tree
+
+
+def _shard_like(saved: Any, like: Any) -> Any:
+    """``saved`` (full tensors) placed as the DTensors of ``like`` are (the
+    keys both hold; the rest as saved)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(saved, dict) and isinstance(like, dict):
+        return type(saved)(
+            (k, _shard_like(v, like[k]) if k in like else v) for k, v in saved.items()
+        )
+    if hasattr(like, "placements") and torch.is_tensor(saved):
+        if hasattr(saved, "placements"):
+            saved = saved.full_tensor()
+        # src_data_rank=None: every rank holds the full tensor and keeps its
+        # own part (no collective: ranks restore one after the other).
+        return distribute_tensor(
+            saved.to(like.dtype),
+            like.device_mesh,
+            list(like.placements),
+            src_data_rank=None,
+        )
+    return saved
+
+
+def _fsdp_optimizer_like(optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """The DTensor placements each saved optimizer-state tensor takes: its
+    parameter's when it has the parameter's shape (Adam's moments), else
+    none (Adam's step count)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    like = {}
+    for i, state in saved.get("state", {}).items():
+        p = params[i] if isinstance(i, int) and i < len(params) else None
+        if p is None or not hasattr(p, "placements"):
+            continue
+        like[i] = {
+            k: p
+            for k, v in state.items()
+            if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape)
+        }
+    return {"state": like}

@@ -259,10 +259,16 @@ def fit(
             skipped batches are not transformed), e.g. this rank's rows of a
             global batch under DDP:
             ``lambda b: torchref.distributed.shard_batch(b, mesh)``. Under
-            DDP every rank runs fit on the same replicated state; give
-            ``log_path`` and ``checkpoint_dir`` on rank 0 only (two ranks
-            must not write one file) and, to resume, load rank 0's
-            checkpoint on every rank before the call (not done here).
+            a process group of N > 1 ranks (DDP, FSDP2) every rank calls fit
+            with the same arguments and takes the same path (the decisions
+            are global, see `TrainStep`); rank 0 alone writes ``log_path``
+            and the checkpoints, ``resume=True`` loads rank 0's checkpoint
+            on every rank, ``on_step`` stopping one rank stops all, `locate`
+            re-runs a DDP step on this rank's unwrapped module (no
+            collective) and is not run under FSDP2; a rank that raises
+            makes the others' next collective fail with a RuntimeError
+            naming its rank, step and error (after the process group's
+            timeout at worst). See docs/distributed.md.
         The same records and options as `jaxstable.train.fit`.
 
     Returns:
@@ -322,11 +328,18 @@ def fit(
             "nan_policy='rollback' and checkpoint_dir need a step with "
             f"state_dict() and load_state_dict(), got {type(step).__name__}"
         )
-    mgr, own_mgr, lock = _manager(checkpoint_dir)
+    group = _Group()
+    writer = group.rank == 0
+    mgr, own_mgr, lock = _manager(checkpoint_dir if writer else None)
     try:
-        start, resumed = _resume(mgr, step, resume)
-        if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
-            mgr.save(start, step)  # what the first rollback goes back to
+        if group.size > 1:
+            mgr, own_mgr = group.plan(mgr, own_mgr, checkpoint_dir, resume)
+        start, resumed = _resume(mgr, step, resume, group)
+        if mgr is not None and rollback_to == "disk" and group.latest_step(mgr) is None:
+            if writer:
+                mgr.save(start, step)  # what the first rollback goes back to
+            elif _locate_step(step) is None and isinstance(step, TrainStep):
+                step.state_dict()  # FSDP2: rank 0's gather needs every rank
         return _run(**locals())
     finally:
         try:
@@ -343,7 +356,7 @@ def _run(
     step, batches, steps, nan_policy, max_consecutive_nonfinite, log_path,
     progress, checkpoint_every, rollback_every, max_rollbacks, locate_first,
     time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite, rollback_to,
-    mgr, start, batch_transform, resumed, **_,
+    mgr, start, batch_transform, resumed, group, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm
@@ -363,6 +376,10 @@ def _run(
     it = _batches_from(batches, start, start if ended else steps)
     if batch_transform is not None:
         it = map(batch_transform, it)
+    # Under a process group rank 0 alone writes the log and checkpoints.
+    writer = group.rank == 0
+    if not writer:
+        log_path, progress = None, False
     log = _open_log(log_path, start if mgr is not None and start else None)
     history: list[dict[str, Any]] = []
     bar = tqdm(total=total, initial=start, disable=not progress, desc="fit")
@@ -380,10 +397,19 @@ def _run(
     def save(done, metrics=None):
         # With the NaN policy's state and, unless it is this very state, the
         # rollback snapshot: a resumed run goes on as the uninterrupted one.
+        if not writer:
+            if locate_step is None and isinstance(step, TrainStep):
+                step.state_dict()  # FSDP2: rank 0's gather needs every rank
+            return
         kept = snapshot if in_memory and policy.snapshot_at != done else None
         mgr._save(done, step, None, metrics, policy.state(), kept)
 
-    locatable = isinstance(step, TrainStep)  # as jaxstable's fit
+    # As jaxstable's fit; under DDP locate re-runs the step on this rank's
+    # unwrapped module (no collective: the ranks' re-runs take different
+    # paths, e.g. one stops at its non-finite batch rows).
+    locate_step = _locate_step(step)
+    locatable = locate_step is not None
+    i = start
     try:
         for i, batch in enumerate(it, start):
             # The random state the step draws its dropout masks from, for
@@ -406,7 +432,7 @@ def _run(
             # scaler backed off: re-run at the scale the step used.
             if locatable and policy.wants_location(entry["finite"], action):
                 location = locate(
-                    step, batch, loss_scale=entry["loss_scale"], rng_state=rng
+                    locate_step, batch, loss_scale=entry["loss_scale"], rng_state=rng
                 )
                 policy.located += 1
                 entry["location"] = None if location is None else location._asdict()
@@ -416,12 +442,14 @@ def _run(
                 log.flush()
             _show(bar, entry)
             wants_stop = on_step is not None and on_step(entry, step) is True
+            if on_step is not None:
+                wants_stop = group.any(wants_stop)  # every rank stops together
             if action == "rollback" and in_memory:
                 # A copy again: the optimizer may keep the loaded tensors and
                 # update them in place, which must not reach the snapshot.
                 step.load_state_dict(copy.deepcopy(snapshot))
             elif action == "rollback":  # the last good checkpoint on disk
-                mgr.restore(step, restore_rng=False)
+                group.restore(mgr, step, restore_rng=False)
             elif action == "raise":
                 _raise_non_finite(
                     step, entry, policy.run, batch, history, nan_policy,
@@ -440,11 +468,165 @@ def _run(
             save(done)  # the final checkpoint
         if not stopped:
             _warn_if_short(steps, start, done)
+    except BaseException as e:
+        group.failed(e, i)
+        raise
     finally:
         bar.close()
         if log is not None:
             log.close()
     return history
+
+
+def _locate_step(step: Any) -> TrainStep | None:
+    """The step `locate` re-runs: ``step`` itself in one process; under DDP a
+    shallow copy on the unwrapped module (the same parameters, optimizer and
+    scaler; no collective); None under FSDP2 (no rank holds the whole
+    model) or for a plain step callable."""
+    if not isinstance(step, TrainStep):
+        return None
+    rep = step._replicas
+    if rep is None:
+        return step
+    if rep.ddp is None:
+        return None
+    local = copy.copy(step)
+    local.model, local._replicas = rep.ddp.module, None
+    return local
+
+
+_FAILED_KEY = "torchref.fit.failed."
+
+
+class _Group:
+    """`fit` under a process group of more than one rank (DDP, FSDP2).
+
+    Every rank takes the same path: the step's decision is global (the
+    gradients are all-reduced, the loss agreed, see `TrainStep`); rank 0
+    alone writes the log and the checkpoints (it holds the lock); a resume or
+    a rollback to disk loads the one checkpoint rank 0 picks, on every rank;
+    ``on_step`` stops every rank when it stops one. A rank that raises posts
+    its rank, step and error in the process group's store; a rank whose
+    collective then fails (the peer's process exited: at once; a peer that
+    hangs: after the process group's ``timeout``) raises a RuntimeError
+    naming them.
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        on = dist.is_available() and dist.is_initialized()
+        self.size = dist.get_world_size() if on else 1
+        self.rank = dist.get_rank() if on else 0
+        self.latest = None
+
+    def plan(self, mgr, own_mgr, checkpoint_dir, resume):
+        """One all-gather: the ranks agree on resuming and on rank 0's latest
+        checkpoint (taken under its lock); the others open the directory to
+        read it. Returns ``(manager, owned)``."""
+        mine = {
+            "resume": resume,
+            "dir": checkpoint_dir is not None,
+            "latest": None if mgr is None else mgr.latest_step(),
+        }
+        every: list[Any] = [None] * self.size
+        self.dist.all_gather_object(every, mine)
+        resumes = sorted({p["resume"] for p in every})
+        if len(resumes) > 1 or (resume and not all(p["dir"] for p in every)):
+            raise ValueError(
+                "under a process group every rank calls fit with the same resume "
+                "and, to resume, the same checkpoint_dir (rank 0 writes it, every "
+                "rank reads it); got "
+                + ", ".join(
+                    f"rank {r}: resume={p['resume']}, checkpoint_dir "
+                    f"{'given' if p['dir'] else 'None'}"
+                    for r, p in enumerate(every)
+                )
+            )
+        self.latest = every[0]["latest"]
+        if self.rank != 0 and checkpoint_dir is not None:
+            given = isinstance(checkpoint_dir, CheckpointManager)
+            return (checkpoint_dir if given else CheckpointManager(checkpoint_dir)), (
+                not given
+            )
+        return mgr, own_mgr
+
+    def latest_step(self, mgr):
+        """Rank 0's latest checkpoint step (taken in `plan`) or this one's."""
+        return self.latest if self.size > 1 else mgr.latest_step()
+
+    def restore(self, mgr, step, **kwargs):
+        """`CheckpointManager.restore` of the checkpoint rank 0 restores."""
+        if self.size == 1:
+            return mgr.restore(step, **kwargs)
+        chosen: list[Any] = [None]
+        error = None
+        if self.rank == 0:
+            try:
+                _, info = mgr.restore(step, **kwargs)
+                chosen[0] = info["step"]
+            except Exception as e:  # told to the others, then raised
+                error = e
+        self.dist.broadcast_object_list(chosen, src=0)
+        if error is not None:
+            raise error
+        if chosen[0] is None:
+            raise RuntimeError(
+                "rank 0 could not restore a checkpoint (its error is on rank 0)"
+            )
+        if self.rank == 0:
+            return step, info
+        return mgr.restore(step, chosen[0], **kwargs)
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on some rank (a collective)."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([float(flag)])
+        self.dist.all_reduce(t)
+        return bool(t.item() > 0)
+
+    def _store(self):
+        try:
+            return self.dist.distributed_c10d._get_default_store()
+        except Exception:  # no store to post to (a private torch API)
+            return None
+
+    def failed(self, error: BaseException, index: int) -> None:
+        """Posts this rank's failure at step ``index``; if it is a collective
+        that broke (a peer failed), raises the error naming the peer."""
+        if self.size == 1 or isinstance(error, NonFiniteError):
+            return  # NonFiniteError: raised on every rank at the same step
+        store = self._store()
+        if store is None:
+            return
+        collective = isinstance(error, self.dist.DistError) or (
+            isinstance(error, RuntimeError) and "gloo" in str(error).lower()
+        )
+        text = f"step {index}: {type(error).__name__}: {str(error)[:300]}"
+        try:
+            if not collective:
+                store.set(f"{_FAILED_KEY}{self.rank}", text)
+                return
+            peers = []
+            for r in range(self.size):
+                key = f"{_FAILED_KEY}{r}"
+                if r != self.rank and store.check([key]):
+                    peers.append(f"rank {r} failed at {store.get(key).decode()}")
+        except Exception:  # the store itself is gone (rank 0 died)
+            peers = []
+        why = (
+            "; ".join(peers)
+            if peers
+            else "a peer rank died, raised outside fit or did not join the "
+            "collective within the process group's timeout "
+            "(init_process_group(timeout=...))"
+        )
+        raise RuntimeError(
+            f"fit on rank {self.rank} of {self.size} stopped at step {index}: a "
+            f"collective failed because {why}"
+        ) from error
 
 
 def _manager(checkpoint_dir):
@@ -463,12 +645,14 @@ def _manager(checkpoint_dir):
     return mgr, not given, lock
 
 
-def _resume(mgr, step, resume) -> tuple[int, dict]:
+def _resume(mgr, step, resume, group) -> tuple[int, dict]:
     """``(start, info)``: the data position and `CheckpointManager.restore`
     info of the latest intact checkpoint, loaded into `step`, with `resume`;
     else 0 and {} (refusing a directory that already holds a run: its
     checkpoints would be overwritten)."""
     latest = None if mgr is None else mgr.latest_step()
+    if group.size > 1:
+        latest = group.latest
     if latest is None:
         return 0, {}
     if not resume:
@@ -477,7 +661,7 @@ def _resume(mgr, step, resume) -> tuple[int, dict]:
             f"step {latest}): pass resume=True to continue that run, or another "
             "directory to start a new one"
         )
-    _, info = mgr.restore(step)
+    _, info = group.restore(mgr, step)
     return int(info["data_position"]), info
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from _stablecore.checks import check_microbatches as _core_check_microbatches
+from torchref._src import distributed as _dist
 from torchref._src.diagnostics import CheckPoints
 from torchref._src.loss_scale import (
     DynamicLossScale,
@@ -227,6 +228,14 @@ class TrainStep:
        running stats), and so they are when the step was applied but left a
        non-finite buffer (one more `all_finite` pass and host sync).
 
+    Under DDP or FSDP2 (a process group of N ranks) the step also
+    all-reduces the ranks' losses before the backward: ``loss`` is the
+    global mean and a non-finite loss on one rank is one on every rank;
+    under DDP it backpropagates ``loss / N`` and sums the gradients (its
+    comm hook: one device's float16 headroom), refuses a ``loss_fn`` that
+    bypasses the wrapper and a parameter used on some ranks only (see
+    `torchref.distributed`).
+
     Args:
         model: the `nn.Module` (its device gives autocast's device type).
         optimizer: a `torch.optim.Optimizer` owning every trainable
@@ -341,6 +350,10 @@ class TrainStep:
         self.check_update = _check_bool("check_update", check_update)
         self.microbatches = _check_microbatches(microbatches)
         self._undo = _StepUndo()
+        # Under DDP/FSDP2: the process group's size, the loss share each
+        # replica backpropagates and the hook that tells a loss_fn bypassing
+        # the wrapper (see `_step`); None / 1 in one process.
+        self._replicas = _dist._Replicas.of(model)
         self.skip_state = SkipNonFiniteState()
         self.steps_done = 0
         # State machine: "ready" between steps, else the stage a step is in
@@ -454,6 +467,9 @@ class TrainStep:
         # The scale USED for this step (read before update changes it).
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
         losses, auxes = [], []
+        rep = self._replicas
+        if rep is not None:
+            rep.forward_calls = 0
         for part in parts:
             # GradScaler's accumulation recipe: scaler.scale(loss / k).backward()
             # for each micro-batch, the gradients adding up in .grad.
@@ -461,9 +477,16 @@ class TrainStep:
             loss, aux = self._forward(part)
             self._stage = "backward"
             share = loss if k is None else loss / k
+            if rep is not None:
+                # Before the backward (DDP's own all-reduces): the global loss
+                # and the ranks' agreement on the parameters it uses.
+                share, loss = rep.share(share, loss, self.steps_done)
             (scaler.scale(share) if scaler is not None else share).backward()
             losses.append(loss.detach().float())
             auxes.append(aux)
+        # Under DDP/FSDP2 the losses are already the global ones (`share`): a
+        # non-finite loss on one rank is one on every rank.
+        local_loss = losses[0] if k is None else torch.stack(losses).mean()
         if scaler is not None:
             scaler.unscale_(opt)
         self._stage = "check"
@@ -508,7 +531,7 @@ class TrainStep:
         self.steps_done += 1
         self._stage = "ready"
         metrics = {
-            "loss": float(losses[0] if k is None else torch.stack(losses).mean()),
+            "loss": float(local_loss),
             "grad_norm": float(grad_norm),
             "loss_scale": loss_scale,
             "finite": applied,
@@ -545,9 +568,18 @@ class TrainStep:
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer, scaler and counters (for `torch.save`)."""
+        model, optimizer = (
+            _dist._plain_state_dict(self.model),
+            self.optimizer.state_dict(),
+        )
+        if _dist._is_fsdp(self.model):
+            # Every shard, gathered (a collective: every rank calls this).
+            model, optimizer = _dist._gather_full((model, optimizer))
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # The unwrapped module's keys (no DDP "module." prefix) and full
+            # tensors, so that a checkpoint restores in any placement.
+            "model": model,
+            "optimizer": optimizer,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "skip_state": dataclasses.asdict(self.skip_state),
             "steps_done": self.steps_done,
@@ -573,8 +605,14 @@ class TrainStep:
                 f"the checkpoint holds {_scaler_kind(saved)} but this TrainStep has "
                 f"{have}: build it with the loss scale the checkpoint was saved with"
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        model, optimizer = state["model"], state["optimizer"]
+        if _dist._is_fsdp(self.model):
+            # Full tensors (any placement's checkpoint) sharded as here.
+            model = _dist._shard_like(model, self.model.state_dict())
+            like = _dist._fsdp_optimizer_like(self.optimizer, optimizer)
+            optimizer = _dist._shard_like(optimizer, like)
+        _dist._load_plain_state_dict(self.model, model)
+        self.optimizer.load_state_dict(optimizer)
         if self._scaler_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.skip_state = SkipNonFiniteState(**state["skip_state"])

@@ -18,8 +18,10 @@ makes both skip.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import queue
+import shutil
 import socket
 import time
 import traceback
@@ -241,6 +243,12 @@ def _all_runs(params, batches, folder):
     out["identical_on_differing"] = distributed.replicas_identical(differs)
     out["identical_on_equal"] = distributed.replicas_identical({"t": torch.ones(2)})
     out["batch_slice"] = distributed.shard_batch(torch.arange(4.0), mesh).tolist()
+    out["fits"] = _fits(params, batches, os.path.join(folder, "fits"), True)
+    out["errors"] = _errors(params, batches)
+    out["folder"] = folder
+    # Last: it breaks the process group (rank 1 leaves fit, rank 0's next
+    # collective fails).
+    out["raises"] = _guarded(lambda: _raise_on_rank_1(params, batches))
     return out
 
 
@@ -383,3 +391,326 @@ def test_bad_arguments_are_refused():
             distributed.shard_batch((torch.ones(2), torch.tensor(1.0)), mesh)
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------- fit under DDP (issue 26, torch)
+# The 40 batches of `problem` without its all-NaN batch 7: the first
+# non-finite step (19) has NaN in rank 1's rows only, the next (32) a +inf
+# in rank 0's rows only. fit runs on every rank with the SAME arguments
+# (checkpoint_dir and log_path too: rank 0 alone writes them).
+FIT_STEPS = 40
+FP16_STEPS = 12
+
+
+def fit_batches(batches):
+    return [b for i, b in enumerate(batches) if i != 7][:FIT_STEPS]
+
+
+def fp16_batches(seed: int = 1):
+    """Targets of size ~2**8: at the scale 2**15 a row's float16 output
+    gradient ``scale * 2 * err / (16 * 3)`` passes float16's 65504, so the
+    first steps overflow and the scale backs off, then grows back (period
+    2) until it overflows again: one device's skips."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(FP16_STEPS):
+        x = rng.normal(size=(BATCH, IN)).astype(np.float32)
+        y = (rng.normal(size=(BATCH, OUT)) * 2.0**8).astype(np.float32)
+        out.append((x, y))
+    return out
+
+
+class MLPExtra(MLP):
+    """`MLP` plus a bias ``extra`` that the forward adds only when told."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.extra = torch.nn.Parameter(torch.ones(OUT))
+
+    def forward(self, x, use_extra=True):
+        return super().forward(x) + self.extra if use_extra else super().forward(x)
+
+
+def _new_step(params, ddp, *, fp16=False, loss_fn=mse, find_unused=None):
+    model = MLP(params) if find_unused is None else MLPExtra(params)
+    if ddp:
+        mesh = distributed.make_mesh()
+        kw = {"find_unused_parameters": True} if find_unused else {}
+        model = distributed.shard_state(model, mesh, "data_parallel", **kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if fp16:
+        ls = DynamicLossScale(loss_scale=2.0**15, period=2)
+        return train.TrainStep(model, opt, loss_fn, scaler=ls, autocast_dtype="f16")
+    ls = DynamicLossScale(loss_scale=2.0**10, period=8)
+    return train.TrainStep(model, opt, loss_fn, max_grad_norm=1.0, scaler=ls)
+
+
+def _params_of(step):
+    plain = getattr(step.model, "module", step.model)
+    return np.concatenate([_full(getattr(plain, n)) for n in ("w1", "b1", "w2", "b2")])
+
+
+def _records(hist):
+    keys = ("loss", "loss_scale", "finite", "skipped_total")
+    return {k: np.array([h[k] for h in hist]) for k in keys}
+
+
+def _guarded(fn):
+    """``fn()``, or the text of what it raised (the tests name it)."""
+    try:
+        return fn()
+    except Exception as e:
+        return f"raised {type(e).__name__}: {e}"
+
+
+def _fits(params, batches, folder, ddp):
+    """The fit runs of the issue-26 tests, in one process or on a DDP rank;
+    each section's result, or the text of what it raised."""
+    data = [(torch.tensor(x), torch.tensor(y)) for x, y in fit_batches(batches)]
+    mesh = distributed.make_mesh() if ddp else None
+    kw = dict(progress=False)
+    if ddp:
+        kw["batch_transform"] = lambda b: distributed.shard_batch(b, mesh)
+
+    def run(step, data, **more):
+        hist = train.fit(step, data, **kw, **more)
+        return {**_records(hist), "params": _params_of(step)}, hist
+
+    def skip():
+        # The default locate_first=1 (step 19 is located); a log and
+        # checkpoints given on every rank.
+        out, hist = run(
+            _new_step(params, ddp), data, checkpoint_dir=os.path.join(folder, "skip"),
+            checkpoint_every=10, log_path=os.path.join(folder, "skip.jsonl"),
+        )  # fmt: skip
+        return {**out, "located": [h["step"] for h in hist if "location" in h]}
+
+    def resume():
+        # 20 steps, then new objects on every rank (as after a kill) and the
+        # same call with resume=True.
+        res = dict(checkpoint_dir=os.path.join(folder, "resume"), checkpoint_every=10)
+        train.fit(_new_step(params, ddp), data, steps=20, **res, **kw)
+        out, hist = run(_new_step(params, ddp), data, resume=True, **res)
+        return {**out, "first": hist[0]["step"]}
+
+    def rollback():
+        # After each non-finite step, to a snapshot taken every 5 steps.
+        out, hist = run(_new_step(params, ddp), data, nan_policy="rollback",
+                        max_consecutive_nonfinite=1, rollback_every=5)  # fmt: skip
+        return {**out, "rolled": [h["step"] for h in hist if h.get("rolled_back")]}
+
+    def stop():
+        try:
+            run(_new_step(params, ddp), data, nan_policy="stop",
+                max_consecutive_nonfinite=1, locate_first=0)  # fmt: skip
+        except train.NonFiniteError as e:
+            return e.step, len(e.history)
+        return None
+
+    def fp16():
+        # float16 under autocast from the scale 2**15.
+        step = _new_step(params, ddp, fp16=True)
+        fp16 = [(torch.tensor(x), torch.tensor(y)) for x, y in fp16_batches()]
+        out, _ = run(step, fp16)
+        return {**out, "final_scale": step.scaler.get_scale()}
+
+    def fsdp():
+        # FSDP2 resumes from the DDP run's checkpoint at step 20 and writes
+        # its own (rank 0, gathered) at step 40.
+        src, dst = os.path.join(folder, "skip"), os.path.join(folder, "fsdp")
+        if dist.get_rank() == 0:
+            os.makedirs(dst)
+            shutil.copy(os.path.join(src, "step_00000020.pt"), dst)
+        dist.barrier()
+        model = distributed.shard_state(MLP(params), mesh, "fsdp")
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ls = DynamicLossScale(loss_scale=2.0**10, period=8)
+        step = train.TrainStep(
+            model, opt, mse, max_grad_norm=1.0, scaler=ls, check_update=False
+        )
+        out, hist = run(step, data, checkpoint_dir=dst, resume=True)
+        return {**out, "first": hist[0]["step"]}
+
+    sections = {"skip": skip, "resume": resume, "rollback": rollback}
+    if ddp:
+        sections["fsdp"] = fsdp
+    sections.update(stop=stop, fp16=fp16)
+    return {name: _guarded(fn) for name, fn in sections.items()}
+
+
+def _errors(params, batches):
+    """What a DDP rank raises for the misuses of item 7 (message texts), each
+    guarded (`_guarded`); the one that can leave DDP's all-reduces unpaired
+    (a parameter unused on one rank) last."""
+    x, y = (torch.tensor(a) for a in fit_batches(batches)[0])
+    mesh = distributed.make_mesh()
+    batch = distributed.shard_batch((x, y), mesh)
+    rank = dist.get_rank()
+
+    def bypass(model, b):  # calls the plain module: no all-reduce
+        return ((model.module(b[0]) - b[1]) ** 2).mean()
+
+    def unused(model, b):  # rank 0 alone uses `extra`
+        return ((model(b[0], rank == 0) - b[1]) ** 2).mean()
+
+    def differ():  # every rank its own initial weights
+        distributed.shard_state(MLP({k: v + rank for k, v in params.items()}), mesh)
+
+    def unused_ok():
+        # With find_unused_parameters=True the step runs and stays in sync.
+        step = _new_step(params, True, loss_fn=unused, find_unused=True)
+        for _ in range(2):
+            step(batch)
+        # A second TrainStep on the same DDP model reuses the comm hook.
+        again = train.TrainStep(step.model, step.optimizer, unused)
+        again(batch)
+        return distributed.replicas_identical((step.model, step.optimizer))
+
+    def foreign_hook():  # a DDP model with a comm hook of the user's
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model = distributed.shard_state(MLP(params), mesh)
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), mse)
+
+    return {
+        "differ": _guarded(differ),
+        "foreign_hook": _guarded(foreign_hook),
+        "bypass": _guarded(lambda: _new_step(params, True, loss_fn=bypass)(batch)),
+        "unused_ok": _guarded(unused_ok),
+        "unused": _guarded(
+            lambda: _new_step(params, True, loss_fn=unused, find_unused=False)(batch)
+        ),
+    }
+
+
+def _raise_on_rank_1(params, batches):
+    """fit in which rank 1's loss_fn raises at step 3: what each rank raises."""
+    data = [(torch.tensor(x), torch.tensor(y)) for x, y in fit_batches(batches)]
+    mesh = distributed.make_mesh()
+
+    def loss_fn(model, b):
+        if dist.get_rank() == 1 and step.steps_done == 3:
+            raise ValueError("a bad batch on rank 1")
+        return mse(model, b)
+
+    step = _new_step(params, True, loss_fn=loss_fn)
+    t0 = time.monotonic()
+    try:
+        train.fit(
+            step,
+            data[:6],
+            progress=False,
+            batch_transform=lambda b: distributed.shard_batch(b, mesh),
+        )
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None
+
+
+@pytest.fixture(scope="module")
+def fits_single():
+    params, batches = problem()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        return _fits(params, batches, folder, False)
+
+
+def _same_records(got, want, what, params_tol="float32_trajectory"):
+    from conftest import tolerance
+
+    assert isinstance(got, dict), f"{what}: {got}"  # else what it raised
+    for key in ("finite", "skipped_total", "loss_scale"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what} {key}")
+    # The record's loss is the global mean (over both ranks' rows), as the
+    # 1-process run records it (not rank 0's own mean).
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, err_msg=what)
+    np.testing.assert_allclose(
+        got["params"], want["params"], **tolerance(params_tol), err_msg=what
+    )
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback", "stop"])
+def test_fit_under_ddp_takes_one_path_when_one_rank_has_nan(ranks, fits_single, policy):
+    # Step 19 is non-finite in rank 1's rows only; fit locates it (locate_first
+    # = 1), rolls back or stops: every rank does the same, and the run equals
+    # the 1-process run.
+    want = fits_single[policy]
+    got = [r["fits"][policy] for r in ranks]
+    if policy == "stop":
+        assert got == [want, want] == [(19, 20)] * 2
+        return
+    for rank, out in enumerate(got):
+        _same_records(out, want, f"{policy} rank {rank}")
+    np.testing.assert_array_equal(got[0]["params"], got[1]["params"])
+    key = "located" if policy == "skip" else "rolled"
+    assert got[0][key] == got[1][key] == want[key] == [19, 32][: len(want[key])]
+
+
+def test_fit_under_ddp_writes_on_rank_0_and_resumes_on_every_rank(ranks, fits_single):
+    # Every rank gave the same checkpoint_dir and log_path: rank 0 wrote one
+    # log of 40 records (the global losses) and the checkpoints; a resume on
+    # new objects restores every rank at step 20 from rank 0's checkpoint.
+    skip = fits_single["skip"]
+    folder = os.path.join(ranks[0]["folder"], "fits")
+    with open(os.path.join(folder, "skip.jsonl"), encoding="utf-8") as f:
+        logged = [json.loads(line)["loss"] for line in f]
+    np.testing.assert_allclose(logged, skip["loss"], rtol=1e-6)
+    for rank, r in enumerate(ranks):
+        got = r["fits"]["resume"]
+        assert got["first"] == 20, rank
+        rest = {k: v[20:] for k, v in skip.items() if k not in ("params", "located")}
+        _same_records(got, {**rest, "params": skip["params"]}, f"resume rank {rank}")
+    # A DDP checkpoint restores in one process (unwrapped names).
+    step = _new_step(problem()[0], False)
+    train.CheckpointManager(os.path.join(folder, "skip")).restore(step)
+    np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["skip"]["params"])
+
+
+def test_fsdp_checkpoints_hold_every_shard_across_placements(ranks, fits_single):
+    # FSDP2 resumed from a DDP checkpoint (step 20) and ended on the
+    # 1-process trajectory; its checkpoint (written by rank 0 alone) holds
+    # every shard, and restores into one process.
+    skip = fits_single["skip"]
+    for rank, r in enumerate(ranks):
+        got = r["fits"]["fsdp"]
+        assert isinstance(got, dict) and got["first"] == 20, (rank, got)
+        rest = {k: v[20:] for k, v in skip.items() if k not in ("params", "located")}
+        _same_records(got, {**rest, "params": skip["params"]}, f"fsdp rank {rank}")
+    step = _new_step(problem()[0], False)
+    folder = os.path.join(ranks[0]["folder"], "fits", "fsdp")
+    train.CheckpointManager(folder).restore(step)
+    np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["fsdp"]["params"])
+
+
+def test_fp16_ddp_has_one_devices_headroom(ranks, fits_single):
+    # Each replica backpropagates loss/2 and DDP sums: the same skips and
+    # final scale as one device (each replica's own mean would overflow at
+    # half the scale and skip more).
+    want = fits_single["fp16"]
+    assert (~want["finite"]).sum() >= 2 and want["finite"].any()
+    for rank, r in enumerate(ranks):
+        got = r["fits"]["fp16"]
+        assert got["final_scale"] == want["final_scale"], rank
+        # float16 matmuls over 8 rows and over 16 round differently.
+        _same_records(got, want, f"fp16 rank {rank}", "float16")
+
+
+def test_misuses_under_ddp_are_clear_errors_on_every_rank(ranks):
+    for r in ranks:
+        e = r["errors"]
+        assert "did not call the DistributedDataParallel model" in str(e["bypass"])
+        assert "parameter(s) extra take part in the loss on some" in str(e["unused"])
+        assert "find_unused_parameters=True" in e["unused"]
+        assert e["unused_ok"] is True
+        assert "ranks [1] hold other initial parameters" in str(e["differ"])
+        assert "already has one: wrap the model without" in str(e["foreign_hook"])
+
+
+def test_a_rank_that_raises_stops_the_others_naming_it(ranks):
+    r0, r1 = (r["raises"] for r in ranks)
+    assert r1[:2] == ("ValueError", "a bad batch on rank 1")
+    assert r0[0] == "RuntimeError"
+    assert "rank 1 failed at step 3: ValueError: a bad batch on rank 1" in r0[1]
+    assert r0[2] < TIMEOUT_S // 2  # not the process group's timeout
