@@ -289,18 +289,27 @@ def _to_host(tree: Any) -> Any:
     """
     from jax.experimental import multihost_utils
 
-    def one(x):
-        if not isinstance(x, jax.Array):
+    def gathered(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return x
-        if x.is_fully_addressable:
-            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-                return x
-            return np.asarray(x)
         if x.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-    return jax.tree.map(one, tree)
+    def is_key(x):
+        return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
+            x.dtype, jax.dtypes.prng_key
+        )
+
+    tree = jax.tree.map(gathered, tree)
+    # One device-to-host transfer for the rest (typed PRNG keys kept).
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    moved = [x for x in leaves if isinstance(x, jax.Array) and not is_key(x)]
+    it = iter(jax.device_get(moved))
+    out = [
+        next(it) if isinstance(x, jax.Array) and not is_key(x) else x for x in leaves
+    ]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def global_mean(values: Any, mask: Any = None, *, axis_name: str | None = None):
