@@ -29,7 +29,7 @@ import optax
 import pytest
 
 from conftest import tolerance
-from jaxstable import distributed, train, transforms
+from jaxstable import distributed, losses, train, transforms
 from jaxstable import loss_scale as jls
 
 DEVICES = 4
@@ -54,6 +54,49 @@ def huge_loss(params, batch):
     return jnp.mean(batch @ params["w"])
 
 
+def masked_loss(axis_name, naive=False):
+    """Cross-entropy with ignored labels, averaged over the GLOBAL batch's
+    labelled rows (`distributed.global_mean`); ``naive``: each replica's
+    own mean (what data parallelism gave before)."""
+
+    def loss(params, batch):
+        x, labels = batch
+        logits = x @ params["w"]
+        if naive:
+            return losses.softmax_cross_entropy(logits, labels, ignore_index=-1)
+        per = losses.softmax_cross_entropy(
+            logits, labels, ignore_index=-1, reduction="none"
+        )
+        return distributed.global_mean(per, labels != -1, axis_name=axis_name)
+
+    return loss
+
+
+masked_loss.axis_name = True  # _run builds it for the step's axis
+
+
+def _naive_loss(axis_name):
+    return masked_loss(axis_name, naive=True)
+
+
+_naive_loss.axis_name = True
+
+
+def _masked_problem():
+    """Unevenly labelled rows: per step, the rows whose label is kept. Step
+    1: the second half (replica 1 of 2) has no label; step 2: none at all
+    (loss 0, zero gradient); step 3: one label in all."""
+    rng = np.random.default_rng(1)
+    kept = [range(8), range(4), (), (6,), (0, 1, 2, 5), (7,)]
+    batches = []
+    for rows in kept:
+        x = rng.normal(0, 2, (ROWS, 4)).astype(np.float32)
+        labels = np.full(ROWS, -1, np.int32)
+        labels[list(rows)] = rng.integers(0, 3, len(rows))
+        batches.append((x, labels))
+    return {"w": rng.normal(0, 0.5, (4, 3)).astype(np.float32)}, batches
+
+
 def _fp16_problem():
     rng = np.random.default_rng(0)
     w = rng.normal(0, 0.5, (4, 3)).astype(np.float32)
@@ -65,21 +108,26 @@ def _fp16_problem():
     return {"w": w}, batches
 
 
-def _state(params, loss_scale):
-    tx = transforms.stable_optimizer(optax.sgd(1e-3), max_grad_norm=1.0)
+def _state(params, loss_scale, lr=1e-3):
+    tx = transforms.stable_optimizer(optax.sgd(lr), max_grad_norm=1.0)
     params = {k: jnp.asarray(v) for k, v in params.items()}
     return train.TrainState.create(params=params, optimizer=tx, loss_scale=loss_scale)
 
 
-def _run(loss_fn, params, batches, loss_scale, n):
-    """Per-step (finite, scale) and final params; n = 1: one device, no mesh."""
-    state = _state(params, loss_scale)
+def _run(loss_fn, params, batches, loss_scale, n, lr=1e-3, losses_out=None):
+    """Per-step (finite, scale) and final params; n = 1: one device, no mesh.
+    A ``loss_fn`` with ``axis_name`` is built for the step's axis (None for
+    one device); ``losses_out`` collects the reported losses."""
+    state = _state(params, loss_scale, lr)
+    axis = None if n == 1 else distributed.DATA_AXIS
+    if hasattr(loss_fn, "axis_name"):
+        loss_fn = loss_fn(axis)
     if n == 1:
         step = train.make_train_step(loss_fn)
     else:
         mesh = distributed.make_mesh(n)
         spec = jax.sharding.PartitionSpec
-        inner = train.make_train_step(loss_fn, axis_name=distributed.DATA_AXIS)
+        inner = train.make_train_step(loss_fn, axis_name=axis)
         step = jax.jit(
             jax.shard_map(
                 inner.raw,
@@ -93,6 +141,8 @@ def _run(loss_fn, params, batches, loss_scale, n):
     finite, scales = [], []
     for b in batches:
         state, m = step(state, b)
+        if losses_out is not None:
+            losses_out.append(float(m["loss"]))
         finite.append(bool(m["finite"]))
         scales.append(float(state.loss_scale.loss_scale))
     w = np.asarray(jax.device_get(state.params["w"]))
@@ -116,6 +166,15 @@ def _worker(out_path: str) -> None:
     for n in (1, 2):
         finite, _, w = _run(huge_loss, huge_params, [x], jls.NoOpLossScale(), n)
         results.update({f"huge/{n}/finite": finite, f"huge/{n}/w": w})
+    params, batches = _masked_problem()
+    for name, fn in (("masked", masked_loss), ("naive", _naive_loss)):
+        for n in (1, 2, 4):
+            if name == "naive" and n != 2:
+                continue
+            got = []
+            finite, _, w = _run(fn, params, batches, jls.NoOpLossScale(), n, 0.5, got)
+            results.update({f"{name}/{n}/loss": np.array(got), f"{name}/{n}/w": w})
+            results[f"{name}/{n}/finite"] = finite
     np.savez(out_path, **results)
 
 
@@ -169,6 +228,24 @@ def test_replica_gradients_near_float32_max_are_applied_like_one_device(runs):
     np.testing.assert_allclose(
         runs["huge/2/w"], runs["huge/1/w"], **tolerance("float32")
     )
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_masked_mean_over_replicas_equals_one_device(runs, n):
+    # Issue 26 item 6: cross-entropy with ignore_index and unevenly
+    # labelled rows; the reported loss and the params equal one device's.
+    np.testing.assert_allclose(
+        runs[f"masked/{n}/loss"], runs["masked/1/loss"], **tolerance("float32")
+    )
+    np.testing.assert_allclose(
+        runs[f"masked/{n}/w"], runs["masked/1/w"], **tolerance("float32_trajectory")
+    )
+    assert runs[f"masked/{n}/finite"].all()
+    # The all-ignored step reports 0 (as the one-device loss does).
+    assert runs[f"masked/{n}/loss"][2] == 0.0
+    # Not vacuous: each replica's own mean is far off, in loss and params.
+    assert np.abs(runs["naive/2/loss"] - runs["masked/1/loss"]).max() > 0.1
+    assert np.abs(runs["naive/2/w"] - runs["masked/1/w"]).max() > 0.05
 
 
 if __name__ == "__main__":
