@@ -173,6 +173,20 @@ def fit(
     fewer steps than ``steps`` (the batches ended; the checkpoint it resumed
     from is already past ``steps``) it says so with a UserWarning.
 
+    Several processes (`jax.distributed`, a state placed with
+    `jaxstable.distributed.shard_state`): every process calls fit with the
+    same arguments and gets the same records; process 0 alone writes the
+    log and shows the progress bar; checkpoints are saved and restored by
+    all processes together (leaves split over processes are gathered, so
+    ``checkpoint_dir`` must be one directory every process sees), and the
+    first non-finite steps are located on the gathered global values. When
+    fit raises on one process, the others print its error (naming the
+    process and the step) and exit with status 1 instead of waiting in the
+    next collective; a process killed without a word is caught by JAX's
+    heartbeat (``jax.distributed.initialize(heartbeat_timeout_seconds=)``),
+    and fit raises a RuntimeError naming the failed collective. See
+    docs/distributed.md.
+
     Pipelining: the metrics of step k are read to the host only after step
     k+1 has been dispatched, so the device is never idle waiting for the
     host (the step itself never syncs). With ``nan_policy="stop"`` this

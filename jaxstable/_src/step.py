@@ -616,7 +616,11 @@ def make_train_step(
         pmean of per-replica gradients bit for bit; otherwise ``loss / N``
         rounds once in float32 (a relative 6e-8). Not needed (leave None)
         under plain `jax.jit` with shardings (`jaxstable.distributed`):
-        there XLA makes every reduction global itself.
+        there XLA makes every reduction global itself. An ``axis_name``
+        the enclosing `jax.shard_map` does not map, and a step built
+        without ``axis_name`` that runs inside `jax.shard_map` (nothing
+        would reduce the replicas' gradients: they would drift apart), are
+        refused with a ValueError when the step is traced.
       microbatches: None, or k >= 1: gradient accumulation with torch's
         GradScaler recipe (``scaler.scale(loss / k).backward()`` k times,
         then one ``unscale_``, clip, ``step``, ``update``). Every batch leaf's
