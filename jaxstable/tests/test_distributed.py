@@ -588,7 +588,7 @@ def test_axis_name_not_mapped_and_shard_map_without_axis_name_are_refused():
         with pytest.raises(ValueError, match=r"built with axis_name=None.*'data'"):
             bare(state, batch)
     # global_mean names the same mistakes.
-    with pytest.raises(ValueError, match="not called inside jax.shard_map"):
+    with pytest.raises(ValueError, match=r"not called inside jax\.shard_map"):
         distributed.global_mean(jnp.ones(2), axis_name="data")
 
 
