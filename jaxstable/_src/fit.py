@@ -26,7 +26,7 @@ from jaxstable._src.diagnostics import (
     locate,
     non_finite_report,
 )
-from jaxstable._src.distributed import _to_host
+from jaxstable._src.distributed import _all_processes, _to_host
 from jaxstable._src.loss_scale import StaticLossScale
 from jaxstable._src.step import TrainState, TrainStep
 
@@ -350,6 +350,16 @@ def fit(
         time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
     )  # fmt: skip
     _check_callable("batch_transform", batch_transform)
+    if jax.process_count() > 1:
+        _check_same_on_every_process(
+            checkpoint_dir=_directory(checkpoint_dir),
+            checkpoint_every=checkpoint_every,
+            resume=resume, steps=steps, nan_policy=nan_policy,
+            max_consecutive_nonfinite=max_consecutive_nonfinite,
+            rollback_to=rollback_to, rollback_every=rollback_every,
+            locate_first=locate_first, eval_every=eval_every,
+            stop_after_nonfinite=stop_after_nonfinite,
+        )  # fmt: skip
     peers = _Peers()
     mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
@@ -524,6 +534,34 @@ def _run(
         if log is not None:
             log.close()
     return state, history
+
+
+def _directory(checkpoint_dir) -> str | None:
+    if checkpoint_dir is None:
+        return None
+    if isinstance(checkpoint_dir, CheckpointManager):
+        return checkpoint_dir.directory
+    return os.path.abspath(checkpoint_dir)
+
+
+def _check_same_on_every_process(**settings) -> None:
+    """Refuses settings that differ between the processes of a
+    `jax.distributed` run: their collectives (checkpoint gathers, rollbacks,
+    the steps) would pair up wrongly, e.g. a checkpoint_dir on process 0
+    only (the torch idiom) made both processes abort with a gloo
+    "collective mismatch". One small all-gather."""
+    mine = json.dumps(settings, sort_keys=True, default=repr).encode()
+    every = [json.loads(raw) for raw in _all_processes(mine)]
+    for name in sorted(settings):
+        values = [got[name] for got in every]
+        if any(v != values[0] for v in values):
+            each = ", ".join(f"process {i}: {v!r}" for i, v in enumerate(values))
+            raise ValueError(
+                f"fit under jax.distributed: every process must pass the same "
+                f"{name}, got {each}. Checkpoints are saved and restored by all "
+                "processes together: give checkpoint_dir (one shared directory) "
+                "on every process; process 0 alone writes the log"
+            )
 
 
 class _Peers:

@@ -147,6 +147,16 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
         "replicas_identical": distributed.replicas_identical(state),
     }
     if mode == "resume":
+        # The torch idiom, checkpoints from process 0 only: refused on every
+        # process before any step (it aborted both with a collective mismatch).
+        try:
+            train.fit(
+                state, step, batches, progress=False,
+                checkpoint_dir=os.path.join(out, "ckpt2") if pid == 0 else None,
+            )  # fmt: skip
+            result["process_0_only"] = None
+        except ValueError as e:
+            result["process_0_only"] = str(e)
         # Processes that start from different states: shard_state refuses,
         # and replicas_identical (which compares across processes) says so.
         differ = {"w": np.full((4, 2), float(pid), np.float32)}
@@ -295,10 +305,13 @@ def test_a_raising_process_stops_the_other_with_its_error(runs):
     assert "ValueError: process 1 cannot read batch 2" in err0
 
 
-def test_processes_with_different_states_are_told_apart(runs):
+def test_processes_with_different_states_or_settings_are_refused(runs):
     out = runs["resume/out"]
     for pid in (0, 1):
         got = _read(out, f"resume_{pid}.json")
+        assert (
+            "every process must pass the same checkpoint_dir" in (got["process_0_only"])
+        )
         assert "the processes passed different states" in got["refused"]
         assert "['w']" in got["refused"]
         assert got["differ_identical"] is False
