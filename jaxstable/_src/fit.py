@@ -613,10 +613,16 @@ class _Peers:
             os._exit(1)
 
     def failed(self, error: BaseException) -> None:
-        """Tells the other processes that this one's fit raised ``error``."""
+        """Tells the other processes that this one's fit raised ``error``.
+
+        Not a `NonFiniteError`: the guard's decisions are global, so every
+        process raises it at the same step itself (and must not be ended by
+        another's message first)."""
         if self.client is None:
             return
         self.done.set()
+        if isinstance(error, NonFiniteError):
+            return
         where = (
             "before its first step" if self.step is None else (f"at step {self.step}")
         )
