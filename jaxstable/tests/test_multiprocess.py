@@ -159,6 +159,16 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
             result["process_0_only"] = None
         except ValueError as e:
             result["process_0_only"] = str(e)
+        # nan_policy="stop": every process raises at the same step (the
+        # report gathered from the FSDP shards), none is ended by another.
+        try:
+            train.fit(
+                state, step, batches, progress=False, nan_policy="stop",
+                max_consecutive_nonfinite=1, batch_transform=load,
+            )  # fmt: skip
+            result["stop"] = None
+        except train.NonFiniteError as e:
+            result["stop"] = [e.step, str(e)]
         # Processes that start from different states: shard_state refuses,
         # and replicas_identical (which compares across processes) says so.
         differ = {"w": np.full((4, 2), float(pid), np.float32)}
@@ -309,6 +319,17 @@ def test_a_raising_process_stops_the_other_with_its_error(runs):
     assert rc0 == 1 and t0 is not None, err0[-2000:]
     assert f"process 1 raised at step {RAISE_AT}" in err0
     assert "ValueError: process 1 cannot read batch 2" in err0
+
+
+def test_nan_policy_stop_raises_on_every_process(runs):
+    out = runs["resume/out"]
+    for pid in (0, 1):
+        step, message = _read(out, f"resume_{pid}.json")["stop"]
+        assert step == 3
+        # The gradient report and the batch report are of the global values
+        # (process 1's rows hold the NaN, w1 is split over the processes).
+        assert "non-finite gradients at loss_scale=" in message
+        assert "['w1']" in message and "non-finite batch inputs" in message
 
 
 def test_processes_with_different_states_or_settings_are_refused(runs):
