@@ -157,7 +157,11 @@ def shard_state(state: Any, mesh: Mesh, strategy: str = "data_parallel") -> Any:
     """Places a `TrainState` on ``mesh`` with `state_sharding`.
 
     Every process must pass the same state (e.g. built from the same seed).
-    The jitted train step keeps the shardings: its output state is placed as
+    Under `jax.distributed` that is checked: every process hashes its copies
+    (sha256, once, on the host) and the digests are gathered; a state that
+    differs between processes is refused with a ValueError naming the first
+    leaf that differs (a collective: every process must call it). The
+    jitted train step keeps the shardings: its output state is placed as
     its input was.
 
     Args:
@@ -167,6 +171,10 @@ def shard_state(state: Any, mesh: Mesh, strategy: str = "data_parallel") -> Any:
 
     Returns:
       The same state, its leaves `jax.Array` s placed on the mesh.
+
+    Raises:
+      ValueError: a bad ``strategy`` or mesh, or (several processes) the
+        processes passed different states.
 
     Example:
       >>> import jax.numpy as jnp, optax
