@@ -141,6 +141,7 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
     )
     result = {
         "params": {k: host(v).tolist() for k, v in state.params.items()},
+        "final_scale": float(host(state.loss_scale.loss_scale)),
         "steps": [r["step"] for r in hist],
         "finite": [r["finite"] for r in hist],
         "loss_scale": [r["loss_scale"] for r in hist],
@@ -286,6 +287,33 @@ def test_two_processes_resumed_after_a_kill_equal_one_process(runs):
         log = [json.loads(line) for line in f]
     assert [r["step"] for r in log] == list(range(STEPS))
     assert [r["finite"] for r in log] == one["finite"]
+
+
+def test_a_two_process_checkpoint_restores_on_one_device(runs):
+    # Written by both processes from an FSDP state split over them; restored
+    # here, in the test process, onto a 1-device state (placements differ).
+    import jax.numpy as jnp
+    import optax
+
+    from jaxstable import loss_scale as jls
+    from jaxstable import train, transforms
+
+    params, _ = problem()
+    target = train.TrainState.create(
+        params={k: jnp.asarray(v) for k, v in params.items()},
+        optimizer=transforms.stable_optimizer(optax.adam(1e-2), max_grad_norm=1.0),
+        loss_scale=jls.DynamicLossScale(loss_scale=2.0**10, period=4),
+    )
+    out = runs["resume/out"]
+    with train.CheckpointManager(os.path.join(out, "ckpt")) as mgr:
+        assert mgr.latest_step() == STEPS
+        state, info = mgr.restore(target)
+    assert info["data_position"] == STEPS
+    one = _read(out, "single_0.json")
+    for k, v in one["params"].items():
+        np.testing.assert_allclose(np.asarray(state.params[k]), v, rtol=0, atol=1e-6)
+    assert float(state.loss_scale.loss_scale) == one["final_scale"]
+    assert int(state.skipped_total) == len(POISON)
 
 
 def test_every_process_takes_the_same_decisions_and_locates(runs):
