@@ -44,6 +44,7 @@ from _stablecore.checkpoint import check_manager_options as _check_manager_optio
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
+from jaxstable._src.distributed import _to_host
 from jaxstable._src.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxstable._src.step import TrainState
 
@@ -153,7 +154,10 @@ def _encode(tree: Any, first_index: int = 0) -> tuple[list[dict], list[np.ndarra
     # Key data, then one device-to-host transfer for all the leaves.
     leaves = [jax.random.key_data(x) if _is_key(x) else x for x in flat.values()]
     arrays = []
-    for entry, leaf in zip(entries, jax.device_get(leaves), strict=True):
+    # _to_host: under jax.distributed a leaf split over several processes
+    # (FSDP) is all-gathered, so that every process writes, and hashes, the
+    # same global values (every process calls save, in the same order).
+    for entry, leaf in zip(entries, _to_host(leaves), strict=True):
         data = np.asarray(leaf)
         entry["data"] = [list(data.shape), data.dtype.name]
         if data.size:
@@ -335,6 +339,11 @@ def _place(new: Any, old: Any) -> Any:
     # jitted step compile again on its first call after a restore (5.4 s
     # instead of 0.6 ms for the 4-leaf MLP of tests/test_distributed.py, on
     # a loaded 2-core CPU).
+    if not old.sharding.is_fully_addressable:
+        # Several processes (jax.distributed): each one read the same global
+        # value and fills in its own devices' slices of it.
+        host = np.asarray(new)
+        return jax.make_array_from_callback(host.shape, old.sharding, lambda i: host[i])
     return jax.device_put(new, old.sharding if old.committed else None)
 
 

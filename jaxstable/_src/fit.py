@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,6 +35,7 @@ from jaxstable._src.diagnostics import (
     locate,
     non_finite_report,
 )
+from jaxstable._src.distributed import _all_processes, _to_host
 from jaxstable._src.loss_scale import StaticLossScale
 from jaxstable._src.step import TrainState, TrainStep
 
@@ -162,6 +165,20 @@ def fit(
     the first (a killed run's lock is stale and taken over). When fit runs
     fewer steps than ``steps`` (the batches ended; the checkpoint it resumed
     from is already past ``steps``) it says so with a UserWarning.
+
+    Several processes (`jax.distributed`, a state placed with
+    `jaxstable.distributed.shard_state`): every process calls fit with the
+    same arguments and gets the same records; process 0 alone writes the
+    log and shows the progress bar; checkpoints are saved and restored by
+    all processes together (leaves split over processes are gathered, so
+    ``checkpoint_dir`` must be one directory every process sees), and the
+    first non-finite steps are located on the gathered global values. When
+    fit raises on one process, the others print its error (naming the
+    process and the step) and exit with status 1 instead of waiting in the
+    next collective; a process killed without a word is caught by JAX's
+    heartbeat (``jax.distributed.initialize(heartbeat_timeout_seconds=)``),
+    and fit raises a RuntimeError naming the failed collective. See
+    docs/distributed.md.
 
     Pipelining: the metrics of step k are read to the host only after step
     k+1 has been dispatched, so the device is never idle waiting for the
@@ -326,13 +343,30 @@ def fit(
         time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
     )  # fmt: skip
     _check_callable("batch_transform", batch_transform)
+    if jax.process_count() > 1:
+        _check_same_on_every_process(
+            checkpoint_dir=_directory(checkpoint_dir),
+            checkpoint_every=checkpoint_every,
+            resume=resume, steps=steps, nan_policy=nan_policy,
+            max_consecutive_nonfinite=max_consecutive_nonfinite,
+            rollback_to=rollback_to, rollback_every=rollback_every,
+            locate_first=locate_first, eval_every=eval_every,
+            stop_after_nonfinite=stop_after_nonfinite,
+        )  # fmt: skip
+    peers = _Peers()
     mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
         state, start, resumed = _resume(mgr, state, resume)
         if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
         return _run(**locals())
+    except BaseException as e:
+        peers.failed(e)
+        if peers.client is not None and isinstance(e, jax.errors.JaxRuntimeError):
+            raise RuntimeError(peers.collective_failed(e)) from e
+        raise
     finally:
+        peers.stop()
         try:
             if own_mgr:
                 mgr.close()  # waits for a background save
@@ -347,7 +381,7 @@ def _run(
     state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
     log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
     locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
-    rollback_to, mgr, start, batch_transform, resumed, **_,
+    rollback_to, mgr, start, batch_transform, resumed, peers, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
@@ -375,7 +409,12 @@ def _run(
     reads_state = reads_state or stop_after_nonfinite is not None
     pipeline = not time_steps and (not reads_state or not _may_donate(train_step))
     history: list[dict[str, Any]] = []
-    bar = tqdm(total=total, initial=start, disable=not progress, desc="train")
+    # Under jax.distributed process 0 alone writes the log and the progress.
+    primary = jax.process_index() == 0
+    bar = tqdm(
+        total=total, initial=start, disable=not progress or not primary, desc="train"
+    )
+    log_path = log_path if primary else None
     log = _open_log(log_path, start if mgr is not None and start else None)
     rollback = nan_policy == "rollback"
     # A device copy: the step may donate `state`, never the snapshot. A
@@ -437,6 +476,7 @@ def _run(
 
     pending = None
     done = start  # steps of the run dispatched so far
+    peers.step = done  # the step being loaded or run (named if this one fails)
     at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
     saved_at = start if at_start else None
     stopped = ended  # by on_step or stop_after_nonfinite
@@ -460,6 +500,7 @@ def _run(
                 new_state, metrics = train_step(restored(new_state), batch)
             pending = (done, metrics, batch, new_state, seconds)
             done += 1
+            peers.step = done
             state = new_state
             due = checkpoint_every is not None and done % checkpoint_every == 0
             snapshot_due = in_memory and done % rollback_every == 0
@@ -486,6 +527,119 @@ def _run(
         if log is not None:
             log.close()
     return state, history
+
+
+def _directory(checkpoint_dir) -> str | None:
+    if checkpoint_dir is None:
+        return None
+    if isinstance(checkpoint_dir, CheckpointManager):
+        return checkpoint_dir.directory
+    return os.path.abspath(checkpoint_dir)
+
+
+def _check_same_on_every_process(**settings) -> None:
+    """Refuses settings that differ between the processes of a
+    `jax.distributed` run: their collectives (checkpoint gathers, rollbacks,
+    the steps) would pair up wrongly, e.g. a checkpoint_dir on process 0
+    only (the torch idiom) made both processes abort with a gloo
+    "collective mismatch". One small all-gather."""
+    mine = json.dumps(settings, sort_keys=True, default=repr).encode()
+    every = [json.loads(raw) for raw in _all_processes(mine)]
+    for name in sorted(settings):
+        values = [got[name] for got in every]
+        if any(v != values[0] for v in values):
+            each = ", ".join(f"process {i}: {v!r}" for i, v in enumerate(values))
+            raise ValueError(
+                f"fit under jax.distributed: every process must pass the same "
+                f"{name}, got {each}. Checkpoints are saved and restored by all "
+                "processes together: give checkpoint_dir (one shared directory) "
+                "on every process; process 0 alone writes the log"
+            )
+
+
+class _Peers:
+    """The other processes of a `jax.distributed` run, for `fit`.
+
+    A process whose fit raises would leave the others waiting in the next
+    step's collectives until jax's heartbeat timeout aborts them (100 s by
+    default) or for good. So the failing process writes its error to jax's
+    key-value store, and a thread of every other process, polling it twice a
+    second, prints it (naming the process and its step) and exits the
+    process with status 1: a thread cannot interrupt the main thread's
+    collective. A process that dies without a word (SIGKILL, a lost host)
+    is seen by jax's own heartbeat: ``jax.distributed.initialize(...,
+    heartbeat_timeout_seconds=...)`` bounds how long the others wait.
+    With one process this does nothing.
+    """
+
+    POLL_S = 0.5
+    calls = 0  # fit calls so far: every process makes them in the same order
+
+    def __init__(self):
+        self.step: int | None = None
+        self.client = None
+        if jax.process_count() == 1:
+            return
+        from jax._src import distributed as jax_distributed
+
+        self.client = jax_distributed.global_state.client
+        type(self).calls += 1
+        self.key = f"jaxstable/fit/{type(self).calls}/failed"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(self.POLL_S):
+            try:
+                message = self.client.key_value_try_get(self.key)
+            except Exception:  # not there (yet): jax raises NOT_FOUND
+                continue
+            if self.done.is_set():
+                return
+            sys.stderr.write(
+                f"jaxstable fit: {message}; process {jax.process_index()} "
+                f"(at step {self.step}) stops too: it would wait for that "
+                "process in the step's collectives\n"
+            )
+            sys.stderr.flush()
+            os._exit(1)
+
+    def failed(self, error: BaseException) -> None:
+        """Tells the other processes that this one's fit raised ``error``.
+
+        Not a `NonFiniteError`: the guard's decisions are global, so every
+        process raises it at the same step itself (and must not be ended by
+        another's message first)."""
+        if self.client is None:
+            return
+        self.done.set()
+        if isinstance(error, NonFiniteError):
+            return
+        where = (
+            "before its first step" if self.step is None else (f"at step {self.step}")
+        )
+        text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        try:
+            self.client.key_value_set(
+                self.key, f"process {jax.process_index()} raised {where}: {text}"
+            )
+        except Exception:  # the store is gone (the coordinator died): no one to tell
+            pass
+
+    def collective_failed(self, error: BaseException) -> str:
+        first = str(error).splitlines()[0][:300] if str(error) else ""
+        return (
+            f"fit: process {jax.process_index()} at step {self.step}: a "
+            f"collective with the other processes failed ({first}); another "
+            "process has most likely died (its own output says why). jax "
+            "ends this process when its heartbeat timeout passes "
+            "(jax.distributed.initialize(heartbeat_timeout_seconds=...))"
+        )
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.done.set()
 
 
 def _manager(checkpoint_dir):
@@ -559,10 +713,12 @@ def _raise_non_finite(
     used = StaticLossScale(metrics["loss_scale"])
     grads_fn = getattr(train_step, "grads", None)
     report = (
-        non_finite_report(grads_fn(state_out.replace(loss_scale=used), batch))
+        non_finite_report(_to_host(grads_fn(state_out.replace(loss_scale=used), batch)))
         if grads_fn is not None
         else []
     )
+    # Global values (gathered under jax.distributed, on every process).
+    batch, state_out_host = _to_host((batch, state_out))
     scale = f"{rec['loss_scale']:.6g}"
     parts = [
         f"{consecutive} non-finite step(s) in a row, the last at step "
@@ -577,7 +733,7 @@ def _raise_non_finite(
     if batch_report:
         parts.append("non-finite batch inputs:\n" + format_report(batch_report))
     # A plain pytree state (a pure step over a dict) has no .params.
-    param_report = non_finite_report(getattr(state_out, "params", state_out))
+    param_report = non_finite_report(getattr(state_out_host, "params", state_out_host))
     if param_report:
         parts.append("non-finite parameters:\n" + format_report(param_report))
     if "first_non_finite_check" in rec:
@@ -604,6 +760,10 @@ def _locate_failed(train_step, state_out, metrics, batch, pipeline):
     leaves = jax.tree_util.tree_leaves(state_out)
     if pipeline and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
         return False
+    if jax.process_count() > 1:
+        # locate re-runs the loss op by op on host values; every process
+        # gathers the same global state and batch and finds the same place.
+        state_out, batch = _to_host((state_out, batch))
     used = StaticLossScale(metrics["loss_scale"])
     # finite=False: the compiled step was not applied (no need to re-run it).
     return locate(train_step, state_out.replace(loss_scale=used), batch, finite=False)

@@ -20,6 +20,7 @@ import optax
 
 from _stablecore.checks import check_microbatches as _core_check_microbatches
 from jaxstable._src.diagnostics import CheckPoints
+from jaxstable._src.distributed import _axis_size
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
 from jaxstable._src.precision import get_policy
 from jaxstable._src.transforms import (
@@ -393,6 +394,27 @@ def _as_varying(params: Any, axis_name: str) -> Any:
     return jax.tree_util.tree_map_with_path(mark, params)
 
 
+def _replicas(axis_name: str | None) -> int:
+    """How many replicas the step's gradients are summed over (1 without
+    ``axis_name``); refuses an ``axis_name`` that is not mapped here and a
+    step inside `jax.shard_map` without one."""
+    if axis_name is not None:
+        return _axis_size(axis_name, "make_train_step")
+    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    if manual:
+        # Without axis_name nothing is reduced over the replicas: each one
+        # applies the gradient of its own rows, so under check_vma=False the
+        # "replicated" state silently differs between devices (and under
+        # check_vma=True the gradient is the SUM of the replicas' means).
+        raise ValueError(
+            f"make_train_step: the step runs inside jax.shard_map over the axes "
+            f"{manual} but was built with axis_name=None, so the replicas' "
+            "gradients would not be reduced and the replicas would drift apart; "
+            f"build it with make_train_step(..., axis_name={manual[0]!r})"
+        )
+    return 1
+
+
 def _pmean_floating(tree: Any, axis_name: str) -> Any:
     """`lax.pmean` of the floating leaves of ``tree``; the others as they are."""
 
@@ -583,7 +605,11 @@ def make_train_step(
         pmean of per-replica gradients bit for bit; otherwise ``loss / N``
         rounds once in float32 (a relative 6e-8). Not needed (leave None)
         under plain `jax.jit` with shardings (`jaxstable.distributed`):
-        there XLA makes every reduction global itself.
+        there XLA makes every reduction global itself. An ``axis_name``
+        the enclosing `jax.shard_map` does not map, and a step built
+        without ``axis_name`` that runs inside `jax.shard_map` (nothing
+        would reduce the replicas' gradients: they would drift apart), are
+        refused with a ValueError when the step is traced.
       microbatches: None, or k >= 1: gradient accumulation with torch's
         GradScaler recipe (``scaler.scale(loss / k).backward()`` k times,
         then one ``unscale_``, clip, ``step``, ``update``). Every batch leaf's
@@ -692,7 +718,7 @@ def make_train_step(
         """``(losses, aux, model_state, scaled gradient sum)`` over the
         micro-batches (one call without ``microbatches``)."""
         ls = state.loss_scale
-        replicas = 1 if axis_name is None else jax.lax.axis_size(axis_name)
+        replicas = _replicas(axis_name)
         params = state.params
         if axis_name is not None:
             params = _as_varying(params, axis_name)

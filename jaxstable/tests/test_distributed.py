@@ -567,6 +567,55 @@ def test_axis_name_refuses_bad_input():
         bad(state, distributed.shard_batch(batches[0], mesh))
 
 
+def test_axis_name_not_mapped_and_shard_map_without_axis_name_are_refused():
+    # Issue 26 item 7: an axis_name the shard_map does not map gave a bare
+    # AssertionError from lax.pcast; a step without axis_name inside
+    # shard_map(check_vma=False) let each replica apply its own gradient
+    # (the "replicated" state silently differed between devices).
+    mesh = distributed.make_mesh(1)
+    params, batches = problem()
+    state = distributed.shard_state(initial_state(params), mesh)
+    batch = distributed.shard_batch(batches[0], mesh)
+    wrong = shard_map_step(mesh, train.make_train_step(mlp_loss, axis_name="batch"))
+    with pytest.raises(
+        ValueError,
+        match=r"axis_name='batch'\): 'batch' is not a mapped axis here; the "
+        r"enclosing jax.shard_map maps the axes \('data',\)",
+    ):
+        wrong(state, batch)
+    for check_vma in (False, True):
+        bare = shard_map_step(mesh, train.make_train_step(mlp_loss), check_vma)
+        with pytest.raises(ValueError, match=r"built with axis_name=None.*'data'"):
+            bare(state, batch)
+    # global_mean names the same mistakes.
+    with pytest.raises(ValueError, match=r"not called inside jax\.shard_map"):
+        distributed.global_mean(jnp.ones(2), axis_name="data")
+
+
+@pytest.mark.parametrize(
+    ("values", "mask", "expected"),
+    [
+        ([1.0, 2.0, 4.0], None, 7 / 3),
+        ([1.0, 2.0, 4.0], [True, False, True], 2.5),
+        ([1.0, 2.0, 4.0], [0.5, 0.0, 1.5], (0.5 + 6.0) / 2.0),
+        # A masked-out NaN / inf (a padded row) does not reach the mean.
+        ([1.0, np.nan, np.inf], [True, False, False], 1.0),
+        # Nothing counted: 0, not torch's 0/0 = NaN.
+        ([1.0, 2.0], [False, False], 0.0),
+        (np.zeros((0,), np.float32), None, 0.0),
+    ],
+)
+def test_global_mean_one_device(values, mask, expected):
+    values = jnp.asarray(values, jnp.float16)  # computed in float32
+    got = distributed.global_mean(values, mask)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(float(got), expected, rtol=1e-6)
+    grad = jax.grad(lambda v: distributed.global_mean(v, mask))(values)
+    assert bool(jnp.all(jnp.isfinite(grad)))
+    if not np.any(np.asarray(mask if mask is not None else values.size > 0)):
+        assert not bool(jnp.any(grad))  # the all-ignored batch: zero gradient
+
+
 def test_shard_batch_names_the_bad_leaf():
     mesh = distributed.make_mesh(1)
     with pytest.raises(ValueError, match=r"\['y'\] has shape \(\)"):

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchref import distributed, train
+from conftest import tolerance
+from torchref import distributed, losses, train
 from torchref.loss_scale import DynamicLossScale
 
 WORLD = 2
@@ -246,10 +247,67 @@ def _all_runs(params, batches, folder):
     out["fits"] = _fits(params, batches, os.path.join(folder, "fits"), True)
     out["errors"] = _errors(params, batches)
     out["folder"] = folder
+    out["global_mean"] = _masked_runs(*masked_problem())
     # Last: it breaks the process group (rank 1 leaves fit, rank 0's next
     # collective fails).
     out["raises"] = _guarded(lambda: _raise_on_rank_1(params, batches))
     return out
+
+
+# global_mean (issue 26 item 6): cross-entropy with ignore_index over
+# unevenly labelled rows (a step where rank 1 has no label, one with no label
+# at all); the problem of jaxstable/tests/test_shard_map_scale.py's masked runs.
+KEPT = [range(8), range(4), (), (6,), (0, 1, 2, 5), (7,)]  # labelled rows per step
+
+
+def masked_problem():
+    rng = np.random.default_rng(1)
+    batches = []
+    for rows in KEPT:
+        x = rng.normal(0, 2, (8, 4)).astype(np.float32)
+        labels = np.full(8, -1, np.int64)
+        labels[list(rows)] = rng.integers(0, 3, len(rows))
+        batches.append((x, labels))
+    return rng.normal(0, 0.5, (4, 3)).astype(np.float32), batches
+
+
+def _masked_loss(naive):
+    def loss(model, batch):
+        x, labels = batch
+        if naive:  # each rank's own mean: what DDP gave before
+            return losses.softmax_cross_entropy(
+                model(x), labels, dim=1, ignore_index=-1
+            )
+        per = losses.softmax_cross_entropy(
+            model(x), labels, dim=1, ignore_index=-1, reduction="none"
+        )
+        return distributed.global_mean(per, labels != -1)
+
+    return loss
+
+
+def _masked_train(w, batches, naive=False):
+    """(reported losses, final weight); DDP when a process group is up."""
+    model = torch.nn.Linear(4, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor(w.T))
+    mesh = distributed.make_mesh() if dist.is_initialized() else None
+    if mesh is not None:
+        model = distributed.shard_state(model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = train.TrainStep(model, opt, _masked_loss(naive), max_grad_norm=1.0)
+    got = []
+    for x, labels in batches:
+        batch = (torch.tensor(x), torch.tensor(labels))
+        if mesh is not None:
+            batch = distributed.shard_batch(batch, mesh)
+        got.append(float(step(batch)["loss"]))
+    plain = model.module if mesh is not None else model
+    return np.array(got), plain.weight.detach().numpy().copy()
+
+
+def _masked_runs(w, batches):
+    return _masked_train(w, batches), _masked_train(w, batches, naive=True)
 
 
 # --------------------------------------------------------------------- tests
@@ -714,3 +772,16 @@ def test_a_rank_that_raises_stops_the_others_naming_it(ranks):
     assert r0[0] == "RuntimeError"
     assert "rank 1 failed at step 3: ValueError: a bad batch on rank 1" in r0[1]
     assert r0[2] < TIMEOUT_S // 2  # not the process group's timeout
+
+
+def test_global_mean_under_ddp_equals_one_process(ranks):
+    w, batches = masked_problem()
+    one_loss, one_w = _masked_train(w, batches)
+    assert one_loss[2] == 0.0  # no label at all: 0, not NaN
+    for rank in ranks:
+        (loss, weight), (naive_loss, naive_w) = rank["global_mean"]
+        np.testing.assert_allclose(loss, one_loss, **tolerance("float32"))
+        np.testing.assert_allclose(weight, one_w, **tolerance("float32_trajectory"))
+        # Not vacuous: each rank's own mean is far off.
+        assert np.abs(naive_loss - one_loss).max() > 0.1
+        assert np.abs(naive_w - one_w).max() > 0.05
