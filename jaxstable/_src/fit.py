@@ -67,7 +67,7 @@ class NonFiniteError(FloatingPointError):
         self.location = location
 
 
-def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+def _add_skip_reason(rec: dict[str, Any], grads_finite: Any, spike: Any = None) -> None:
     # Only a guarded step reports grads_finite (a plain step that does not
     # skip has no reason to give); then its record tells why it skipped.
     if grads_finite is None:
@@ -76,7 +76,11 @@ def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
     rec["grads_finite"] = bool(grads_finite)
     if not rec["finite"]:
         rec["skip_reason"] = (
-            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
+            "spike"
+            if spike
+            else "non-finite update"
+            if rec["grads_finite"]
+            else "non-finite gradients"
         )
 
 
@@ -90,7 +94,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         "finite": bool(m["finite"]),
         "skipped_total": int(m["skipped_total"]),
     }
-    _add_skip_reason(rec, m.get("grads_finite"))
+    _add_skip_reason(rec, m.get("grads_finite"), m.get("spike"))
     aux = m.get("aux")
     if aux is not None:
         rec.update(_scalar_record("aux", aux))

@@ -21,6 +21,7 @@ import optax
 from jaxstable._src.diagnostics import CheckPoints
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
 from jaxstable._src.precision import get_policy
+from jaxstable._src.spikes import SkipSpikesState
 from jaxstable._src.transforms import (
     AccumulateGradientsState,
     SkipNonFiniteState,
@@ -418,8 +419,9 @@ def _pmean_floating(tree: Any, axis_name: str) -> Any:
 _INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
-def _outer_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
-    """``tx``'s OUTERMOST `SkipNonFiniteState`, or None.
+def _outer_skip_state(opt_state: Any) -> Any:
+    """``tx``'s OUTERMOST `SkipNonFiniteState` or `SkipSpikesState` (both
+    have ``last_finite``), or None.
 
     Only an outermost skip transform sees (and zeroes) the whole update. A
     skip nested inside a chain zeroes its own part only: in
@@ -428,10 +430,11 @@ def _outer_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
     skip is accepted too (its step count still advances on a skipped step, as
     a torch LR scheduler stepped every iteration does).
     """
-    if isinstance(opt_state, SkipNonFiniteState):
+    guards = (SkipNonFiniteState, SkipSpikesState)
+    if isinstance(opt_state, guards):
         return opt_state
     if isinstance(opt_state, _INJECT_STATES) and isinstance(
-        opt_state.inner_state, SkipNonFiniteState
+        opt_state.inner_state, guards
     ):
         return opt_state.inner_state
     return None
@@ -774,6 +777,10 @@ def make_train_step(
         extra = {}
         if isinstance(tx, optax.GradientTransformationExtraArgs):
             extra = {"grads_finite": finite}
+        spikes = _outer_skip_state(state.opt_state)
+        spikes = spikes if isinstance(spikes, SkipSpikesState) else None
+        if spikes is not None:
+            extra["value"] = loss  # the spike guard checks the loss too
 
         def update(grads, opt_state, params):
             return tx.update(grads, opt_state, params, **extra)
@@ -830,6 +837,8 @@ def make_train_step(
             "grads_finite": finite,
             "skipped_total": skipped_total,
         }
+        if spikes is not None:
+            metrics["spike"] = _outer_skip_state(opt_state).last_spike
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics

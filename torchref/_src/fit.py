@@ -82,7 +82,7 @@ def _scalar_leaves(tree: Any, path: str = "") -> Iterable[tuple[str, float]]:
         yield path, float(tree)
 
 
-def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+def _add_skip_reason(rec: dict[str, Any], grads_finite: Any, spike: Any = None) -> None:
     # Only a guarded step reports grads_finite (a plain step that does not
     # skip has no reason to give); then its record tells why it skipped.
     if grads_finite is None:
@@ -91,7 +91,11 @@ def _add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
     rec["grads_finite"] = bool(grads_finite)
     if not rec["finite"]:
         rec["skip_reason"] = (
-            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
+            "spike"
+            if spike
+            else "non-finite update"
+            if rec["grads_finite"]
+            else "non-finite gradients"
         )
 
 
@@ -106,7 +110,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             value = value.detach().float().item() if kind is not bool else value
         rec[key] = kind(value)
-    _add_skip_reason(rec, metrics.get("grads_finite"))
+    _add_skip_reason(rec, metrics.get("grads_finite"), metrics.get("spike"))
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value
