@@ -625,7 +625,9 @@ def make_train_step(
       for this step), ``finite`` (bool: the step was applied, see the
       invariant above), ``grads_finite`` (bool: the loss and the gradients,
       the flag the loss scale reacts to),
-      ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
+      ``skipped_total`` (int32), ``spike`` (bool, only when ``tx`` is a
+      `jaxstable.transforms.skip_spikes`, which the step passes
+      ``value=loss``), and ``aux`` with ``has_aux``.
 
     Example:
       >>> import jax.numpy as jnp, optax

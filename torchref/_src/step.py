@@ -445,7 +445,11 @@ class TrainStep:
             was applied: gradients and what the step wrote all finite),
             "grads_finite": bool (the loss and the gradients; the flag the
             loss scale reacts to), "skipped_total": int}`` plus ``"aux"`` when
-            `loss_fn` returns ``(loss, aux)``.
+            `loss_fn` returns ``(loss, aux)``, and ``"spike": bool`` when the
+            optimizer is ``torchref.transforms.skip_spikes(optimizer)`` (its
+            window sees the pre-clip norm and the loss; a spike skips
+            ``optimizer.step()`` and leaves the loss scale to the gradients'
+            flag, as the JAX step does).
         """
         if self._stage != "ready":
             raise RuntimeError(
