@@ -27,7 +27,9 @@ from jaxstable._src.diagnostics import (
 from jaxstable._src.loss_scale import StaticLossScale
 from jaxstable._src.step import TrainState, TrainStep
 
-NAN_POLICIES = ("skip", "stop", "rollback")
+NAN_POLICIES = ("skip", "stop", "rollback", "rewind")
+# The policies that restore a saved state.
+_RESTORES = ("rollback", "rewind")
 _ROLLBACK_TARGETS = ("memory", "disk")
 
 
@@ -135,6 +137,9 @@ def fit(
     resume: bool = False,
     rollback_to: str = "memory",
     batch_transform: Callable[[Any], Any] | None = None,
+    rewind_after: int = 3,
+    rewind_window: int = 100,
+    rewind_skip: int = 0,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -206,6 +211,23 @@ def fit(
     memory. The in-memory snapshot costs one more
     copy of the state in device memory.
 
+    Rewind (``nan_policy="rewind"``, PaLM's recipe for loss spikes): when
+    ``rewind_after`` of the last ``rewind_window`` steps were skipped
+    (non-finite, or spikes with `transforms.skip_spikes`), not necessarily
+    in a row, the state goes back to the same snapshot as "rollback" (the
+    in-memory copy, or the last intact checkpoint with
+    ``rollback_to="disk"``) and the data goes on after the trigger step and
+    ``rewind_skip`` more batches: the batches from the restore point to
+    the trigger are not replayed and the next ``rewind_skip`` are dropped,
+    so the rewound run equals a run that never saw them (bit for bit, for
+    a deterministic step). The trigger step's record gets ``"rewound":
+    True``, ``"rewind_from"`` (its step), ``"rewind_to"`` (the step of the
+    run restored) and ``"batches_skipped"`` (``rewind_from + 1 - rewind_to
+    + rewind_skip``; fewer when the data ends first). Rewinds count
+    against ``max_rollbacks``; the trigger after the last raises
+    `NonFiniteError`. The window of skipped steps is checkpointed with the
+    NaN policy's state, so a resumed run rewinds as the uninterrupted one.
+
     Args:
       state: the initial `TrainState`.
       train_step: ``train_step(state, batch) -> (state, metrics)``, usually
@@ -215,7 +237,8 @@ def fit(
       nan_policy: ``"skip"`` (non-finite steps are skipped, training goes on),
         ``"stop"`` (raise `NonFiniteError` after
         ``max_consecutive_nonfinite`` non-finite steps in a row) or
-        ``"rollback"`` (restore the last good snapshot instead, see above).
+        ``"rollback"`` (restore the last good snapshot instead, see above)
+        or ``"rewind"`` (restore it and skip a window of data, see above).
       max_consecutive_nonfinite: the limit for ``"stop"`` and
         ``"rollback"``, >= 1.
       log_path: JSONL file, overwritten at the start of a call that does not
@@ -271,6 +294,13 @@ def fit(
         ``functools.partial(jaxstable.distributed.shard_batch, mesh=mesh)``
         with a state placed by ``distributed.shard_state`` (checkpoints are
         then written from, and restored onto, the sharded state).
+      rewind_after: skipped steps (non-finite or spikes) among the last
+        ``rewind_window`` that trigger a rewind, int >= 1 (used by
+        ``"rewind"`` only).
+      rewind_window: the window of steps those are counted in, int >=
+        ``rewind_after``.
+      rewind_skip: batches dropped after the trigger step, besides those
+        from the restore point to it, int >= 0.
       stop_after_nonfinite: None, or an int >= 0: fit returns normally
         (nothing raised) this many steps after the first step of the run
         whose record has ``finite == False`` (0: stop at that step; a run
@@ -337,6 +367,7 @@ def fit(
         time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
     )  # fmt: skip
     _check_callable("batch_transform", batch_transform)
+    _check_rewind_args(rewind_after, rewind_window, rewind_skip)
     mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
         state, start, resumed = _resume(mgr, state, resume)
@@ -358,7 +389,8 @@ def _run(
     state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
     log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
     locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
-    rollback_to, mgr, start, batch_transform, resumed, **_,
+    rollback_to, mgr, start, batch_transform, resumed, rewind_after,
+    rewind_window, rewind_skip, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
@@ -368,7 +400,7 @@ def _run(
         total = len(batches)
     policy = _NanPolicy(
         nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite,
+        stop_after_nonfinite, (rewind_after, rewind_window, rewind_skip),
     )  # fmt: skip
     policy.load(resumed.get("fit_state"), start)
     if "snapshot" not in resumed:  # the snapshot is the state resumed
@@ -388,7 +420,7 @@ def _run(
     history: list[dict[str, Any]] = []
     bar = tqdm(total=total, initial=start, disable=not progress, desc="train")
     log = _open_log(log_path, start if mgr is not None and start else None)
-    rollback = nan_policy == "rollback"
+    rollback = nan_policy in _RESTORES
     # A device copy: the step may donate `state`, never the snapshot. A
     # resumed run goes on with the snapshot its checkpoint saved.
     in_memory = rollback and rollback_to == "memory"
@@ -407,8 +439,11 @@ def _run(
         action = policy.observe(index, rec["finite"])
         if action == "rollback":
             rec["rolled_back"] = True
+        elif action == "rewind":
+            at = policy.snapshot_at if in_memory else mgr.latest_step()
+            rec.update(policy.rewind_record(index, at))
         location = None
-        if policy.wants_location(rec["finite"], action):
+        if policy.wants_location(_located_kind(rec), action):
             location = _locate_failed(train_step, state_out, metrics, batch, pipeline)
             if location is not False:
                 policy.located += 1
@@ -419,8 +454,8 @@ def _run(
             log.flush()
         _show(bar, rec)
         wants_stop = on_step is not None and on_step(rec, state_out) is True
-        if action == "rollback":
-            return "rollback"
+        if action in _RESTORES:
+            return action
         if action == "raise":
             _raise_non_finite(
                 train_step, rec, policy.run, batch, state_out, metrics, history,
@@ -446,6 +481,13 @@ def _run(
         kept = snapshot if in_memory and policy.snapshot_at != done else None
         mgr._save(done, state, None, metrics, policy.state(), kept)
 
+    def drop(n: int) -> None:
+        """Skips the next `n` batches (a rewind's data window)."""
+        nonlocal done
+        dropped = sum(1 for _ in itertools.islice(it, n))
+        done += dropped
+        bar.update(dropped)
+
     pending = None
     done = start  # steps of the run dispatched so far
     at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
@@ -467,7 +509,14 @@ def _run(
             if action == "stop":
                 state, pending, stopped = pending[3], None, True
                 break
-            if action == "rollback":
+            if action == "rewind" and rewind_skip:
+                # This batch ran on a discarded state: it is the first of
+                # the rewind_skip batches dropped after the trigger.
+                state, pending, done = restored(new_state), None, done + 1
+                bar.update(1)
+                drop(rewind_skip - 1)
+                continue
+            if action in _RESTORES:
                 new_state, metrics = train_step(restored(new_state), batch)
             pending = (done, metrics, batch, new_state, seconds)
             done += 1
@@ -478,16 +527,18 @@ def _run(
                 # A checkpoint is written only after its step passed the check.
                 action = consume(pending)
                 pending = None
-                if action == "rollback":
+                if action in _RESTORES:
                     state = restored(state)
+                    drop(rewind_skip if action == "rewind" else 0)
                 elif action == "stop":
                     stopped = True
                     break
             if due:
                 save(done, state, history[-1] if history else None)
                 saved_at = done
-        if pending is not None and consume(pending) == "rollback":
+        if pending is not None and consume(pending) in _RESTORES:
             state = restored(state)
+            drop(rewind_skip if nan_policy == "rewind" else 0)
         if mgr is not None and saved_at != done:
             save(done, state)  # the final checkpoint
         if not stopped:
@@ -555,18 +606,25 @@ class _NanPolicy:
     ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
     ``located``: non-finite steps located; ``first_bad``: index of the
     run's first non-finite step (for ``stop_after_nonfinite``);
-    ``snapshot_at``: the step of the run the rollback snapshot holds. A
+    ``snapshot_at``: the step of the run the rollback snapshot holds;
+    ``recent``: indices of the skipped steps among the last
+    ``rewind_window`` (for "rewind"; rewinds count in ``rollbacks``). A
     resumed `fit` loads them from its checkpoint (`load`), so that a run
     killed and resumed counts, stops and rolls back as the uninterrupted one.
     """
 
-    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at")
+    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at", "recent")
 
-    def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
+    def __init__(
+        self, policy, limit, max_rollbacks, locate_first, stop_after,
+        rewind=(3, 100, 0),
+    ):  # fmt: skip
         self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
         self.locate_first, self.stop_after = locate_first, stop_after
+        self.rewind_after, self.rewind_window, self.rewind_skip = rewind
         self.run = self.rollbacks = self.located = self.snapshot_at = 0
         self.first_bad = None
+        self.recent: list[int] = []
 
     def state(self) -> dict[str, int | None]:
         """What a checkpoint keeps (JSON, under its checksum)."""
@@ -581,10 +639,13 @@ class _NanPolicy:
                 setattr(self, k, saved[k])
 
     def observe(self, index: int, finite: bool) -> str | None:
-        """What the step just recorded triggers: "rollback", "raise" or None."""
+        """What the step just recorded triggers: "rollback", "rewind",
+        "raise" or None."""
         self.run = 0 if finite else self.run + 1
         if not finite and self.first_bad is None:
             self.first_bad = index
+        if self.policy == "rewind":
+            return self._observe_rewind(index, finite)
         if self.policy == "skip" or self.run < self.limit:
             return None
         if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
@@ -592,13 +653,42 @@ class _NanPolicy:
             return "rollback"
         return "raise"
 
+    def _observe_rewind(self, index: int, finite: bool) -> str | None:
+        # rewind_after skipped steps among the last rewind_window steps.
+        if not finite:
+            self.recent.append(index)
+        self.recent = [i for i in self.recent if i > index - self.rewind_window]
+        if len(self.recent) < self.rewind_after:
+            return None
+        if self.rollbacks < self.max_rollbacks:
+            self.rollbacks, self.run, self.recent = self.rollbacks + 1, 0, []
+            return "rewind"
+        return "raise"
+
+    def rewind_record(self, index: int, restored_at: int) -> dict[str, Any]:
+        """The keys a rewind adds to its trigger step's record."""
+        return {
+            "rewound": True,
+            "rewind_from": index,
+            "rewind_to": restored_at,
+            "batches_skipped": index + 1 - restored_at + self.rewind_skip,
+        }
+
     def wants_location(self, finite: bool, action: str | None) -> bool:
+        # `finite`: nothing to locate (a spike skipped with finite values
+        # counts as finite here, see _located_kind).
         return not finite and (action is not None or self.located < self.locate_first)
 
     def stop_due(self, index: int) -> bool:
         if self.stop_after is None or self.first_bad is None:
             return False
         return index - self.first_bad >= self.stop_after
+
+
+def _located_kind(rec: dict[str, Any]) -> bool:
+    """False when the step has non-finite values for `locate` to find: a
+    step skipped as a spike was finite (its re-run would find nothing)."""
+    return rec["finite"] or rec.get("skip_reason") == "spike"
 
 
 def _batches_from(batches, position: int, steps: int | None):
@@ -705,6 +795,19 @@ def _check_needs(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_rewind_args(rewind_after, rewind_window, rewind_skip) -> None:
+    # Same checks and texts in jaxstable.train.fit and torchref.train.fit.
+    _check_int("rewind_after", rewind_after, 1)
+    _check_int("rewind_window", rewind_window, 1)
+    _check_int("rewind_skip", rewind_skip, 0)
+    _check_needs(
+        rewind_window >= rewind_after,
+        f"rewind_window ({rewind_window}) must be >= rewind_after "
+        f"({rewind_after}): a window of {rewind_window} steps never holds "
+        f"{rewind_after} skipped ones",
+    )
+
+
 def _check_fit_args(
     nan_policy, max_consecutive, rollback_every, max_rollbacks, steps,
     locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
@@ -767,6 +870,8 @@ def _scalar_record(prefix: str, tree: Any) -> dict[str, float]:
 
 def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
     # Same text as torchref.train.fit.
+    if nan_policy == "rewind":
+        return f"nan_policy='rewind': rewinds exhausted (max_rollbacks={max_rollbacks})"
     if nan_policy == "rollback":
         return (
             "nan_policy='rollback': rollbacks exhausted "

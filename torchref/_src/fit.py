@@ -27,7 +27,9 @@ from torchref._src.diagnostics import (
 )
 from torchref._src.step import TrainStep
 
-NAN_POLICIES = ("skip", "stop", "rollback")
+NAN_POLICIES = ("skip", "stop", "rollback", "rewind")
+# The policies that restore a saved state.
+_RESTORES = ("rollback", "rewind")
 _ROLLBACK_TARGETS = ("memory", "disk")
 
 
@@ -142,6 +144,9 @@ def fit(
     resume: bool = False,
     rollback_to: str = "memory",
     batch_transform: Callable[[Any], Any] | None = None,
+    rewind_after: int = 3,
+    rewind_window: int = 100,
+    rewind_skip: int = 0,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -180,6 +185,21 @@ def fit(
       trigger after `max_rollbacks` rollbacks raises `NonFiniteError` as
       "stop" does, the message saying the rollbacks are exhausted. Same
       semantics as `jaxstable.train.fit`.
+    * ``"rewind"`` (PaLM's recipe for loss spikes): when `rewind_after` of
+      the last `rewind_window` steps were skipped (non-finite, or spikes
+      with `transforms.skip_spikes`), not necessarily in a row, the same
+      snapshot is loaded as for "rollback" (or the last intact checkpoint
+      with ``rollback_to="disk"``) and the data goes on after the trigger
+      step and `rewind_skip` more batches: the batches from the restore
+      point to the trigger are not replayed and the next `rewind_skip` are
+      dropped, so the rewound run equals a run that never saw them (bit for
+      bit, for a deterministic step). The trigger step's record gets
+      ``"rewound": True``, ``"rewind_from"`` (its step), ``"rewind_to"``
+      (the step of the run restored) and ``"batches_skipped"``
+      (``rewind_from + 1 - rewind_to + rewind_skip``; fewer when the data
+      ends first). Rewinds count against `max_rollbacks`; the trigger after
+      the last raises `NonFiniteError`. The window of skipped steps is
+      checkpointed with the NaN policy's state.
 
     Checkpoints and resume: with `checkpoint_dir` (a directory, or a
     `CheckpointManager` for other retention, a best-by-metric checkpoint or
@@ -225,7 +245,7 @@ def fit(
         step: a `TrainStep` or a step callable (see above).
         batches: any iterable of batches.
         steps: stop after this many steps (None: exhaust `batches`).
-        nan_policy: "skip", "stop" or "rollback".
+        nan_policy: "skip", "stop", "rollback" or "rewind".
         max_consecutive_nonfinite: int >= 1, used by "stop" and "rollback".
         log_path: JSONL file (overwritten, or trimmed and appended to on
             resume) or None.
@@ -260,6 +280,13 @@ def fit(
             `checkpoint_dir` (see above).
         rollback_to: "memory" (the snapshot) or "disk" (the last intact
             checkpoint; needs `checkpoint_dir`).
+        rewind_after: skipped steps (non-finite or spikes) among the last
+            `rewind_window` that trigger a rewind, int >= 1 (used by
+            "rewind" only).
+        rewind_window: the window of steps those are counted in, int >=
+            `rewind_after`.
+        rewind_skip: batches dropped after the trigger step, besides those
+            from the restore point to it, int >= 0.
         stop_after_nonfinite: None, or an int >= 0: fit returns normally
             (nothing raised) this many steps after the first step of the run
             whose record has ``finite == False`` (0: stop at that step; a run
@@ -328,9 +355,10 @@ def fit(
     )  # fmt: skip
     _check_callable("batch_transform", batch_transform)
     stateful = hasattr(step, "state_dict") and hasattr(step, "load_state_dict")
-    if not stateful and (nan_policy == "rollback" or checkpoint_dir is not None):
+    _check_rewind_args(rewind_after, rewind_window, rewind_skip)
+    if not stateful and (nan_policy in _RESTORES or checkpoint_dir is not None):
         raise TypeError(
-            "nan_policy='rollback' and checkpoint_dir need a step with "
+            f"nan_policy={nan_policy!r} and checkpoint_dir need a step with "
             f"state_dict() and load_state_dict(), got {type(step).__name__}"
         )
     mgr, own_mgr, lock = _manager(checkpoint_dir)
@@ -354,7 +382,8 @@ def _run(
     step, batches, steps, nan_policy, max_consecutive_nonfinite, log_path,
     progress, checkpoint_every, rollback_every, max_rollbacks, locate_first,
     time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite, rollback_to,
-    mgr, start, batch_transform, resumed, **_,
+    mgr, start, batch_transform, resumed, rewind_after, rewind_window,
+    rewind_skip, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm
@@ -364,7 +393,7 @@ def _run(
         total = len(batches)
     policy = _NanPolicy(
         nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite,
+        stop_after_nonfinite, (rewind_after, rewind_window, rewind_skip),
     )  # fmt: skip
     policy.load(resumed.get("fit_state"), start)
     if "snapshot" not in resumed:  # the snapshot is the state resumed
@@ -381,7 +410,7 @@ def _run(
     at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
     saved_at = start if at_start else None
     stopped = ended  # by on_step or stop_after_nonfinite
-    in_memory = nan_policy == "rollback" and rollback_to == "memory"
+    in_memory = nan_policy in _RESTORES and rollback_to == "memory"
     # Deep copies: state_dict() holds references to the live tensors. A
     # resumed run goes on with the snapshot its checkpoint saved.
     snapshot = None
@@ -396,7 +425,8 @@ def _run(
 
     locatable = isinstance(step, TrainStep)  # as jaxstable's fit
     try:
-        for i, batch in enumerate(it, start):
+        for batch in it:
+            i = done
             # The random state the step draws its dropout masks from, for
             # locate to re-run it with (a 5 kB copy, no device sync).
             rng = rng_snapshot(step) if locatable else None
@@ -412,10 +442,13 @@ def _run(
             action = policy.observe(i, entry["finite"])
             if action == "rollback":
                 entry["rolled_back"] = True
+            elif action == "rewind":
+                at = policy.snapshot_at if in_memory else mgr.latest_step()
+                entry.update(policy.rewind_record(i, at))
             location = None
             # A skipped step left model and optimizer as they were; only the
             # scaler backed off: re-run at the scale the step used.
-            if locatable and policy.wants_location(entry["finite"], action):
+            if locatable and policy.wants_location(_located_kind(entry), action):
                 location = locate(
                     step, batch, loss_scale=entry["loss_scale"], rng_state=rng
                 )
@@ -427,11 +460,11 @@ def _run(
                 log.flush()
             _show(bar, entry)
             wants_stop = on_step is not None and on_step(entry, step) is True
-            if action == "rollback" and in_memory:
+            if action in _RESTORES and in_memory:
                 # A copy again: the optimizer may keep the loaded tensors and
                 # update them in place, which must not reach the snapshot.
                 step.load_state_dict(copy.deepcopy(snapshot))
-            elif action == "rollback":  # the last good checkpoint on disk
+            elif action in _RESTORES:  # the last good checkpoint on disk
                 mgr.restore(step, restore_rng=False)
             elif action == "raise":
                 _raise_non_finite(
@@ -441,7 +474,12 @@ def _run(
             elif in_memory and entry["finite"] and done % rollback_every == 0:
                 snapshot = copy.deepcopy(step.state_dict())
                 policy.snapshot_at = done
-            if (wants_stop or policy.stop_due(i)) and action != "rollback":
+            if action == "rewind" and rewind_skip:
+                # The data window of the rewind: these batches are dropped.
+                dropped = sum(1 for _ in itertools.islice(it, rewind_skip))
+                done += dropped
+                bar.update(dropped)
+            if (wants_stop or policy.stop_due(i)) and action not in _RESTORES:
                 stopped = True
                 break
             if checkpoint_every is not None and done % checkpoint_every == 0:
@@ -510,18 +548,25 @@ class _NanPolicy:
     ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
     ``located``: non-finite steps located; ``first_bad``: index of the
     run's first non-finite step (for ``stop_after_nonfinite``);
-    ``snapshot_at``: the step of the run the rollback snapshot holds. A
+    ``snapshot_at``: the step of the run the rollback snapshot holds;
+    ``recent``: indices of the skipped steps among the last
+    ``rewind_window`` (for "rewind"; rewinds count in ``rollbacks``). A
     resumed `fit` loads them from its checkpoint (`load`), so that a run
     killed and resumed counts, stops and rolls back as the uninterrupted one.
     """
 
-    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at")
+    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at", "recent")
 
-    def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
+    def __init__(
+        self, policy, limit, max_rollbacks, locate_first, stop_after,
+        rewind=(3, 100, 0),
+    ):  # fmt: skip
         self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
         self.locate_first, self.stop_after = locate_first, stop_after
+        self.rewind_after, self.rewind_window, self.rewind_skip = rewind
         self.run = self.rollbacks = self.located = self.snapshot_at = 0
         self.first_bad = None
+        self.recent: list[int] = []
 
     def state(self) -> dict[str, int | None]:
         """What a checkpoint keeps (JSON, under its checksum)."""
@@ -536,10 +581,13 @@ class _NanPolicy:
                 setattr(self, k, saved[k])
 
     def observe(self, index: int, finite: bool) -> str | None:
-        """What the step just recorded triggers: "rollback", "raise" or None."""
+        """What the step just recorded triggers: "rollback", "rewind",
+        "raise" or None."""
         self.run = 0 if finite else self.run + 1
         if not finite and self.first_bad is None:
             self.first_bad = index
+        if self.policy == "rewind":
+            return self._observe_rewind(index, finite)
         if self.policy == "skip" or self.run < self.limit:
             return None
         if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
@@ -547,13 +595,42 @@ class _NanPolicy:
             return "rollback"
         return "raise"
 
+    def _observe_rewind(self, index: int, finite: bool) -> str | None:
+        # rewind_after skipped steps among the last rewind_window steps.
+        if not finite:
+            self.recent.append(index)
+        self.recent = [i for i in self.recent if i > index - self.rewind_window]
+        if len(self.recent) < self.rewind_after:
+            return None
+        if self.rollbacks < self.max_rollbacks:
+            self.rollbacks, self.run, self.recent = self.rollbacks + 1, 0, []
+            return "rewind"
+        return "raise"
+
+    def rewind_record(self, index: int, restored_at: int) -> dict[str, Any]:
+        """The keys a rewind adds to its trigger step's record."""
+        return {
+            "rewound": True,
+            "rewind_from": index,
+            "rewind_to": restored_at,
+            "batches_skipped": index + 1 - restored_at + self.rewind_skip,
+        }
+
     def wants_location(self, finite: bool, action: str | None) -> bool:
+        # `finite`: nothing to locate (a spike skipped with finite values
+        # counts as finite here, see _located_kind).
         return not finite and (action is not None or self.located < self.locate_first)
 
     def stop_due(self, index: int) -> bool:
         if self.stop_after is None or self.first_bad is None:
             return False
         return index - self.first_bad >= self.stop_after
+
+
+def _located_kind(rec: dict[str, Any]) -> bool:
+    """False when the step has non-finite values for `locate` to find: a
+    step skipped as a spike was finite (its re-run would find nothing)."""
+    return rec["finite"] or rec.get("skip_reason") == "spike"
 
 
 def _batches_from(batches, position: int, steps: int | None):
@@ -660,6 +737,19 @@ def _check_needs(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_rewind_args(rewind_after, rewind_window, rewind_skip) -> None:
+    # Same checks and texts in jaxstable.train.fit and torchref.train.fit.
+    _check_int("rewind_after", rewind_after, 1)
+    _check_int("rewind_window", rewind_window, 1)
+    _check_int("rewind_skip", rewind_skip, 0)
+    _check_needs(
+        rewind_window >= rewind_after,
+        f"rewind_window ({rewind_window}) must be >= rewind_after "
+        f"({rewind_after}): a window of {rewind_window} steps never holds "
+        f"{rewind_after} skipped ones",
+    )
+
+
 def _check_fit_args(
     nan_policy, max_consecutive, rollback_every, max_rollbacks, steps,
     locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
@@ -707,6 +797,8 @@ _UPDATE_NOTE = (
 
 def _policy_note(nan_policy: str, max_rollbacks: int) -> str:
     # Same text as jaxstable.train.fit.
+    if nan_policy == "rewind":
+        return f"nan_policy='rewind': rewinds exhausted (max_rollbacks={max_rollbacks})"
     if nan_policy == "rollback":
         return (
             "nan_policy='rollback': rollbacks exhausted "
