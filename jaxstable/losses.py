@@ -1,5 +1,6 @@
 """JAX: public API of `jaxstable.losses` (implementation in `jaxstable._src.losses`)."""
 
+from jaxstable._src.linear_ce import linear_cross_entropy as linear_cross_entropy
 from jaxstable._src.losses import (
     balanced_binary_cross_entropy as balanced_binary_cross_entropy,
 )

@@ -1,5 +1,6 @@
 """PyTorch: public API of `torchref.losses` (implemented in `torchref._src.losses`)."""
 
+from torchref._src.linear_ce import linear_cross_entropy as linear_cross_entropy
 from torchref._src.losses import (
     balanced_binary_cross_entropy as balanced_binary_cross_entropy,
 )
