@@ -18,14 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstable._src.losses import (
+from jaxstable._src.losses._checks import (
     _as_arrays,
-    _bad_label_message,
     _check_float,
     _check_reduction,
-    _check_z_loss,
     _is_concrete,
 )
+from jaxstable._src.losses.cross_entropy import _bad_label_message, _check_z_loss
 
 __all__ = ["linear_cross_entropy"]
 
