@@ -19,11 +19,13 @@ from _stablecore.checks import (
     check_needs,
 )
 
-NAN_POLICIES = ("skip", "stop", "rollback")
+NAN_POLICIES = ("skip", "stop", "rollback", "rewind")
+# The policies that restore a saved state.
+RESTORES = ("rollback", "rewind")
 ROLLBACK_TARGETS = ("memory", "disk")
 
 
-def add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
+def add_skip_reason(rec: dict[str, Any], grads_finite: Any, spike: Any = None) -> None:
     # Only a guarded step reports grads_finite (a plain step that does not
     # skip has no reason to give); then its record tells why it skipped.
     if grads_finite is None:
@@ -31,7 +33,11 @@ def add_skip_reason(rec: dict[str, Any], grads_finite: Any) -> None:
     rec["grads_finite"] = bool(grads_finite)
     if not rec["finite"]:
         rec["skip_reason"] = (
-            "non-finite update" if rec["grads_finite"] else "non-finite gradients"
+            "spike"
+            if spike
+            else "non-finite update"
+            if rec["grads_finite"]
+            else "non-finite gradients"
         )
 
 
@@ -52,18 +58,25 @@ class NanPolicy:
     ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
     ``located``: non-finite steps located; ``first_bad``: index of the
     run's first non-finite step (for ``stop_after_nonfinite``);
-    ``snapshot_at``: the step of the run the rollback snapshot holds. A
+    ``snapshot_at``: the step of the run the rollback snapshot holds;
+    ``recent``: indices of the skipped steps among the last
+    ``rewind_window`` (for "rewind"; rewinds count in ``rollbacks``). A
     resumed `fit` loads them from its checkpoint (`load`), so that a run
     killed and resumed counts, stops and rolls back as the uninterrupted one.
     """
 
-    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at")
+    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at", "recent")
 
-    def __init__(self, policy, limit, max_rollbacks, locate_first, stop_after):
+    def __init__(
+        self, policy, limit, max_rollbacks, locate_first, stop_after,
+        rewind=(3, 100, 0),
+    ):  # fmt: skip
         self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
         self.locate_first, self.stop_after = locate_first, stop_after
+        self.rewind_after, self.rewind_window, self.rewind_skip = rewind
         self.run = self.rollbacks = self.located = self.snapshot_at = 0
         self.first_bad = None
+        self.recent: list[int] = []
 
     def state(self) -> dict[str, int | None]:
         """What a checkpoint keeps (JSON, under its checksum)."""
@@ -78,10 +91,13 @@ class NanPolicy:
                 setattr(self, k, saved[k])
 
     def observe(self, index: int, finite: bool) -> str | None:
-        """What the step just recorded triggers: "rollback", "raise" or None."""
+        """What the step just recorded triggers: "rollback", "rewind",
+        "raise" or None."""
         self.run = 0 if finite else self.run + 1
         if not finite and self.first_bad is None:
             self.first_bad = index
+        if self.policy == "rewind":
+            return self._observe_rewind(index, finite)
         if self.policy == "skip" or self.run < self.limit:
             return None
         if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
@@ -89,7 +105,30 @@ class NanPolicy:
             return "rollback"
         return "raise"
 
+    def _observe_rewind(self, index: int, finite: bool) -> str | None:
+        # rewind_after skipped steps among the last rewind_window steps.
+        if not finite:
+            self.recent.append(index)
+        self.recent = [i for i in self.recent if i > index - self.rewind_window]
+        if len(self.recent) < self.rewind_after:
+            return None
+        if self.rollbacks < self.max_rollbacks:
+            self.rollbacks, self.run, self.recent = self.rollbacks + 1, 0, []
+            return "rewind"
+        return "raise"
+
+    def rewind_record(self, index: int, restored_at: int) -> dict[str, Any]:
+        """The keys a rewind adds to its trigger step's record."""
+        return {
+            "rewound": True,
+            "rewind_from": index,
+            "rewind_to": restored_at,
+            "batches_skipped": index + 1 - restored_at + self.rewind_skip,
+        }
+
     def wants_location(self, finite: bool, action: str | None) -> bool:
+        # `finite`: nothing to locate (a spike skipped with finite values
+        # counts as finite here, see _located_kind).
         return not finite and (action is not None or self.located < self.locate_first)
 
     def stop_due(self, index: int) -> bool:
@@ -225,9 +264,23 @@ UPDATE_NOTE = (
 
 
 def policy_note(nan_policy: str, max_rollbacks: int) -> str:
+    if nan_policy == "rewind":
+        return f"nan_policy='rewind': rewinds exhausted (max_rollbacks={max_rollbacks})"
     if nan_policy == "rollback":
         return (
             "nan_policy='rollback': rollbacks exhausted "
             f"(max_rollbacks={max_rollbacks})"
         )
     return f"nan_policy={nan_policy!r}"
+
+
+def check_rewind_args(rewind_after, rewind_window, rewind_skip) -> None:
+    check_int("rewind_after", rewind_after, 1)
+    check_int("rewind_window", rewind_window, 1)
+    check_int("rewind_skip", rewind_skip, 0)
+    check_needs(
+        rewind_window >= rewind_after,
+        f"rewind_window ({rewind_window}) must be >= rewind_after "
+        f"({rewind_after}): a window of {rewind_window} steps never holds "
+        f"{rewind_after} skipped ones",
+    )

@@ -16,4 +16,7 @@ from jaxstable._src.losses.cross_entropy import (
 )
 from jaxstable._src.losses.dbnet import db_loss as db_loss
 from jaxstable._src.losses.dbnet import db_step as db_step
+from jaxstable._src.losses.linear_ce import (
+    linear_cross_entropy as linear_cross_entropy,
+)
 from jaxstable._src.losses.regression import masked_l1_loss as masked_l1_loss

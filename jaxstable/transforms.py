@@ -3,6 +3,9 @@
 Implementation in `jaxstable._src.transforms`.
 """
 
+from jaxstable._src.spikes import SkipSpikesState as SkipSpikesState
+from jaxstable._src.spikes import find_spike_state as find_spike_state
+from jaxstable._src.spikes import skip_spikes as skip_spikes
 from jaxstable._src.transforms import (
     AccumulateGradientsState as AccumulateGradientsState,
 )

@@ -47,7 +47,12 @@ TORCH_ONLY = {
     "loss_scale": {"DynamicGradScaler", "StaticGradScaler"},
     # The optimizer-wrapper classes that torch's `skip_non_finite` and
     # `stable_optimizer` return (optax returns GradientTransformations).
-    "transforms": {"AccumulateGradients", "SkipNonFinite", "StableOptimizer"},
+    "transforms": {
+        "AccumulateGradients",
+        "SkipNonFinite",
+        "SkipSpikes",
+        "StableOptimizer",
+    },
     # torch keeps gradients on the parameters; in JAX they are a pytree and
     # `non_finite_report(grads)` already covers them. torch draws dropout
     # masks from hidden global and module-held generators, which `locate`

@@ -16,4 +16,7 @@ from torchref._src.losses.cross_entropy import (
 )
 from torchref._src.losses.dbnet import db_loss as db_loss
 from torchref._src.losses.dbnet import db_step as db_step
+from torchref._src.losses.linear_ce import (
+    linear_cross_entropy as linear_cross_entropy,
+)
 from torchref._src.losses.regression import masked_l1_loss as masked_l1_loss

@@ -3,6 +3,10 @@
 Implementation in `torchref._src.transforms`.
 """
 
+from torchref._src.spikes import SkipSpikes as SkipSpikes
+from torchref._src.spikes import SkipSpikesState as SkipSpikesState
+from torchref._src.spikes import find_spike_state as find_spike_state
+from torchref._src.spikes import skip_spikes as skip_spikes
 from torchref._src.transforms import AccumulateGradients as AccumulateGradients
 from torchref._src.transforms import SkipNonFinite as SkipNonFinite
 from torchref._src.transforms import SkipNonFiniteState as SkipNonFiniteState

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -15,11 +16,13 @@ import jax.numpy as jnp
 
 from _stablecore.checks import check_callable as _check_callable
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
+from _stablecore.fit import RESTORES as _RESTORES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import NanPolicy as _NanPolicy
 from _stablecore.fit import add_skip_reason as _add_skip_reason
 from _stablecore.fit import batches_from as _batches_from
 from _stablecore.fit import check_fit_args as _check_fit_args
+from _stablecore.fit import check_rewind_args as _check_rewind_args
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
 from _stablecore.fit import show as _show
@@ -86,7 +89,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         "finite": bool(m["finite"]),
         "skipped_total": int(m["skipped_total"]),
     }
-    _add_skip_reason(rec, m.get("grads_finite"))
+    _add_skip_reason(rec, m.get("grads_finite"), m.get("spike"))
     aux = m.get("aux")
     if aux is not None:
         rec.update(_scalar_record("aux", aux))
@@ -127,6 +130,9 @@ def fit(
     resume: bool = False,
     rollback_to: str = "memory",
     batch_transform: Callable[[Any], Any] | None = None,
+    rewind_after: int = 3,
+    rewind_window: int = 100,
+    rewind_skip: int = 0,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -212,6 +218,23 @@ def fit(
     memory. The in-memory snapshot costs one more
     copy of the state in device memory.
 
+    Rewind (``nan_policy="rewind"``, PaLM's recipe for loss spikes): when
+    ``rewind_after`` of the last ``rewind_window`` steps were skipped
+    (non-finite, or spikes with `transforms.skip_spikes`), not necessarily
+    in a row, the state goes back to the same snapshot as "rollback" (the
+    in-memory copy, or the last intact checkpoint with
+    ``rollback_to="disk"``) and the data goes on after the trigger step and
+    ``rewind_skip`` more batches: the batches from the restore point to
+    the trigger are not replayed and the next ``rewind_skip`` are dropped,
+    so the rewound run equals a run that never saw them (bit for bit, for
+    a deterministic step). The trigger step's record gets ``"rewound":
+    True``, ``"rewind_from"`` (its step), ``"rewind_to"`` (the step of the
+    run restored) and ``"batches_skipped"`` (``rewind_from + 1 - rewind_to
+    + rewind_skip``; fewer when the data ends first). Rewinds count
+    against ``max_rollbacks``; the trigger after the last raises
+    `NonFiniteError`. The window of skipped steps is checkpointed with the
+    NaN policy's state, so a resumed run rewinds as the uninterrupted one.
+
     Args:
       state: the initial `TrainState`.
       train_step: ``train_step(state, batch) -> (state, metrics)``, usually
@@ -221,7 +244,8 @@ def fit(
       nan_policy: ``"skip"`` (non-finite steps are skipped, training goes on),
         ``"stop"`` (raise `NonFiniteError` after
         ``max_consecutive_nonfinite`` non-finite steps in a row) or
-        ``"rollback"`` (restore the last good snapshot instead, see above).
+        ``"rollback"`` (restore the last good snapshot instead, see above)
+        or ``"rewind"`` (restore it and skip a window of data, see above).
       max_consecutive_nonfinite: the limit for ``"stop"`` and
         ``"rollback"``, >= 1.
       log_path: JSONL file, overwritten at the start of a call that does not
@@ -277,6 +301,13 @@ def fit(
         ``functools.partial(jaxstable.distributed.shard_batch, mesh=mesh)``
         with a state placed by ``distributed.shard_state`` (checkpoints are
         then written from, and restored onto, the sharded state).
+      rewind_after: skipped steps (non-finite or spikes) among the last
+        ``rewind_window`` that trigger a rewind, int >= 1 (used by
+        ``"rewind"`` only).
+      rewind_window: the window of steps those are counted in, int >=
+        ``rewind_after``.
+      rewind_skip: batches dropped after the trigger step, besides those
+        from the restore point to it, int >= 0.
       stop_after_nonfinite: None, or an int >= 0: fit returns normally
         (nothing raised) this many steps after the first step of the run
         whose record has ``finite == False`` (0: stop at that step; a run
@@ -354,6 +385,7 @@ def fit(
             stop_after_nonfinite=stop_after_nonfinite,
         )  # fmt: skip
     peers = _Peers()
+    _check_rewind_args(rewind_after, rewind_window, rewind_skip)
     mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
         state, start, resumed = _resume(mgr, state, resume)
@@ -381,7 +413,8 @@ def _run(
     state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
     log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
     locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
-    rollback_to, mgr, start, batch_transform, resumed, peers, **_,
+    rollback_to, mgr, start, batch_transform, resumed, peers, rewind_after,
+    rewind_window, rewind_skip, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
@@ -391,7 +424,7 @@ def _run(
         total = len(batches)
     policy = _NanPolicy(
         nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite,
+        stop_after_nonfinite, (rewind_after, rewind_window, rewind_skip),
     )  # fmt: skip
     policy.load(resumed.get("fit_state"), start)
     if "snapshot" not in resumed:  # the snapshot is the state resumed
@@ -416,7 +449,7 @@ def _run(
     )
     log_path = log_path if primary else None
     log = _open_log(log_path, start if mgr is not None and start else None)
-    rollback = nan_policy == "rollback"
+    rollback = nan_policy in _RESTORES
     # A device copy: the step may donate `state`, never the snapshot. A
     # resumed run goes on with the snapshot its checkpoint saved.
     in_memory = rollback and rollback_to == "memory"
@@ -435,8 +468,11 @@ def _run(
         action = policy.observe(index, rec["finite"])
         if action == "rollback":
             rec["rolled_back"] = True
+        elif action == "rewind":
+            at = policy.snapshot_at if in_memory else mgr.latest_step()
+            rec.update(policy.rewind_record(index, at))
         location = None
-        if policy.wants_location(rec["finite"], action):
+        if policy.wants_location(_located_kind(rec), action):
             location = _locate_failed(train_step, state_out, metrics, batch, pipeline)
             if location is not False:
                 policy.located += 1
@@ -447,8 +483,8 @@ def _run(
             log.flush()
         _show(bar, rec)
         wants_stop = on_step is not None and on_step(rec, state_out) is True
-        if action == "rollback":
-            return "rollback"
+        if action in _RESTORES:
+            return action
         if action == "raise":
             _raise_non_finite(
                 train_step, rec, policy.run, batch, state_out, metrics, history,
@@ -474,6 +510,13 @@ def _run(
         kept = snapshot if in_memory and policy.snapshot_at != done else None
         mgr._save(done, state, None, metrics, policy.state(), kept)
 
+    def drop(n: int) -> None:
+        """Skips the next `n` batches (a rewind's data window)."""
+        nonlocal done
+        dropped = sum(1 for _ in itertools.islice(it, n))
+        done += dropped
+        bar.update(dropped)
+
     pending = None
     done = start  # steps of the run dispatched so far
     peers.step = done  # the step being loaded or run (named if this one fails)
@@ -496,7 +539,14 @@ def _run(
             if action == "stop":
                 state, pending, stopped = pending[3], None, True
                 break
-            if action == "rollback":
+            if action == "rewind" and rewind_skip:
+                # This batch ran on a discarded state: it is the first of
+                # the rewind_skip batches dropped after the trigger.
+                state, pending, done = restored(new_state), None, done + 1
+                bar.update(1)
+                drop(rewind_skip - 1)
+                continue
+            if action in _RESTORES:
                 new_state, metrics = train_step(restored(new_state), batch)
             pending = (done, metrics, batch, new_state, seconds)
             done += 1
@@ -508,16 +558,18 @@ def _run(
                 # A checkpoint is written only after its step passed the check.
                 action = consume(pending)
                 pending = None
-                if action == "rollback":
+                if action in _RESTORES:
                     state = restored(state)
+                    drop(rewind_skip if action == "rewind" else 0)
                 elif action == "stop":
                     stopped = True
                     break
             if due:
                 save(done, state, history[-1] if history else None)
                 saved_at = done
-        if pending is not None and consume(pending) == "rollback":
+        if pending is not None and consume(pending) in _RESTORES:
             state = restored(state)
+            drop(rewind_skip if nan_policy == "rewind" else 0)
         if mgr is not None and saved_at != done:
             save(done, state)  # the final checkpoint
         if not stopped:
@@ -767,3 +819,9 @@ def _locate_failed(train_step, state_out, metrics, batch, pipeline):
     used = StaticLossScale(metrics["loss_scale"])
     # finite=False: the compiled step was not applied (no need to re-run it).
     return locate(train_step, state_out.replace(loss_scale=used), batch, finite=False)
+
+
+def _located_kind(rec: dict[str, Any]) -> bool:
+    """False when the step has non-finite values for `locate` to find: a
+    step skipped as a spike was finite (its re-run would find nothing)."""
+    return rec["finite"] or rec.get("skip_reason") == "spike"

@@ -23,6 +23,7 @@ from jaxstable._src.diagnostics import CheckPoints
 from jaxstable._src.distributed import _axis_size
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
 from jaxstable._src.precision import get_policy
+from jaxstable._src.spikes import SkipSpikesState
 from jaxstable._src.transforms import (
     AccumulateGradientsState,
     SkipNonFiniteState,
@@ -429,8 +430,9 @@ def _pmean_floating(tree: Any, axis_name: str) -> Any:
 _INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
-def _outer_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
-    """``tx``'s OUTERMOST `SkipNonFiniteState`, or None.
+def _outer_skip_state(opt_state: Any) -> Any:
+    """``tx``'s OUTERMOST `SkipNonFiniteState` or `SkipSpikesState` (both
+    have ``last_finite``), or None.
 
     Only an outermost skip transform sees (and zeroes) the whole update. A
     skip nested inside a chain zeroes its own part only: in
@@ -439,10 +441,11 @@ def _outer_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
     skip is accepted too (its step count still advances on a skipped step, as
     a torch LR scheduler stepped every iteration does).
     """
-    if isinstance(opt_state, SkipNonFiniteState):
+    guards = (SkipNonFiniteState, SkipSpikesState)
+    if isinstance(opt_state, guards):
         return opt_state
     if isinstance(opt_state, _INJECT_STATES) and isinstance(
-        opt_state.inner_state, SkipNonFiniteState
+        opt_state.inner_state, guards
     ):
         return opt_state.inner_state
     return None
@@ -637,7 +640,9 @@ def make_train_step(
       for this step), ``finite`` (bool: the step was applied, see the
       invariant above), ``grads_finite`` (bool: the loss and the gradients,
       the flag the loss scale reacts to),
-      ``skipped_total`` (int32), and ``aux`` with ``has_aux``.
+      ``skipped_total`` (int32), ``spike`` (bool, only when ``tx`` is a
+      `jaxstable.transforms.skip_spikes`, which the step passes
+      ``value=loss``), and ``aux`` with ``has_aux``.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -789,6 +794,10 @@ def make_train_step(
         extra = {}
         if isinstance(tx, optax.GradientTransformationExtraArgs):
             extra = {"grads_finite": finite}
+        spikes = _outer_skip_state(state.opt_state)
+        spikes = spikes if isinstance(spikes, SkipSpikesState) else None
+        if spikes is not None:
+            extra["value"] = loss  # the spike guard checks the loss too
 
         def update(grads, opt_state, params):
             return tx.update(grads, opt_state, params, **extra)
@@ -845,6 +854,8 @@ def make_train_step(
             "grads_finite": finite,
             "skipped_total": skipped_total,
         }
+        if spikes is not None:
+            metrics["spike"] = _outer_skip_state(opt_state).last_spike
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics

@@ -656,11 +656,14 @@ def _guards_itself(inner_state: Any) -> bool:
     # The skip transform outermost (stable_optimizer, skip_non_finite),
     # possibly inside optax.inject_hyperparams: it takes grads_finite= and
     # makes the whole decision itself, and counts it.
-    if isinstance(inner_state, SkipNonFiniteState):
+    from jaxstable._src.spikes import SkipSpikesState  # imports this module
+
+    guards = (SkipNonFiniteState, SkipSpikesState)
+    if isinstance(inner_state, guards):
         return True
     inject = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
     return isinstance(inner_state, inject) and isinstance(
-        inner_state.inner_state, SkipNonFiniteState
+        inner_state.inner_state, guards
     )
 
 

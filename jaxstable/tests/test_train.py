@@ -429,7 +429,7 @@ def test_load_checkpoint_rejects_another_loss_scale_type(tmp_path):
 def test_fit_invalid_arguments():
     with pytest.raises(
         ValueError,
-        match=r"nan_policy must be one of \('skip', 'stop', 'rollback'\)",
+        match=r"nan_policy must be one of \('skip', 'stop', 'rollback', 'rewind'\)",
     ):
         train.fit(_state(), _STEP, [], nan_policy="ignore")
     for name in ("rollback_every", "max_rollbacks"):
@@ -561,7 +561,7 @@ def test_fit_rollback_options_are_accepted_with_other_policies():
         _state(), _STEP, batches, rollback_every=1, max_rollbacks=1, progress=False
     )
     assert all("rolled_back" not in h for h in hist)
-    assert train.NAN_POLICIES == ("skip", "stop", "rollback")
+    assert train.NAN_POLICIES == ("skip", "stop", "rollback", "rewind")
 
 
 def test_load_checkpoint_without_optimizer_types_still_checks_leaves(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import time
@@ -13,11 +14,13 @@ import torch
 
 from _stablecore.checks import check_callable as _check_callable
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
+from _stablecore.fit import RESTORES as _RESTORES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import NanPolicy as _NanPolicy
 from _stablecore.fit import add_skip_reason as _add_skip_reason
 from _stablecore.fit import batches_from as _batches_from
 from _stablecore.fit import check_fit_args as _check_fit_args
+from _stablecore.fit import check_rewind_args as _check_rewind_args
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
 from _stablecore.fit import show as _show
@@ -99,7 +102,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             value = value.detach().float().item() if kind is not bool else value
         rec[key] = kind(value)
-    _add_skip_reason(rec, metrics.get("grads_finite"))
+    _add_skip_reason(rec, metrics.get("grads_finite"), metrics.get("spike"))
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value
@@ -131,6 +134,9 @@ def fit(
     resume: bool = False,
     rollback_to: str = "memory",
     batch_transform: Callable[[Any], Any] | None = None,
+    rewind_after: int = 3,
+    rewind_window: int = 100,
+    rewind_skip: int = 0,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -169,6 +175,21 @@ def fit(
       trigger after `max_rollbacks` rollbacks raises `NonFiniteError` as
       "stop" does, the message saying the rollbacks are exhausted. Same
       semantics as `jaxstable.train.fit`.
+    * ``"rewind"`` (PaLM's recipe for loss spikes): when `rewind_after` of
+      the last `rewind_window` steps were skipped (non-finite, or spikes
+      with `transforms.skip_spikes`), not necessarily in a row, the same
+      snapshot is loaded as for "rollback" (or the last intact checkpoint
+      with ``rollback_to="disk"``) and the data goes on after the trigger
+      step and `rewind_skip` more batches: the batches from the restore
+      point to the trigger are not replayed and the next `rewind_skip` are
+      dropped, so the rewound run equals a run that never saw them (bit for
+      bit, for a deterministic step). The trigger step's record gets
+      ``"rewound": True``, ``"rewind_from"`` (its step), ``"rewind_to"``
+      (the step of the run restored) and ``"batches_skipped"``
+      (``rewind_from + 1 - rewind_to + rewind_skip``; fewer when the data
+      ends first). Rewinds count against `max_rollbacks`; the trigger after
+      the last raises `NonFiniteError`. The window of skipped steps is
+      checkpointed with the NaN policy's state.
 
     Checkpoints and resume: with `checkpoint_dir` (a directory, or a
     `CheckpointManager` for other retention, a best-by-metric checkpoint or
@@ -214,7 +235,7 @@ def fit(
         step: a `TrainStep` or a step callable (see above).
         batches: any iterable of batches.
         steps: stop after this many steps (None: exhaust `batches`).
-        nan_policy: "skip", "stop" or "rollback".
+        nan_policy: "skip", "stop", "rollback" or "rewind".
         max_consecutive_nonfinite: int >= 1, used by "stop" and "rollback".
         log_path: JSONL file (overwritten, or trimmed and appended to on
             resume) or None.
@@ -249,6 +270,13 @@ def fit(
             `checkpoint_dir` (see above).
         rollback_to: "memory" (the snapshot) or "disk" (the last intact
             checkpoint; needs `checkpoint_dir`).
+        rewind_after: skipped steps (non-finite or spikes) among the last
+            `rewind_window` that trigger a rewind, int >= 1 (used by
+            "rewind" only).
+        rewind_window: the window of steps those are counted in, int >=
+            `rewind_after`.
+        rewind_skip: batches dropped after the trigger step, besides those
+            from the restore point to it, int >= 0.
         stop_after_nonfinite: None, or an int >= 0: fit returns normally
             (nothing raised) this many steps after the first step of the run
             whose record has ``finite == False`` (0: stop at that step; a run
@@ -323,9 +351,10 @@ def fit(
     )  # fmt: skip
     _check_callable("batch_transform", batch_transform)
     stateful = hasattr(step, "state_dict") and hasattr(step, "load_state_dict")
-    if not stateful and (nan_policy == "rollback" or checkpoint_dir is not None):
+    _check_rewind_args(rewind_after, rewind_window, rewind_skip)
+    if not stateful and (nan_policy in _RESTORES or checkpoint_dir is not None):
         raise TypeError(
-            "nan_policy='rollback' and checkpoint_dir need a step with "
+            f"nan_policy={nan_policy!r} and checkpoint_dir need a step with "
             f"state_dict() and load_state_dict(), got {type(step).__name__}"
         )
     group = _Group()
@@ -356,7 +385,8 @@ def _run(
     step, batches, steps, nan_policy, max_consecutive_nonfinite, log_path,
     progress, checkpoint_every, rollback_every, max_rollbacks, locate_first,
     time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite, rollback_to,
-    mgr, start, batch_transform, resumed, group, **_,
+    mgr, start, batch_transform, resumed, group, rewind_after, rewind_window,
+    rewind_skip, **_,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked)."""
     from tqdm.auto import tqdm
@@ -366,7 +396,7 @@ def _run(
         total = len(batches)
     policy = _NanPolicy(
         nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite,
+        stop_after_nonfinite, (rewind_after, rewind_window, rewind_skip),
     )  # fmt: skip
     policy.load(resumed.get("fit_state"), start)
     if "snapshot" not in resumed:  # the snapshot is the state resumed
@@ -387,7 +417,7 @@ def _run(
     at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
     saved_at = start if at_start else None
     stopped = ended  # by on_step or stop_after_nonfinite
-    in_memory = nan_policy == "rollback" and rollback_to == "memory"
+    in_memory = nan_policy in _RESTORES and rollback_to == "memory"
     # Deep copies: state_dict() holds references to the live tensors. A
     # resumed run goes on with the snapshot its checkpoint saved.
     snapshot = None
@@ -411,7 +441,8 @@ def _run(
     locatable = locate_step is not None
     i = start
     try:
-        for i, batch in enumerate(it, start):
+        for batch in it:
+            i = done
             # The random state the step draws its dropout masks from, for
             # locate to re-run it with (a 5 kB copy, no device sync).
             rng = rng_snapshot(step) if locatable else None
@@ -427,10 +458,13 @@ def _run(
             action = policy.observe(i, entry["finite"])
             if action == "rollback":
                 entry["rolled_back"] = True
+            elif action == "rewind":
+                at = policy.snapshot_at if in_memory else mgr.latest_step()
+                entry.update(policy.rewind_record(i, at))
             location = None
             # A skipped step left model and optimizer as they were; only the
             # scaler backed off: re-run at the scale the step used.
-            if locatable and policy.wants_location(entry["finite"], action):
+            if locatable and policy.wants_location(_located_kind(entry), action):
                 location = locate(
                     locate_step, batch, loss_scale=entry["loss_scale"], rng_state=rng
                 )
@@ -444,11 +478,11 @@ def _run(
             wants_stop = on_step is not None and on_step(entry, step) is True
             if on_step is not None:
                 wants_stop = group.any(wants_stop)  # every rank stops together
-            if action == "rollback" and in_memory:
+            if action in _RESTORES and in_memory:
                 # A copy again: the optimizer may keep the loaded tensors and
                 # update them in place, which must not reach the snapshot.
                 step.load_state_dict(copy.deepcopy(snapshot))
-            elif action == "rollback":  # the last good checkpoint on disk
+            elif action in _RESTORES:  # the last good checkpoint on disk
                 group.restore(mgr, step, restore_rng=False)
             elif action == "raise":
                 _raise_non_finite(
@@ -458,7 +492,12 @@ def _run(
             elif in_memory and entry["finite"] and done % rollback_every == 0:
                 snapshot = copy.deepcopy(step.state_dict())
                 policy.snapshot_at = done
-            if (wants_stop or policy.stop_due(i)) and action != "rollback":
+            if action == "rewind" and rewind_skip:
+                # The data window of the rewind: these batches are dropped.
+                dropped = sum(1 for _ in itertools.islice(it, rewind_skip))
+                done += dropped
+                bar.update(dropped)
+            if (wants_stop or policy.stop_due(i)) and action not in _RESTORES:
                 stopped = True
                 break
             if checkpoint_every is not None and done % checkpoint_every == 0:
@@ -708,3 +747,9 @@ def _raise_non_finite(
         history=history,
         location=location,
     )
+
+
+def _located_kind(rec: dict[str, Any]) -> bool:
+    """False when the step has non-finite values for `locate` to find: a
+    step skipped as a spike was finite (its re-run would find nothing)."""
+    return rec["finite"] or rec.get("skip_reason") == "spike"

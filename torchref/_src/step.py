@@ -28,6 +28,7 @@ from torchref._src.loss_scale import (
     all_finite,
 )
 from torchref._src.precision import get_policy
+from torchref._src.spikes import SkipSpikes
 from torchref._src.transforms import (
     SkipNonFinite,
     SkipNonFiniteState,
@@ -305,6 +306,14 @@ class TrainStep:
             raise TypeError(
                 f"model must be a torch.nn.Module, got {type(model).__name__}"
             )
+        self.spikes = None
+        if isinstance(optimizer, SkipSpikes):
+            if not optimizer.plain:
+                raise TypeError(
+                    "TrainStep takes skip_spikes(plain_optimizer) (it checks, clips "
+                    "and skips itself), not skip_spikes around a torchref wrapper"
+                )
+            self.spikes, optimizer = optimizer, optimizer.optimizer.optimizer
         if isinstance(optimizer, SkipNonFinite):
             raise TypeError(
                 "pass the plain torch optimizer (TrainStep skips non-finite steps "
@@ -437,7 +446,11 @@ class TrainStep:
             was applied: gradients and what the step wrote all finite),
             "grads_finite": bool (the loss and the gradients; the flag the
             loss scale reacts to), "skipped_total": int}`` plus ``"aux"`` when
-            `loss_fn` returns ``(loss, aux)``.
+            `loss_fn` returns ``(loss, aux)``, and ``"spike": bool`` when the
+            optimizer is ``torchref.transforms.skip_spikes(optimizer)`` (its
+            window sees the pre-clip norm and the loss; a spike skips
+            ``optimizer.step()`` and leaves the loss scale to the gradients'
+            flag, as the JAX step does).
         """
         if self._stage != "ready":
             raise RuntimeError(
@@ -486,7 +499,6 @@ class TrainStep:
             auxes.append(aux)
         # Under DDP/FSDP2 the losses are already the global ones (`share`): a
         # non-finite loss on one rank is one on every rank.
-        local_loss = losses[0] if k is None else torch.stack(losses).mean()
         if scaler is not None:
             scaler.unscale_(opt)
         self._stage = "check"
@@ -506,19 +518,30 @@ class TrainStep:
             grad_norm = self.clip(params)
         else:
             grad_norm = global_norm(grads)
+        loss_value = losses[0] if k is None else torch.stack(losses).mean()
+        spike, spike_values = False, None
+        if self.spikes is not None:
+            # The pre-clip norm and the loss against the window of applied
+            # steps (jaxstable: the step passes value=loss to skip_spikes).
+            _, spike, spike_values = self.spikes._decision.check(
+                grad_norm, loss_value, finite
+            )
         self._stage = "optimizer step"
-        undo = finite and self.check_update
+        undo = finite and not spike and self.check_update
         if undo:
             self._undo.take(opt)
         if self._scaler_enabled():
-            scaler.step(opt)  # GradScaler skips optimizer.step() on inf/NaN
-            scaler.update()
-        elif finite:
+            if not spike:  # GradScaler skips optimizer.step() on inf/NaN
+                scaler.step(opt)
+            scaler.update()  # a spike is no overflow: the scale goes on
+        elif finite and not spike:
             opt.step()
-        applied = finite
+        applied = finite and not spike
         if undo and not self._undo.written_finite():
             self._undo.restore()
             applied = False
+        if self.spikes is not None:
+            self.spikes._decision.record(spike_values, spike, applied)
         self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
         # Buffers go back on a skipped step, and also when the forward wrote
         # a non-finite one on an applied step (a batch-norm running_var of
@@ -531,13 +554,15 @@ class TrainStep:
         self.steps_done += 1
         self._stage = "ready"
         metrics = {
-            "loss": float(local_loss),
+            "loss": float(loss_value),
             "grad_norm": float(grad_norm),
             "loss_scale": loss_scale,
             "finite": applied,
             "grads_finite": bool(finite),
             "skipped_total": int(self.skip_state.skipped_total),
         }
+        if self.spikes is not None:
+            metrics["spike"] = bool(spike)
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics
@@ -583,7 +608,15 @@ class TrainStep:
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "skip_state": dataclasses.asdict(self.skip_state),
             "steps_done": self.steps_done,
-        }
+        } | ({} if self.spikes is None else {"spike_state": self._spikes_dict()})
+
+    def _spikes_dict(self) -> dict[str, Any]:
+        return self.spike_state.state_dict()
+
+    @property
+    def spike_state(self) -> Any:
+        """The spike guard's `SkipSpikesState` (None without `skip_spikes`)."""
+        return None if self.spikes is None else self.spikes.spike_state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of `state_dict`.
@@ -617,6 +650,8 @@ class TrainStep:
             self.scaler.load_state_dict(state["scaler"])
         self.skip_state = SkipNonFiniteState(**state["skip_state"])
         self.steps_done = int(state["steps_done"])
+        if self.spikes is not None and "spike_state" in state:
+            self.spike_state.load_state_dict(state["spike_state"])
 
 
 def _scaler_kind(saved: dict[str, Any]) -> str:

@@ -223,7 +223,7 @@ def test_invalid_arguments():
     step = train.TrainStep(model, opt, _mse)
     with pytest.raises(
         ValueError,
-        match=r"nan_policy must be one of \('skip', 'stop', 'rollback'\)",
+        match=r"nan_policy must be one of \('skip', 'stop', 'rollback', 'rewind'\)",
     ):
         train.fit(step, [], nan_policy="ignore")
     for name in ("rollback_every", "max_rollbacks"):
@@ -564,7 +564,7 @@ def test_fit_rollback_options_are_accepted_with_other_policies():
         progress=False,
     )
     assert all("rolled_back" not in h for h in hist)
-    assert train.NAN_POLICIES == ("skip", "stop", "rollback")
+    assert train.NAN_POLICIES == ("skip", "stop", "rollback", "rewind")
 
 
 def _old_checkpoint(path, step):

@@ -203,13 +203,26 @@ def _ce_stats(logits, safe_labels, weights):
     return m, jnp.log(sum_exp), gap_w, gap_y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ce_rows(logits, labels, weights, ignore_index, smoothing):
+def _check_z_loss(z_loss) -> float:
+    """A finite Python number >= 0 (static: it selects the compiled terms)."""
+    # Same text as torchref.losses.
+    if isinstance(z_loss, bool) or not isinstance(z_loss, int | float | np.floating):
+        raise TypeError(
+            "z_loss must be a finite Python number >= 0 (static, e.g. 1e-4), "
+            f"got {type(z_loss).__name__}"
+        )
+    if not (np.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    return float(z_loss)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ce_rows(logits, labels, weights, ignore_index, smoothing, z_loss):
     """Per-element cross-entropy, class axis last, in the compute dtype."""
-    return _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing)[0]
+    return _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing, z_loss)[0]
 
 
-def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing):
+def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing, z_loss):
     n_classes = logits.shape[-1]
     ct = _compute_dtype(logits)
     valid, bad, safe = _label_masks(labels, n_classes, ignore_index)
@@ -223,13 +236,17 @@ def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing):
         # sum_c w_c (lse - x_c) = (lse - m) sum(w) + sum_c w_c (m - x_c) >= 0
         w_sum = n_classes if weights is None else jnp.sum(weights.astype(ct))
         loss = loss + (smoothing / n_classes) * (lse_m * w_sum + gap_w)
+    if z_loss:
+        lse = m + lse_m
+        w_y = 1.0 if weights is None else weights.astype(ct)[safe]
+        loss = loss + z_loss * w_y * jnp.square(lse)
     loss = jnp.where(valid, loss, 0.0)
     # An out-of-range label under jit: NaN, never a finite wrong loss.
     loss = jnp.where(bad, jnp.nan, loss)
     return loss, (logits, labels, weights, m, lse_m, gap_y)
 
 
-def _ce_rows_bwd(ignore_index, smoothing, res, g):
+def _ce_rows_bwd(ignore_index, smoothing, z_loss, res, g):
     logits, labels, weights, m, lse_m, gap_y = res
     n_classes = logits.shape[-1]
     ct = _compute_dtype(logits)
@@ -246,6 +263,9 @@ def _ce_rows_bwd(ignore_index, smoothing, res, g):
     z = logits.astype(ct) - m[..., None]
     p = jnp.exp(z - lse_m[..., None])  # softmax, recomputed in float32 (or 64)
     coef = g * ((1.0 - smoothing) * w_y + smoothing * w_sum / n_classes)
+    if z_loss:
+        # d (z w_y lse**2) / d x_c = 2 z w_y lse p_c: every column, as p's.
+        coef = coef + g * (2.0 * z_loss) * w_y * (m + lse_m)
     onehot = jnp.arange(n_classes) == safe[..., None]
     # The label column from the saved m - x_y (same value as p there). Using
     # this residual also keeps the forward's sum a multi-output reduction,
@@ -267,7 +287,10 @@ def _ce_rows_bwd(ignore_index, smoothing, res, g):
             + m
             - jnp.take_along_axis(logits, safe[..., None], -1)[..., 0].astype(ct)
         )
-        gz = jnp.where(valid, g, 0.0) * (1.0 - smoothing) * nll_raw
+        per_label = (1.0 - smoothing) * nll_raw
+        if z_loss:
+            per_label = per_label + z_loss * jnp.square(m + lse_m)
+        gz = jnp.where(valid, g, 0.0) * per_label
         d_w = jnp.zeros((n_classes,), ct).at[safe.ravel()].add(gz.ravel())
         if smoothing:
             lse_minus_x = lse_m[..., None] - z
@@ -301,6 +324,7 @@ def softmax_cross_entropy(
     label_smoothing: float = 0.0,
     weights: Array | None = None,
     reduction: str = "mean",
+    z_loss: float = 0.0,
 ) -> jax.Array:
     r"""Cross-entropy with integer labels, computed in at least float32.
 
@@ -311,6 +335,14 @@ def softmax_cross_entropy(
         lse   = log sum_c exp(x_c)
         l_n   = (1 - s) w_y (lse - x_y) + (s / C) sum_c w_c (lse - x_c)
         mean  = sum_n l_n / sum_n w_{y_n}     (ignored elements excluded)
+
+    With ``z_loss = z > 0`` (PaLM's auxiliary loss, which keeps the
+    log-partition ``lse`` near 0 and so the output logits from drifting):
+    ``l_n += z w_{y_n} lse_n**2``, from the float32 ``lse`` the loss already
+    computes; it is reduced with the loss (ignored elements add nothing,
+    "mean" divides by the same ``sum_n w_{y_n}``), so the mean is the CE
+    mean plus ``z`` times the (weighted) mean of ``lse**2``. Its gradient
+    ``2 z w_y lse softmax(x)`` joins the custom backward (no second pass).
 
     Deviation from torch (documented, tested): a mean over zero valid
     elements (every label ignored, or an empty batch) is 0.0 with a zero
@@ -336,6 +368,8 @@ def softmax_cross_entropy(
       label_smoothing: ``s`` in [0, 1] (a Python number, static).
       weights: optional per-class weights, shape ``(C,)``.
       reduction: "mean", "sum" or "none" (per-element losses).
+      z_loss: coefficient ``z`` of ``lse**2``, a finite Python number >= 0
+        (static; 1e-4 in PaLM). 0 adds nothing.
 
     Returns:
       float32 scalar (or per-element array for reduction="none"); float64
@@ -363,8 +397,14 @@ def softmax_cross_entropy(
       ...                                     ignore_index=255)
       >>> print(loss.dtype, float(loss))
       float32 3000.0
+      >>> # z-loss: + z * logsumexp(x)**2 = 1e-4 * (2 + log 2)**2 here
+      >>> z = losses.softmax_cross_entropy(jnp.full((1, 2), 2.0), jnp.array([0]),
+      ...                                  z_loss=1e-4)
+      >>> round(float(z) - float(jnp.log(2.0)), 6)
+      0.000725
     """
     _check_reduction(reduction)
+    z_loss = _check_z_loss(z_loss)
     if isinstance(labels, (np.ndarray, np.generic, int, list, tuple)):
         # Keep numpy/Python labels as given for the range check below: with
         # x64 off, jnp.asarray wraps an int64 2**32 + 1 to 1, a valid class.
@@ -414,7 +454,7 @@ def softmax_cross_entropy(
             raise ValueError(_bad_label_message(lab[bad], n_classes, ignore_index))
 
     x = jnp.moveaxis(logits, axis, -1)
-    per_elem = _ce_rows(x, labels, weights, ignore_index, smoothing)
+    per_elem = _ce_rows(x, labels, weights, ignore_index, smoothing, z_loss)
     if reduction == "none":
         return per_elem
     total = jnp.sum(per_elem)

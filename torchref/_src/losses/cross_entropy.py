@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +51,7 @@ def softmax_cross_entropy(
     label_smoothing: float = 0.0,
     weights: torch.Tensor | None = None,
     reduction: str = "mean",
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
     r"""``F.cross_entropy`` on a float32 (at least) upcast of the logits, any class dim.
 
@@ -62,6 +65,12 @@ def softmax_cross_entropy(
     ``F.cross_entropy``'s value; a zero one, with valid elements, gives NaN
     (``F.cross_entropy``: +-inf or NaN, a division by 0), never 0.0.
 
+    With ``z_loss = z > 0`` (PaLM): ``l += z w_y lse**2`` with ``lse =
+    torch.logsumexp`` of the float32 upcast, reduced with the loss (ignored
+    elements add nothing, "mean" divides by the same ``sum w_y``), as
+    `jaxstable.losses.softmax_cross_entropy` does. ``F.cross_entropy`` does
+    not return its ``lse``, so this costs one more pass over the logits.
+
     Precision: float32; float64 for float64 ``logits`` (the module
     docstring's rule).
 
@@ -73,6 +82,8 @@ def softmax_cross_entropy(
       label_smoothing: ``s`` in [0, 1].
       weights: optional per-class weights, shape ``(C,)``.
       reduction: "mean", "sum" or "none".
+      z_loss: coefficient ``z`` of ``lse**2``, a finite Python number >= 0
+        (1e-4 in PaLM). 0 adds nothing.
 
     Returns:
       float32 scalar (per-element float32 tensor for "none"); float64 for
@@ -99,8 +110,14 @@ def softmax_cross_entropy(
       ...                                     ignore_index=255)
       >>> print(loss.dtype, float(loss))
       torch.float32 3000.0
+      >>> # z-loss: + z * logsumexp(x)**2 = 1e-4 * (2 + log 2)**2 here
+      >>> z = losses.softmax_cross_entropy(torch.full((1, 2), 2.0), torch.tensor([0]),
+      ...                                  z_loss=1e-4)
+      >>> round(float(z) - math.log(2.0), 6)
+      0.000725
     """
     _check_reduction(reduction)
+    z_loss = _check_z_loss(z_loss)
     logits, labels, weights = _as_tensors(logits=logits, labels=labels, weights=weights)
     _check_float("logits", logits)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
@@ -153,11 +170,28 @@ def softmax_cross_entropy(
         x, labels, weight=weights, ignore_index=ii, label_smoothing=smoothing,
         reduction=torch_red,
     )  # fmt: skip
+    valid = labels != ii
+    if z_loss:
+        lse = torch.logsumexp(x, dim=1 if x.ndim > 1 else 0)
+        w_y = 1.0 if weights is None else weights[torch.where(valid, labels, 0)]
+        z_term = torch.where(valid, z_loss * w_y * lse.square(), 0.0)
+        out = out + (z_term if reduction == "none" else z_term.sum())
     if reduction != "mean":
         return out
-    valid = labels != ii
     if weights is None:
         return _masked_mean(out, valid.sum().to(out.dtype))
     w_y = weights[torch.where(valid, labels, 0)]
     w_sum = torch.where(valid, w_y, torch.zeros_like(w_y)).sum()
     return _weighted_mean(out, valid.sum(), w_sum)
+
+
+def _check_z_loss(z_loss) -> float:
+    """A finite Python number >= 0. Same text as jaxstable.losses."""
+    if isinstance(z_loss, bool) or not isinstance(z_loss, int | float):
+        raise TypeError(
+            "z_loss must be a finite Python number >= 0 (static, e.g. 1e-4), "
+            f"got {type(z_loss).__name__}"
+        )
+    if not (math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    return float(z_loss)

@@ -1,0 +1,343 @@
+"""A loss-spike guard: skip a step whose gradient norm or loss is an outlier.
+
+`skip_spikes` keeps, in its optax state, a window of the log gradient norms
+(and losses) of recently APPLIED steps and refuses a step whose value lies
+far above their median, measured in robust deviations (median absolute
+deviation). Everything is a select (`jnp.where`): no ``conditional``, no
+host transfer. `torchref.transforms.skip_spikes` decides the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxstable._src.transforms import (
+    SkipNonFiniteState,
+    _check_optimizer,
+    global_norm,
+    skip_non_finite,
+)
+
+__all__ = ["SkipSpikesState", "find_spike_state", "skip_spikes"]
+
+# 1 / Phi^-1(3/4): the median absolute deviation of a normal sample times
+# this is its standard deviation, so `threshold` reads in sigmas.
+_MAD_TO_SIGMA = 1.482602218505602
+# Norms are compared as logs; a norm of exactly 0 is taken as float32's
+# smallest normal (log = -87.3), not log(0) = -inf.
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+class SkipSpikesState(NamedTuple):
+    """State of `skip_spikes`.
+
+    Attributes:
+      inner_state: the guarded optimizer's state (a `SkipNonFiniteState`, or
+        one inside `optax.inject_hyperparams`); unchanged by a skipped step
+        except for its skip counters, which count spikes too.
+      log_norms: float32 ``[window]``, ``log(global_norm(grads))`` of the
+        latest applied steps (a ring buffer; 0 in slots not yet written, so
+        the state stays finite).
+      losses: float32 ``[window]``, the losses (``value=``) of the latest
+        applied steps, 0 in slots not yet written.
+      norm_count: int32, values in ``log_norms`` (at most ``window``).
+      loss_count: int32, values in ``losses`` (steps given ``value=``).
+      position: int32, the slot the next applied step writes.
+      spikes_total: int32, steps skipped as spikes so far.
+      last_spike: bool, whether the latest step was skipped as a spike.
+      last_finite: bool, whether the latest step was applied (the field the
+        train step and `find_skip_state` users read on every guard).
+    """
+
+    inner_state: Any
+    log_norms: jax.Array
+    losses: jax.Array
+    norm_count: jax.Array
+    loss_count: jax.Array
+    position: jax.Array
+    spikes_total: jax.Array
+    last_spike: jax.Array
+    last_finite: jax.Array
+
+
+def _median(sorted_values: jax.Array, count: jax.Array) -> jax.Array:
+    """Median of the first ``count`` entries of an ascending array (NaNs sort
+    last, so they are the padding); NaN when ``count`` is 0."""
+    lo = jnp.maximum((count - 1) // 2, 0)
+    hi = jnp.maximum(count // 2, 0)
+    mid = (sorted_values[lo] + sorted_values[hi]) * jnp.float32(0.5)
+    return jnp.where(count > 0, mid, jnp.float32(jnp.nan))
+
+
+def _robust_stats(buffer: jax.Array, count: jax.Array):
+    """``(median, sigma)`` of the first ``count`` slots of ``buffer``:
+    sigma = 1.4826 * median(|x - median|). Sort-based, static shapes: the
+    unused slots are NaN in the sorted copy, which puts them last."""
+    filled = jnp.arange(buffer.shape[0]) < count
+    window = jnp.where(filled, buffer, jnp.float32(jnp.nan))
+    med = _median(jnp.sort(window), count)
+    mad = _median(jnp.sort(jnp.abs(window - med)), count)
+    return med, jnp.float32(_MAD_TO_SIGMA) * mad
+
+
+def _is_outlier(x, buffer, count, min_history, threshold, floor):
+    """Whether ``x`` exceeds the window's median by more than
+    ``max(threshold * sigma, floor)`` while it holds >= ``min_history``
+    values. No division: a window of equal values (sigma 0) is fine."""
+    med, sigma = _robust_stats(buffer, count)
+    margin = jnp.maximum(jnp.float32(threshold) * sigma, floor(med))
+    return jnp.logical_and(count >= min_history, x - med > margin)
+
+
+def _push(window: jax.Array, position: jax.Array, x: jax.Array, keep: jax.Array):
+    return jnp.where(keep, window.at[position].set(x), window)
+
+
+def _grow(count: jax.Array, applied: jax.Array, window: int) -> jax.Array:
+    return jnp.minimum(count + applied, window).astype(jnp.int32)
+
+
+def _guarded(state: Any) -> bool:
+    if isinstance(state, SkipNonFiniteState):
+        return True
+    inject = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    return isinstance(state, inject) and isinstance(
+        state.inner_state, SkipNonFiniteState
+    )
+
+
+def _applied(inner_state: Any) -> jax.Array:
+    if isinstance(inner_state, SkipNonFiniteState):
+        return inner_state.last_finite
+    return inner_state.inner_state.last_finite
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+    return int(value)
+
+
+def _check_positive(name: str, value: Any, low: float, strict: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+        raise TypeError(f"{name} must be a finite float, got {value!r}")
+    value = float(value)
+    bad = not np.isfinite(value) or (value <= low if strict else value < low)
+    if bad:
+        op = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite float {op} {low}, got {value}")
+    return value
+
+
+def _check_spike_args(window, min_history, threshold, min_ratio):
+    """Validates `skip_spikes`' options (same texts in torchref)."""
+    window = _check_int("window", window, 1)
+    min_history = _check_int("min_history", min_history, 1)
+    if min_history > window:
+        raise ValueError(
+            f"min_history ({min_history}) must be <= window ({window}): the "
+            "window holds at most `window` values, so spikes would never be "
+            "checked"
+        )
+    threshold = _check_positive("threshold", threshold, 0.0, True)
+    min_ratio = _check_positive("min_ratio", min_ratio, 1.0, False)
+    return window, min_history, threshold, min_ratio
+
+
+def skip_spikes(
+    inner: optax.GradientTransformation,
+    *,
+    window: int = 128,
+    min_history: int = 16,
+    threshold: float = 6.0,
+    min_ratio: float = 1.5,
+) -> optax.GradientTransformationExtraArgs:
+    """Skips a step whose gradient norm (or loss) spikes above recent steps.
+
+    The statistics are robust ones over a window of the latest APPLIED
+    steps, kept in the state (a ring buffer of ``window`` float32 slots and
+    a count: the state holds only finite values)::
+
+        x      = log(max(global_norm(grads), tiny))
+        med    = median(window);  sigma = 1.4826 * median(|window - med|)
+        spike  = count(window) >= min_history
+                 and x - med > max(threshold * sigma, log(min_ratio))
+
+    and the same for the loss when the step passes ``value=loss`` (as
+    `jaxstable.train.make_train_step` does), on raw values with the floor
+    ``(min_ratio - 1) * |median|`` (pass ``value=`` on every step or on
+    none: the losses share the norms' ring position). A step is applied
+    only when it is no spike and its gradients, its loss and what it
+    writes are finite; only then do its values enter the window. So a
+    NaN, an inf or a spike never enters the statistics, and there is no
+    unguarded warm-up: while the window holds fewer than ``min_history``
+    values steps are not spike-checked but non-finite ones are still
+    refused.
+
+    Why median/MAD on logs and not OLMo-core's mean + k sigma of raw values:
+    one spike of 1e4 in a window of norms near 1 moves the mean by 1e4 /
+    window and the deviation by ~1e4 / sqrt(window), so the next spikes pass
+    (masking), while the median and MAD move by at most one rank; norms are
+    log-normal-ish (they vary by factors), so logs make "6 sigma" a factor.
+    The floor ``min_ratio`` keeps a very steady window (sigma near 0, e.g.
+    a repeated batch) from calling a 1 % rise a spike.
+
+    The guard hands its decision to the guarded optimizer as
+    ``grads_finite=False``: the inner `skip_non_finite` then leaves the
+    optimizer state (Adam's moments and count) untouched and counts the step
+    in its ``skipped_total`` (so `find_skip_state` sees spikes too), and the
+    train step reports ``finite=False``, ``spike=True``. Order with
+    `stable_optimizer`: ``skip_spikes(stable_optimizer(opt, max_grad_norm=...))``
+    (the guard outermost sees the pre-clip norm; inside the chain it would see
+    the clipped one). A plain optimizer is guarded with
+    ``skip_non_finite(inner)`` for you.
+
+    Args:
+      inner: the optimizer to guard, typically
+        ``stable_optimizer(optax.adamw(...), max_grad_norm=1.0)``.
+      window: how many applied steps the statistics cover, int >= 1.
+      min_history: values needed in the window before a step can be called a
+        spike, 1 <= min_history <= window.
+      threshold: robust deviations (sigmas) above the median that make a
+        spike, > 0.
+      min_ratio: a spike is also at least this factor above the median norm
+        (and the loss this factor above its median, for a positive loss),
+        >= 1.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` with state `SkipSpikesState`;
+      ``update`` accepts ``grads_finite=`` (reused as the gradients' flag) and
+      ``value=`` (the loss); other extra args go to ``inner``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import transforms
+      >>> tx = transforms.skip_spikes(transforms.stable_optimizer(optax.sgd(0.1)),
+      ...                             window=8, min_history=3)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> seen = []
+      >>> for g in [1.0, 1.1, 0.9, 1.0, 50.0, jnp.nan, 1.05]:
+      ...     u, state = tx.update(jnp.array([g, 0.0]), state)
+      ...     seen.append("spike" if state.last_spike else
+      ...                 "applied" if state.last_finite else "non-finite")
+      >>> seen
+      ['applied', 'applied', 'applied', 'applied', 'spike', 'non-finite', 'applied']
+      >>> int(state.spikes_total), int(transforms.find_skip_state(state).skipped_total)
+      (1, 2)
+    """
+    _check_optimizer(inner, "skip_spikes")
+    window, min_history, threshold, min_ratio = _check_spike_args(
+        window, min_history, threshold, min_ratio
+    )
+    inner = optax.with_extra_args_support(inner)
+    wrapped = skip_non_finite(inner)
+    log_ratio = float(np.log(min_ratio))
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        if not _guarded(inner_state):
+            inner_state = wrapped.init(params)
+        empty = jnp.zeros([window], jnp.float32)
+        zero = jnp.zeros([], jnp.int32)
+        return SkipSpikesState(
+            inner_state=inner_state,
+            log_norms=empty,
+            losses=empty,
+            norm_count=zero,
+            loss_count=zero,
+            position=jnp.zeros([], jnp.int32),
+            spikes_total=jnp.zeros([], jnp.int32),
+            last_spike=jnp.zeros([], jnp.bool_),
+            last_finite=jnp.ones([], jnp.bool_),
+        )
+
+    def guard_of(updates, inner_state):
+        # Which transformation made inner_state: `inner` itself when it
+        # guards (stable_optimizer), else our `skip_non_finite(inner)`.
+        # Decided from shapes at trace time, no runtime cost.
+        own = jax.eval_shape(inner.init, updates)
+        same = jax.tree.structure(own) == jax.tree.structure(inner_state)
+        return inner if same and _guarded(own) else wrapped
+
+    def update_fn(updates, state, params=None, *, grads_finite=None, value=None,
+                  **extra_args):  # fmt: skip
+        norm = global_norm(updates)
+        finite = jnp.isfinite(norm)
+        if grads_finite is not None:
+            finite = jnp.logical_and(finite, jnp.asarray(grads_finite, jnp.bool_))
+        x = jnp.log(jnp.maximum(norm, jnp.float32(_TINY)))
+        spike = _is_outlier(
+            x, state.log_norms, state.norm_count, min_history, threshold,
+            lambda med: jnp.float32(log_ratio),
+        )  # fmt: skip
+        if value is not None:
+            loss = jnp.asarray(value, jnp.float32)
+            finite = jnp.logical_and(finite, jnp.isfinite(loss))
+            loss_spike = _is_outlier(
+                loss, state.losses, state.loss_count, min_history, threshold,
+                lambda med: jnp.float32(min_ratio - 1.0) * jnp.abs(med),
+            )  # fmt: skip
+            spike = jnp.logical_or(spike, loss_spike)
+            extra_args["value"] = value
+        spike = jnp.logical_and(spike, finite)
+        guard = guard_of(updates, state.inner_state)
+        new_updates, inner_state = guard.update(
+            updates,
+            state.inner_state,
+            params,
+            grads_finite=jnp.logical_and(finite, jnp.logical_not(spike)),
+            **extra_args,
+        )
+        applied = _applied(inner_state)
+        pos = state.position
+        losses, loss_count = state.losses, state.loss_count
+        if value is not None:
+            losses = _push(losses, pos, loss, applied)
+            loss_count = _grow(loss_count, applied, window)
+        return new_updates, SkipSpikesState(
+            inner_state=inner_state,
+            log_norms=_push(state.log_norms, pos, x, applied),
+            losses=losses,
+            norm_count=_grow(state.norm_count, applied, window),
+            loss_count=loss_count,
+            position=jnp.where(applied, (pos + 1) % window, pos).astype(jnp.int32),
+            spikes_total=(state.spikes_total + spike).astype(jnp.int32),
+            last_spike=spike,
+            last_finite=applied,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def find_spike_state(opt_state: Any) -> SkipSpikesState | None:
+    """The first `SkipSpikesState` inside `opt_state` (depth first), or None.
+
+    Args:
+      opt_state: an optimizer state pytree.
+
+    Returns:
+      The `SkipSpikesState`, or None when there is none.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxstable import transforms
+      >>> tx = transforms.skip_spikes(optax.sgd(0.1))
+      >>> int(transforms.find_spike_state(tx.init(jnp.zeros(2))).spikes_total)
+      0
+      >>> transforms.find_spike_state(optax.sgd(0.1).init(jnp.zeros(2))) is None
+      True
+    """
+    found = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, SkipSpikesState)
+    )
+    for node in found:
+        if isinstance(node, SkipSpikesState):
+            return node
+    return None

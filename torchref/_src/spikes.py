@@ -1,0 +1,365 @@
+"""A loss-spike guard for PyTorch optimizers, mirroring `jaxstable.transforms`.
+
+`skip_spikes` wraps an optimizer (guarded with `skip_non_finite` when it is
+not already) and refuses a step whose gradient norm or loss lies far above
+the median of a window of recently APPLIED steps, in robust deviations
+(median absolute deviation). The statistics are the JAX guard's, computed
+with the same float32 operations (a sort over a NaN-padded window).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchref._src.transforms import (
+    SkipNonFinite,
+    SkipNonFiniteState,
+    _check_optimizer,
+    global_norm,
+    skip_non_finite,
+)
+
+__all__ = ["SkipSpikes", "SkipSpikesState", "find_spike_state", "skip_spikes"]
+
+# As in jaxstable.transforms.skip_spikes: MAD * 1.4826 is a normal sample's
+# sigma; a norm of 0 is taken as float32's smallest normal (log -87.3).
+_MAD_TO_SIGMA = 1.482602218505602
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _median(sorted_values: torch.Tensor, count: int) -> torch.Tensor:
+    if count == 0:
+        return torch.tensor(float("nan"))
+    lo, hi = max((count - 1) // 2, 0), max(count // 2, 0)
+    return (sorted_values[lo] + sorted_values[hi]) * torch.tensor(0.5)
+
+
+def _robust_stats(buffer: torch.Tensor, count: int):
+    """``(median, sigma)`` of the first ``count`` slots (the others NaN in
+    the sorted copy, so last), as `jaxstable`'s `_robust_stats`."""
+    window = buffer.clone()
+    window[count:] = float("nan")
+    med = _median(torch.sort(window).values, count)
+    mad = _median(torch.sort(torch.abs(window - med)).values, count)
+    return med, torch.tensor(_MAD_TO_SIGMA, dtype=torch.float32) * mad
+
+
+class SkipSpikesState:
+    """The spike guard's window and counters (same fields as the JAX state).
+
+    Attributes:
+        log_norms: float32 ``[window]`` tensor, ``log(global_norm(grads))``
+            of the latest applied steps (ring buffer; 0 where not written).
+        losses: float32 ``[window]``, their losses (when given).
+        norm_count: values in `log_norms` (at most the window).
+        loss_count: values in `losses`.
+        position: the slot the next applied step writes.
+        spikes_total: steps skipped as spikes so far.
+        last_spike: whether the latest step was skipped as a spike.
+        last_finite: whether the latest step was applied.
+
+    Example:
+        >>> s = SkipSpikesState(window=4)
+        >>> s.log_norms.tolist(), s.norm_count, s.spikes_total, s.last_finite
+        ([0.0, 0.0, 0.0, 0.0], 0, 0, True)
+    """
+
+    def __init__(self, window: int) -> None:
+        self.log_norms = torch.zeros(window, dtype=torch.float32)
+        self.losses = torch.zeros(window, dtype=torch.float32)
+        self.norm_count = self.loss_count = self.position = 0
+        self.spikes_total = 0
+        self.last_spike = False
+        self.last_finite = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field, for a checkpoint."""
+        return {
+            "log_norms": self.log_norms.clone(),
+            "losses": self.losses.clone(),
+            "norm_count": self.norm_count,
+            "loss_count": self.loss_count,
+            "position": self.position,
+            "spikes_total": self.spikes_total,
+            "last_spike": self.last_spike,
+            "last_finite": self.last_finite,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Inverse of `state_dict` (a window of another length is refused)."""
+        if saved["log_norms"].shape != self.log_norms.shape:
+            raise ValueError(
+                f"the saved spike window has {saved['log_norms'].shape[0]} slots, "
+                f"this guard {self.log_norms.shape[0]}: build it with the same "
+                "window"
+            )
+        self.log_norms = saved["log_norms"].clone().float()
+        self.losses = saved["losses"].clone().float()
+        self.norm_count = int(saved["norm_count"])
+        self.loss_count = int(saved["loss_count"])
+        self.position = int(saved["position"])
+        self.spikes_total = int(saved["spikes_total"])
+        self.last_spike = bool(saved["last_spike"])
+        self.last_finite = bool(saved["last_finite"])
+
+
+# Same checks and texts as jaxstable.transforms.skip_spikes.
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+    return int(value)
+
+
+def _check_positive(name: str, value: Any, low: float, strict: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a finite float, got {value!r}")
+    value = float(value)
+    bad = not math.isfinite(value) or (value <= low if strict else value < low)
+    if bad:
+        op = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite float {op} {low}, got {value}")
+    return value
+
+
+def _check_spike_args(window, min_history, threshold, min_ratio):
+    """Validates `skip_spikes`' options (same texts in torchref)."""
+    window = _check_int("window", window, 1)
+    min_history = _check_int("min_history", min_history, 1)
+    if min_history > window:
+        raise ValueError(
+            f"min_history ({min_history}) must be <= window ({window}): the "
+            "window holds at most `window` values, so spikes would never be "
+            "checked"
+        )
+    threshold = _check_positive("threshold", threshold, 0.0, True)
+    min_ratio = _check_positive("min_ratio", min_ratio, 1.0, False)
+    return window, min_history, threshold, min_ratio
+
+
+class _Decision:
+    """The spike test and the window update, shared by `SkipSpikes` and
+    `torchref.train.TrainStep`."""
+
+    def __init__(self, window, min_history, threshold, min_ratio):
+        self.window, self.min_history, self.threshold, self.min_ratio = (
+            _check_spike_args(window, min_history, threshold, min_ratio)
+        )
+        self.state = SkipSpikesState(self.window)
+
+    def _outlier(self, x, buffer, count, floor) -> bool:
+        med, sigma = _robust_stats(buffer, count)
+        threshold = torch.tensor(self.threshold, dtype=torch.float32)
+        margin = torch.maximum(threshold * sigma, floor(med))
+        return count >= self.min_history and bool(x - med > margin)
+
+    def check(self, norm: Any, value: Any, finite: bool) -> tuple[bool, bool, Any]:
+        """``(finite, spike, (x, loss))`` of a step with gradient norm `norm`
+        and loss `value` (None: not checked)."""
+        norm = torch.as_tensor(norm, dtype=torch.float32).detach().cpu()
+        finite = bool(finite) and bool(torch.isfinite(norm))
+        x = torch.log(torch.clamp(norm, min=_TINY))
+        log_ratio = torch.tensor(math.log(self.min_ratio), dtype=torch.float32)
+        spike = finite and self._outlier(
+            x, self.state.log_norms, self.state.norm_count, lambda m: log_ratio
+        )
+        loss = None
+        if value is not None:
+            loss = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
+            finite = finite and bool(torch.isfinite(loss))
+            rel = torch.tensor(self.min_ratio - 1.0, dtype=torch.float32)
+            spike = spike or self._outlier(
+                loss,
+                self.state.losses,
+                self.state.loss_count,
+                lambda m: rel * torch.abs(m),
+            )
+            spike = spike and finite
+        return finite, spike, (x, loss)
+
+    def record(self, values: Any, spike: bool, applied: bool) -> None:
+        """Counts the step; an applied one enters the window."""
+        s = self.state
+        x, loss = values
+        s.last_spike, s.last_finite = bool(spike), bool(applied)
+        s.spikes_total += int(spike)
+        if applied:
+            s.log_norms[s.position] = x
+            s.norm_count = min(s.norm_count + 1, self.window)
+            if loss is not None:
+                s.losses[s.position] = loss
+                s.loss_count = min(s.loss_count + 1, self.window)
+            s.position = (s.position + 1) % self.window
+
+
+class SkipSpikes:
+    """An optimizer wrapper that skips spikes and non-finite steps.
+
+    Made by `skip_spikes`. `optimizer` is the guarded wrapper (a
+    `SkipNonFinite`); `spike_state` holds the window and counters,
+    `skip_state` the guard's skip counters (spikes included).
+
+    Example:
+        >>> import torch
+        >>> from torchref import transforms
+        >>> w = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = transforms.skip_spikes(torch.optim.SGD([w], lr=0.1),
+        ...                              window=4, min_history=2)
+        >>> for g in [1.0, 1.0, 100.0]:
+        ...     w.grad = torch.tensor([g])
+        ...     opt.step()
+        >>> opt.spike_state.spikes_total, opt.skip_state.skipped_total
+        (1, 1)
+    """
+
+    def __init__(self, optimizer, window, min_history, threshold, min_ratio):
+        _check_optimizer(optimizer, "skip_spikes")
+        self.plain = not isinstance(optimizer, SkipNonFinite)
+        self.optimizer = skip_non_finite(optimizer) if self.plain else optimizer
+        self._decision = _Decision(window, min_history, threshold, min_ratio)
+
+    @property
+    def spike_state(self) -> SkipSpikesState:
+        """The window and the spike counters."""
+        return self._decision.state
+
+    @property
+    def skip_state(self) -> SkipNonFiniteState:
+        """The guard's skip counters (every skipped step, spikes included)."""
+        return self.optimizer.skip_state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's `zero_grad`."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        grads_finite: bool | None = None,
+        value: Any = None,
+    ):
+        """Steps unless the step is a spike or non-finite.
+
+        Args:
+            closure: evaluated first (under grad); its loss is `value` when
+                `value` is None.
+            grads_finite: the gradients' finiteness flag, when computed.
+            value: the step's loss (checked for spikes too), or None.
+
+        Returns:
+            The closure's loss (or None).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            value = loss if value is None else value
+        norm = global_norm(self.optimizer.grads())
+        finite = True if grads_finite is None else bool(grads_finite)
+        finite, spike, values = self._decision.check(norm, value, finite)
+        self.optimizer.step(grads_finite=finite and not spike)
+        self._decision.record(values, spike, self.skip_state.last_finite)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guarded optimizer's state dict plus the spike window."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "spike_state": self.spike_state.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.spike_state.load_state_dict(state_dict["spike_state"])
+
+
+def skip_spikes(
+    optimizer: Any,
+    *,
+    window: int = 128,
+    min_history: int = 16,
+    threshold: float = 6.0,
+    min_ratio: float = 1.5,
+) -> SkipSpikes:
+    """Skips a step whose gradient norm (or loss) spikes above recent steps.
+
+    Same rule as `jaxstable.transforms.skip_spikes` (see there for the
+    maths and why median/MAD on logs): over a window of the latest APPLIED
+    steps, ``x = log(max(norm, tiny))`` is a spike when the window holds
+    >= `min_history` values and ``x - median > max(threshold * 1.4826 *
+    MAD, log(min_ratio))``; the loss (``step(value=loss)``, or the closure's)
+    likewise on raw values with the floor ``(min_ratio - 1) * |median|``.
+    Non-finite and skipped steps never enter the window; non-finite steps
+    are refused from the first step. A spike is handed to the guard as
+    ``grads_finite=False``: the optimizer state is untouched and the step is
+    counted in ``skip_state.skipped_total``. A plain optimizer is guarded
+    with `skip_non_finite` for you; wrap a `stable_optimizer` to clip too
+    (the guard sees the pre-clip norm). `torchref.train.TrainStep` accepts
+    ``skip_spikes(plain_optimizer)`` as its optimizer and feeds it the loss.
+
+    Args:
+        optimizer: a `torch.optim.Optimizer` or a `SkipNonFinite` /
+            `StableOptimizer`.
+        window: how many applied steps the statistics cover, int >= 1.
+        min_history: values needed before a step can be a spike,
+            1 <= min_history <= window.
+        threshold: robust deviations above the median that make a spike, > 0.
+        min_ratio: a spike is also at least this factor above the median
+            norm, >= 1.
+
+    Returns:
+        A `SkipSpikes` wrapper.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(1))
+        >>> opt = skip_spikes(torch.optim.SGD([w], lr=1.0), window=8, min_history=3)
+        >>> seen = []
+        >>> for g in [1.0, 1.1, 0.9, 1.0, 50.0, float("nan"), 1.05]:
+        ...     w.grad = torch.tensor([g])
+        ...     opt.step()
+        ...     s = opt.spike_state
+        ...     seen.append("spike" if s.last_spike else
+        ...                 "applied" if s.last_finite else "non-finite")
+        >>> seen
+        ['applied', 'applied', 'applied', 'applied', 'spike', 'non-finite', 'applied']
+    """
+    return SkipSpikes(optimizer, window, min_history, threshold, min_ratio)
+
+
+def find_spike_state(obj: Any) -> SkipSpikesState | None:
+    """The `SkipSpikesState` of a `SkipSpikes` or a `TrainStep`, or None.
+
+    Args:
+        obj: a `SkipSpikes`, a `torchref.train.TrainStep`, or anything else.
+
+    Returns:
+        Its spike state, or None when it has none.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.zeros(1))
+        >>> find_spike_state(skip_spikes(torch.optim.SGD([w], lr=0.1))).spikes_total
+        0
+        >>> find_spike_state(torch.optim.SGD([w], lr=0.1)) is None
+        True
+    """
+    state = getattr(obj, "spike_state", None)
+    return state if isinstance(state, SkipSpikesState) else None
