@@ -1,0 +1,98 @@
+"""The Pallas cross-entropy kernel in interpret mode, against the XLA loss
+and torch's F.cross_entropy: values and gradients (issue 24)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jaxstable._src._ce_kernel import ce_kernel_applies, softmax_cross_entropy_rows
+from jaxstable.losses import softmax_cross_entropy
+
+IGNORE = -100
+
+
+def _case(n, c, dtype, seed):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    x = (jax.random.normal(kx, (n, c)) * 4).astype(dtype)
+    if n:
+        # kinks and extremes: a row of equal logits, a logit exactly 0, a
+        # row near the dtype's max (finite after the max shift).
+        x = x.at[0].set(0).at[min(1, n - 1), 0].set(0.0)
+        big = float(jnp.finfo(dtype).max) / 4
+        x = x.at[n - 1, c - 1].set(big)
+    y = jax.random.randint(ky, (n,), 0, c)
+    if n > 2:
+        y = y.at[2].set(IGNORE).at[n - 1].set(c - 1)
+    return x, y
+
+
+def _torch(x, y, w, eps, dtype):
+    xt = torch.tensor(np.asarray(x.astype(jnp.float32)), requires_grad=True)
+    wt = None if w is None else torch.tensor(np.asarray(w))
+    loss = F.cross_entropy(
+        xt,
+        torch.tensor(np.asarray(y), dtype=torch.long),
+        weight=wt,
+        ignore_index=IGNORE,
+        label_smoothing=eps,
+        reduction="none",
+    )
+    return loss, xt
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "dtype", "weighted", "eps"),
+    [
+        (8, 19, jnp.float32, False, 0.0),
+        (8, 19, jnp.float32, True, 0.1),
+        (5, 130, jnp.bfloat16, True, 0.0),  # 130 classes: a 256-wide block
+        (11, 7, jnp.float16, False, 0.2),  # 11 rows: a partial row block
+        (0, 19, jnp.float32, True, 0.1),  # zero rows
+    ],
+)
+def test_kernel_matches_xla_and_torch(n, c, dtype, weighted, eps):
+    x, y = _case(n, c, dtype, seed=n + c)
+    w = jnp.linspace(0.5, 2.0, c, dtype=jnp.float32) if weighted else None
+    kw = dict(ignore_index=IGNORE, label_smoothing=eps, weights=w)
+    upstream = jnp.arange(1, n + 1, dtype=jnp.float32)
+
+    def ours(x):
+        return softmax_cross_entropy_rows(x, y, interpret=True, **kw)
+
+    def xla(x):
+        return softmax_cross_entropy(x, y, reduction="none", **kw)
+
+    got, vjp = jax.vjp(ours, x)
+    want, vjp_ref = jax.vjp(xla, x)
+    (dx,) = vjp(upstream)
+    (dx_ref,) = vjp_ref(upstream)
+    assert got.dtype == jnp.float32 and dx.dtype == x.dtype
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        dx.astype(jnp.float32), dx_ref.astype(jnp.float32), rtol=tol, atol=tol
+    )
+    if n > 2:
+        assert float(got[2]) == 0.0 and not np.any(np.asarray(dx[2], np.float32))
+    # torch, on the same (already rounded) logits in float32.
+    lt, xt = _torch(x, y, None if w is None else np.asarray(w), eps, dtype)
+    lt.backward(torch.tensor(np.asarray(upstream)))
+    np.testing.assert_allclose(got, lt.detach().numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        dx.astype(jnp.float32), xt.grad.numpy(), rtol=tol, atol=tol
+    )
+
+
+def test_applies_only_where_the_kernel_runs():
+    x = jnp.zeros((4, 19))
+    on_gpu = jax.default_backend() == "gpu"
+    assert ce_kernel_applies(x) is on_gpu
+    assert ce_kernel_applies(x, interpret=True)
+    assert ce_kernel_applies(x, weights=jnp.ones(19), interpret=True)
+    assert not ce_kernel_applies(x, weights=jnp.ones(18), interpret=True)
+    assert not ce_kernel_applies(jnp.zeros((4, 0)), interpret=True)
+    assert not ce_kernel_applies(jnp.zeros((4, 20000)), interpret=True)
+    assert not ce_kernel_applies(jnp.zeros((4, 19), jnp.int32), interpret=True)
