@@ -96,3 +96,25 @@ def test_applies_only_where_the_kernel_runs():
     assert not ce_kernel_applies(jnp.zeros((4, 0)), interpret=True)
     assert not ce_kernel_applies(jnp.zeros((4, 20000)), interpret=True)
     assert not ce_kernel_applies(jnp.zeros((4, 19), jnp.int32), interpret=True)
+
+
+def test_last_axis_wrapper_matches_xla_with_a_bad_label_under_jit():
+    # The dispatch target of softmax_cross_entropy on a GPU: (..., C) logits,
+    # and a label outside [0, C) that is not ignored gives NaN there, as the
+    # XLA path does under jit (never a finite wrong loss).
+    x = jax.random.normal(jax.random.key(3), (2, 3, 6))
+    y = jnp.array([[0, 5, IGNORE], [9, 1, 2]])
+    from jaxstable._src._ce_kernel import softmax_cross_entropy_last_axis
+
+    got = jax.jit(
+        lambda x, y: softmax_cross_entropy_last_axis(
+            x, y, None, IGNORE, 0.1, interpret=True
+        )
+    )(x, y)
+    want = jax.jit(
+        lambda x, y: softmax_cross_entropy(
+            x, y, ignore_index=IGNORE, label_smoothing=0.1, reduction="none"
+        )
+    )(x, y)
+    assert np.isnan(got[1, 0]) and np.isnan(want[1, 0])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -37,13 +37,12 @@ logits. So it was not taken; its idea of keeping only the per-row
 log-sum-exp between forward and backward is the one used here (the
 backward recomputes ``p = exp(x - lse)`` instead of storing the softmax).
 
-Integration (not done here: `jaxstable/_src/losses/cross_entropy.py` is
-another helper's file): in `softmax_cross_entropy`, after the labels are
-checked and the class axis moved last, call
-``softmax_cross_entropy_rows(x2d, labels1d, ...)`` when
-``ce_kernel_applies(logits, ...)`` is True, the XLA path otherwise. On a
-CPU the kernel runs only in Pallas' interpret mode (tests), never by
-default. GPU speed: NOT measured (no GPU in the session that wrote this).
+Integration: `jaxstable.losses.softmax_cross_entropy`, after its checks
+and with the class axis moved last, calls `softmax_cross_entropy_last_axis`
+when ``ce_kernel_applies(x, weights=weights)`` (a GPU backend), its XLA
+``_ce_rows`` otherwise. On a CPU the kernel runs only in Pallas' interpret
+mode (tests), never by default. NOT yet run on a GPU: neither its Triton
+lowering nor its speed was checked (no GPU in the session that wrote it).
 """
 
 from __future__ import annotations
@@ -54,7 +53,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-__all__ = ["ce_kernel_applies", "softmax_cross_entropy_rows"]
+__all__ = [
+    "ce_kernel_applies",
+    "softmax_cross_entropy_last_axis",
+    "softmax_cross_entropy_rows",
+]
 
 # Rows per program. 8 rows of up to 4096 float32 classes keep a block's
 # working set (x, exp, w) well inside a GPU SM's registers + shared memory.
@@ -272,3 +275,39 @@ def softmax_cross_entropy_rows(
     return _rows(
         logits, labels.astype(jnp.int32), w, ignore, float(label_smoothing), interpret
     )
+
+
+def softmax_cross_entropy_last_axis(
+    x: jax.Array,
+    labels: jax.Array,
+    weights: jax.Array | None,
+    ignore_index: int | None,
+    label_smoothing: float,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """The per-element loss of ``(..., C)`` logits by the kernel, with the
+    XLA path's rule for a label outside ``[0, C)`` that is not ignored: NaN
+    for that element (so the guards see it), never a finite wrong loss.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.zeros((2, 1, 3))
+        >>> out = softmax_cross_entropy_last_axis(
+        ...     x, jnp.array([[0], [7]]), None, None, 0.0, interpret=True)
+        >>> [round(float(v), 4) for v in out.ravel()]
+        [1.0986, nan]
+    """
+    c = x.shape[-1]
+    rows = softmax_cross_entropy_rows(
+        x.reshape(-1, c),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        weights=weights,
+        interpret=interpret,
+    ).reshape(labels.shape)
+    bad = (labels < 0) | (labels >= c)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    return jnp.where(bad, jnp.nan, rows)

@@ -13,6 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from _stablecore.losses import check_reduction as _check_reduction
+from jaxstable._src._ce_kernel import (
+    ce_kernel_applies,
+    softmax_cross_entropy_last_axis,
+)
 from jaxstable._src.losses._checks import (
     Array,
     _as_arrays,
@@ -454,7 +458,13 @@ def softmax_cross_entropy(
             raise ValueError(_bad_label_message(lab[bad], n_classes, ignore_index))
 
     x = jnp.moveaxis(logits, axis, -1)
-    per_elem = _ce_rows(x, labels, weights, ignore_index, smoothing, z_loss)
+    # On a GPU the Pallas kernel; it has no z-loss term, so z_loss > 0 takes XLA's.
+    if ce_kernel_applies(x, weights=weights) and not z_loss:
+        per_elem = softmax_cross_entropy_last_axis(
+            x, labels, weights, ignore_index, smoothing
+        )
+    else:
+        per_elem = _ce_rows(x, labels, weights, ignore_index, smoothing, z_loss)
     if reduction == "none":
         return per_elem
     total = jnp.sum(per_elem)
