@@ -70,8 +70,9 @@ def parse_args(
         p.add_argument(
             "--precision",
             choices=list(PRECISIONS),
-            default="float16",
-            help="low precision of the naive and stable runs (default float16)",
+            default=task.precision,
+            help=f"low precision of the naive and stable runs (default "
+            f"{task.precision})",
         )
         for flag, field, kind in _OPTIONS:
             p.add_argument(
