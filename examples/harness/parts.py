@@ -69,6 +69,11 @@ class Task:
         (``"images"``, ``"windows"``).
       curves: ``(record key, title)`` of `fit` record entries (``aux[...]``
         check points) that ``curves.png`` plots too, one panel each.
+      gradient_threshold: optional, the relative gradient difference that
+        counts as a split in ``--gradient-agreement`` in place of
+        `agreement.GRADIENT_THRESHOLD` (1e-4), for a task with a gradient
+        whose float32 value is itself further than that from float64 (say
+        so where it is set, with the measurement).
       diagnose: optional, ``diagnose(runs) -> {"text": markdown, ...}``: the
         task's reading of its runs' records (a failure that is not a
         non-finite step, e.g. the language model's attention-logit growth);
@@ -97,6 +102,7 @@ class Task:
     precision: str = "float16"
     heldout_unit: str = "images"
     curves: tuple[tuple[str, str], ...] = ()
+    gradient_threshold: float | None = None
     diagnose: Callable[[list[Any]], dict[str, Any]] | None = None
 
     def __post_init__(self):

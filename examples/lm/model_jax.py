@@ -72,7 +72,7 @@ class Attention(nnx.Module):
         self.proj = _linear(d, d, rngs=rngs, std=INIT_STD / (2 * n_layers) ** 0.5, **kw)
         hd = d // n_heads
         norm = lambda: nnx.LayerNorm(  # noqa: E731
-            hd, epsilon=LN_EPS, use_bias=False, rngs=rngs, **kw
+            hd, epsilon=LN_EPS, use_fast_variance=False, use_bias=False, rngs=rngs, **kw
         )
         self.q_norm = norm() if qk_norm else nnx.data(None)
         self.k_norm = norm() if qk_norm else nnx.data(None)
@@ -97,9 +97,13 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, d, n_heads, n_layers, *, qk_norm, rngs, dtype, param_dtype):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
-        self.ln1 = nnx.LayerNorm(d, epsilon=LN_EPS, rngs=rngs, **kw)
+        self.ln1 = nnx.LayerNorm(
+            d, epsilon=LN_EPS, use_fast_variance=False, rngs=rngs, **kw
+        )
         self.attn = Attention(d, n_heads, n_layers, qk_norm=qk_norm, rngs=rngs, **kw)
-        self.ln2 = nnx.LayerNorm(d, epsilon=LN_EPS, rngs=rngs, **kw)
+        self.ln2 = nnx.LayerNorm(
+            d, epsilon=LN_EPS, use_fast_variance=False, rngs=rngs, **kw
+        )
         self.fc = _linear(d, 4 * d, rngs=rngs, **kw)
         self.out = _linear(
             4 * d, d, rngs=rngs, std=INIT_STD / (2 * n_layers) ** 0.5, **kw
@@ -137,7 +141,9 @@ class GPT(nnx.Module):
                 for _ in range(n_layers)
             ]
         )
-        self.ln_f = nnx.LayerNorm(d_model, epsilon=LN_EPS, rngs=rngs, **kw)
+        self.ln_f = nnx.LayerNorm(
+            d_model, epsilon=LN_EPS, use_fast_variance=False, rngs=rngs, **kw
+        )
         self.head = _linear(d_model, vocab, rngs=rngs, **kw)
 
     def __call__(self, tokens):
