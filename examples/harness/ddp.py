@@ -164,9 +164,10 @@ def _ddp_parts(parts: TorchParts, mesh: Any) -> TorchParts:
     ddp = distributed.shard_state(inner, mesh, "data_parallel")
 
     def loss_fn(model, batch):
-        # a copy of the model, or diagnostics.locate's op-by-op re-run (in
-        # anomaly mode): this rank alone, no collective
-        if model is not inner or torch.is_anomaly_enabled():
+        # a copy of the model, or diagnostics.locate's op-by-op re-run (it
+        # traces under a TorchDispatchMode; older versions used anomaly
+        # mode): this rank alone, no collective
+        if model is not inner or torch.is_anomaly_enabled() or _is_traced():
             return parts.loss_fn(model, batch)
         _COLLECTIVE["on"] = True
         try:
@@ -178,6 +179,13 @@ def _ddp_parts(parts: TorchParts, mesh: Any) -> TorchParts:
         return distributed.shard_batch(parts.to_torch(batch), mesh)
 
     return dataclasses.replace(parts, model=inner, loss_fn=loss_fn, to_torch=to_torch)
+
+
+def _is_traced() -> bool:
+    """Whether a TorchDispatchMode (``diagnostics.locate``'s tracer) is on."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return is_in_torch_dispatch_mode()
 
 
 def _die_with_parent() -> None:
