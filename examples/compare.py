@@ -8,6 +8,7 @@
     python examples/compare.py contrastive --precision bfloat16 \\
         --out runs/contrastive
     python examples/compare.py detection --precision float16 --out runs/detection
+    python examples/compare.py lm --out runs/lm    # bfloat16 by default
     python examples/compare.py segmentation --devices 2 --one-device-reference
 
 For the task named, from the same initial weights (torch's seeded init,
@@ -47,6 +48,7 @@ TASKS = {
     "ocr": "examples.ocr.task",
     "contrastive": "examples.contrastive.task",
     "detection": "examples.detection.task",
+    "lm": "examples.lm.task",
 }
 DEMO = "segmentation"  # `compare.py demo` (`make demo`): its defaults
 
@@ -56,7 +58,7 @@ def tasks() -> dict:
 
     Example:
         >>> sorted(tasks())
-        ['contrastive', 'detection', 'ocr', 'segmentation']
+        ['contrastive', 'detection', 'lm', 'ocr', 'segmentation']
     """
     return {name: importlib.import_module(mod).TASK for name, mod in TASKS.items()}
 

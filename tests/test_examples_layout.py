@@ -90,7 +90,7 @@ def _owner(module: str) -> str | None:
 
 
 def test_the_tasks_and_the_graph_are_found(graph):
-    assert TASKS == ["contrastive", "detection", "ocr", "segmentation"]
+    assert TASKS == ["contrastive", "detection", "lm", "ocr", "segmentation"]
     assert "examples.harness.ddp" in graph["examples.harness.run"]
     assert "examples.common.convert" in graph["examples.ocr.convert"]
 

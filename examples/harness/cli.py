@@ -70,8 +70,9 @@ def parse_args(
         p.add_argument(
             "--precision",
             choices=list(PRECISIONS),
-            default="float16",
-            help="low precision of the naive and stable runs (default float16)",
+            default=task.precision,
+            help=f"low precision of the naive and stable runs (default "
+            f"{task.precision})",
         )
         for flag, field, kind in _OPTIONS:
             p.add_argument(
@@ -179,8 +180,9 @@ def main(
     base = base_config(args)  # validated before JAX starts
     if args.gradient_agreement:
         steps = min(AGREEMENT_STEPS, base.steps)
-        out = gradient_agreement(task, base, steps)
-        print(json.dumps({"task": args.name, "threshold": GRADIENT_THRESHOLD, **out}))
+        threshold = task.gradient_threshold or GRADIENT_THRESHOLD
+        out = gradient_agreement(task, base, steps, threshold=threshold)
+        print(json.dumps({"task": args.name, "threshold": threshold, **out}))
         return 0
     devices.force_host_devices(base.devices)
     summary = compare(

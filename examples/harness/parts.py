@@ -63,6 +63,21 @@ class Task:
         mean over the GLOBAL batch under DDP (`examples.harness.ddp.global_mean`
         where it averages over a count that varies between ranks); batch
         norms are made global by the harness.
+      precision: the default of ``--precision`` (the low precision its users
+        train in: ``"float16"``, or ``"bfloat16"`` for the language model).
+      heldout_unit: what ``config.eval_images`` counts, for the report
+        (``"images"``, ``"windows"``).
+      curves: ``(record key, title)`` of `fit` record entries (``aux[...]``
+        check points) that ``curves.png`` plots too, one panel each.
+      gradient_threshold: optional, the relative gradient difference that
+        counts as a split in ``--gradient-agreement`` in place of
+        `agreement.GRADIENT_THRESHOLD` (1e-4), for a task with a gradient
+        whose float32 value is itself further than that from float64 (say
+        so where it is set, with the measurement).
+      diagnose: optional, ``diagnose(runs) -> {"text": markdown, ...}``: the
+        task's reading of its runs' records (a failure that is not a
+        non-finite step, e.g. the language model's attention-logit growth);
+        ``summary.json`` holds it as ``diagnosis``, ``report.md`` its text.
 
     Example:
         >>> from examples.segmentation.task import TASK
@@ -84,6 +99,11 @@ class Task:
     torch_parts: Callable[[Any, Any], TorchParts]
     check_config: Callable[[Any], None] | None = None
     multi_device: bool = False
+    precision: str = "float16"
+    heldout_unit: str = "images"
+    curves: tuple[tuple[str, str], ...] = ()
+    gradient_threshold: float | None = None
+    diagnose: Callable[[list[Any]], dict[str, Any]] | None = None
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name.isidentifier()):

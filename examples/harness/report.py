@@ -57,8 +57,10 @@ def _jsonable(value: Any) -> Any:
     return json_float(value)
 
 
-def plot_curves(runs: list[RunResult], path: str) -> None:
-    """Writes ``curves.png``: loss, loss scale and grad norm vs step, per run.
+def plot_curves(runs: list[RunResult], path: str, extra=()) -> None:
+    """Writes ``curves.png``: loss, loss scale and grad norm vs step, per run,
+    and a panel per ``(record key, title)`` of `extra` (`Task.curves`; log
+    scale unless a value is <= 0).
 
     Non-finite steps are marked with an x on the top edge of each panel.
     """
@@ -74,9 +76,11 @@ def plot_curves(runs: list[RunResult], path: str) -> None:
         ("torch", "float32"): "#fdae6b",
         ("torch", "low"): "#a63603",
     }
-    fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     panels = (("loss", "loss (train batch)"), ("loss_scale", "loss scale"))
-    panels += (("grad_norm", "grad norm (pre-clip)"),)
+    panels += (("grad_norm", "grad norm (pre-clip)"), *tuple(extra))
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(9, 10 * len(panels) / 3), sharex=True
+    )
     for ax, (key, title) in zip(axes, panels, strict=True):
         edge = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
         for r in runs:
@@ -84,7 +88,8 @@ def plot_curves(runs: list[RunResult], path: str) -> None:
             color = colors[(r.framework, low)]
             style = "--" if r.config.mode == "naive" else "-"
             steps = [m["step"] for m in r.metrics]
-            ys = [m[key] if math.isfinite(m[key]) else math.nan for m in r.metrics]
+            ys = [m.get(key, math.nan) for m in r.metrics]
+            ys = [y if math.isfinite(y) else math.nan for y in ys]
             ax.plot(steps, ys, style, color=color, lw=1.4, label=r.name)
             bad = [m["step"] for m in r.metrics if not m["finite"]]
             if bad:
@@ -97,7 +102,9 @@ def plot_curves(runs: list[RunResult], path: str) -> None:
                     transform=edge,
                     clip_on=False,
                 )
-        ax.set_yscale("log")
+        values = [y for line in ax.get_lines() for y in line.get_ydata()]
+        if all(not (v <= 0) for v in values):  # nan passes: not plotted
+            ax.set_yscale("log")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3, which="both")
     broken = [
@@ -227,7 +234,13 @@ def explain(task: Task, runs: list[RunResult], agreement: float | None) -> str:
             parts.append(
                 f"- **{r.name}** stayed finite for its {len(r.metrics)} steps "
                 f"(final loss {fmt(r.final_loss, '.4f')}, {key} "
-                f"{fmt(r.scores[key], '.3f')}): no failure observed at these settings."
+                f"{fmt(r.scores[key], '.3f')}): no non-finite step at these "
+                "settings"
+                + (
+                    " (the task's diagnosis below reads its check points)."
+                    if task.diagnose is not None
+                    else "."
+                )
             )
             continue
         lines = r.non_finite_report.splitlines()
@@ -317,7 +330,8 @@ def write_report(
         f"({os.cpu_count()} CPU cores, shared).  ",
         f"Setup: {task.describe(c)}; batch {c.batch_size}; {c.optimizer} lr "
         f"{c.learning_rate:g} (b1 {c.b1}, b2 {c.b2}, eps {c.eps:g}); seed {c.seed}; "
-        f"held-out {', '.join(task.metrics)} on {c.eval_images} images. Every run "
+        f"held-out {', '.join(task.metrics)} on {c.eval_images} "
+        f"{task.heldout_unit}. Every run "
         "starts from the same torch-initialised weights and reads the same "
         "batches; every run is a `jaxstable.train.fit` / `torchref.train.fit`.",
         "",
@@ -328,6 +342,8 @@ def write_report(
         "",
         explain(task, runs, agreement),
     ]
+    if "diagnosis" in summary:
+        text.append(summary["diagnosis"]["text"])
     text += devices.devices_report(summary)
     for r in runs:
         if r.non_finite_report:

@@ -93,6 +93,7 @@ def compare(task: Task, base: BaseConfig, precision: str, out: str, *,
       (`examples.harness.devices.replica_check`), and with
       ``one_device_reference`` the plan runs again on one device and
       ``"one_device"`` holds `examples.harness.devices.one_device_agreement`;
+      ``"diagnosis"``: ``task.diagnose(runs)`` when the task has one;
     * ``curves.png``: loss, loss scale and gradient norm per step;
     * ``report.md``: the table, the plot, what failed where and why, and for
       each run that went non-finite what ``diagnostics.locate`` found, above
@@ -138,7 +139,9 @@ def compare(task: Task, base: BaseConfig, precision: str, out: str, *,
             for fw, p, mode in run_plan(precision)
         ]  # fmt: skip
         summary["one_device"] = devices.one_device_agreement(runs, refs)
-    plot_curves(runs, os.path.join(out, "curves.png"))
+    if task.diagnose is not None:
+        summary["diagnosis"] = task.diagnose(runs)
+    plot_curves(runs, os.path.join(out, "curves.png"), task.curves)
     summary["wall_time_s"] = time.perf_counter() - t0
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, allow_nan=False)
