@@ -3,6 +3,7 @@
 import doctest
 import importlib
 import inspect
+import pkgutil
 
 import pytest
 
@@ -19,6 +20,14 @@ MODULES = [
 SRC_MODULES = {"train": ["step", "checkpoint", "fit"]}
 
 
+def _with_submodules(module):
+    """`module` and, for a package (`_src/losses/`), every module in it."""
+    yield module
+    prefix = f"{module.__name__}."
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []), prefix):
+        yield importlib.import_module(info.name)
+
+
 def _public_callables(public):
     for name in dir(public):
         if name.startswith("_"):
@@ -32,10 +41,17 @@ def _public_callables(public):
 @pytest.mark.parametrize("module", MODULES)
 def test_docstring_examples_run(package, module):
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    attempted = 0
     for name in SRC_MODULES.get(module, [module]):
-        impl = importlib.import_module(f"{package}._src.{name}")
-        result = doctest.testmod(impl, optionflags=flags, verbose=False, report=True)
-        assert result.failed == 0, f"{result.failed} doctest(s) failed in {name}"
+        top = importlib.import_module(f"{package}._src.{name}")
+        for impl in _with_submodules(top):
+            result = doctest.testmod(
+                impl, optionflags=flags, verbose=False, report=True
+            )
+            failed = f"{result.failed} doctest(s) failed in {impl.__name__}"
+            assert result.failed == 0, failed
+            attempted += result.attempted
+    assert attempted, f"no doctest found in {package}._src for {module}"
 
 
 @pytest.mark.parametrize("package", ["jaxstable", "torchref"])

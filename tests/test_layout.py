@@ -86,7 +86,18 @@ def test_public_names_mirror(module):
 
 
 def test_implementation_modules_mirror():
-    # jaxstable/_src/step.py has torchref/_src/step.py, and so on.
+    # jaxstable/_src/step.py has torchref/_src/step.py, and so on, into the
+    # sub-packages (jaxstable/_src/losses/binary.py has its twin too).
     root = Path(__file__).resolve().parents[1]
-    files = {p: {f.name for f in (root / p / "_src").glob("*.py")} for p in PACKAGES}
-    assert files["jaxstable"] == files["torchref"], files
+    files = {
+        p: {
+            f.relative_to(root / p).as_posix()
+            for f in (root / p / "_src").rglob("*.py")
+        }
+        for p in PACKAGES
+    }
+    assert "_src/losses/cross_entropy.py" in files["jaxstable"], files["jaxstable"]
+    assert files["jaxstable"] == files["torchref"], (
+        f"only in jaxstable {sorted(files['jaxstable'] - files['torchref'])}, "
+        f"only in torchref {sorted(files['torchref'] - files['jaxstable'])}"
+    )
