@@ -1,7 +1,7 @@
 """Every task's torch loss under DDP is the 1-process loss of the GLOBAL batch.
 
 ``compare.py ocr|contrastive|detection --devices N`` gathers each rank's
-model outputs and targets before the loss (`examples.harness.ddp.gather_rows`,
+model outputs and targets before the loss (`examples.harness.collective.gather_rows`,
 each task's ``parts_torch._global``). Here two ranks are simulated in this
 process (no process group: `torch.distributed`'s ``all_gather`` and rank
 queries are replaced by a fake that hands each rank the rows the other rank

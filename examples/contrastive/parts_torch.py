@@ -19,7 +19,7 @@ runs on the initial weights (and every train batch is checked:
 `task.check_batch`).
 
 Under ``compare.py --devices N`` (DDP) the embeddings of every rank are
-gathered before the loss (`examples.harness.ddp.gather_rows`, open_clip's
+gathered before the loss (`examples.harness.collective.gather_rows`, open_clip's
 ``gather_with_grad`` with ``local_loss=False``): each rank's InfoNCE is the
 whole batch's, every other caption a negative, as on one device.
 """

@@ -17,7 +17,7 @@ With ``optimizer="sgd"`` (the default) both train with the YOLO recipe
 (`recipe.for_config`, `recipe_torch`) and are evaluated with its weight EMA.
 
 Under ``compare.py --devices N`` (DDP) both losses are computed on the
-GLOBAL batch on every rank (`examples.harness.ddp.gather_rows`): the sum of
+GLOBAL batch on every rank (`examples.harness.collective.gather_rows`): the sum of
 the focal and box terms over the whole batch divided by its number of
 boxes, as on one device (a rank's own mean would divide by its own count).
 """

@@ -15,7 +15,7 @@
   for float16, clip, skip).
 
 Under ``compare.py --devices N`` (DDP) both losses are computed on the
-GLOBAL batch on every rank (`examples.harness.ddp.gather_rows`): the
+GLOBAL batch on every rank (`examples.harness.collective.gather_rows`): the
 balanced BCE mines its hard negatives among the whole batch's pixels and
 every masked mean divides by the whole batch's mask, as on one device.
 """
