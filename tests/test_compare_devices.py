@@ -8,8 +8,12 @@ compare.py does). One image of the second batch holds a NaN pixel in the
 second half of the batch, the rows of device / rank 1 only: the issue's
 "one shard poisoned" case, which only the global skip decision handles (a
 replica deciding from its own rows would apply the step on device 0 and
-skip it on device 1). The rest is checked in this process: the command
-line, the configs and the report section.
+skip it on device 1). The same subprocess trains the contrastive task's
+torch run in 1 and in 2 DDP processes (InfoNCE over the gathered global
+batch) and computes the OCR, contrastive and detection JAX losses of
+`tests/test_global_loss.py`'s cases on 2 devices (one jitted program). The
+rest is checked in this process: the command line, the configs and the
+report section.
 """
 
 import os
@@ -22,6 +26,7 @@ import pytest
 
 from examples import compare, harness
 from examples.harness import devices
+from tests import test_global_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
@@ -53,8 +58,25 @@ def _runs(out: str) -> None:
         for fw in ("jax", "torch")
         for n in (1, 2)
     }
+    runs["contrastive"] = _contrastive_runs()
+    runs["jax_losses"] = test_global_loss.jax_global_losses()
     with open(out, "wb") as f:
         pickle.dump(runs, f)
+
+
+def _contrastive_runs() -> dict:
+    """torch's contrastive stable float32 run in 1 and in 2 DDP processes:
+    InfoNCE over the global batch, every rank's captions negatives."""
+    from examples.contrastive.task import TASK
+
+    config = TASK.get_config(**TASK.quick)
+    args = dict(weights=TASK.initial_weights(config),
+                batches=TASK.train_batches(config),
+                heldout=TASK.heldout_set(config), progress=False)  # fmt: skip
+    return {
+        n: harness.train_and_evaluate(TASK, "torch", config.replace(devices=n), **args)
+        for n in (1, 2)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +152,40 @@ def test_two_devices_equal_one_device(runs, fw, tol):
     assert row["max_rel_loss_diff"] <= tol("float32_trajectory")["rtol"]
 
 
+def test_contrastive_two_processes_equal_one(runs, tol):
+    one, two = runs["contrastive"][1], runs["contrastive"][2]
+    assert two.replicas == {"devices": 2, "replicas_identical": True,
+                            "ranks_agree": True}  # fmt: skip
+    assert _decisions(two) == _decisions(one)
+    row = devices.one_device_agreement([two], [one])[0]
+    assert row["same_decisions"]
+    # a rank's own InfoNCE (4 of the 8 captions as negatives) is another
+    # loss (test_global_loss): this is the global one, every step
+    assert row["max_rel_loss_diff"] <= 1e-5
+    for key in one.scores:
+        np.testing.assert_allclose(two.scores[key], one.scores[key], rtol=1e-5)
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["stable", "naive"])
+@pytest.mark.parametrize("task", ["ocr", "contrastive", "detection"])
+def test_jax_loss_on_two_devices_is_the_global_one(runs, task, naive):
+    """JAX's loss of outputs split over 2 devices (one SPMD program) equals
+    torch's loss of the whole batch in one process, value and gradient."""
+    loss2, grads2, sharded = runs["jax_losses"][task, naive]
+    assert sharded
+    outputs, batch, loss = test_global_loss.CASES[task](np.random.default_rng(0))
+    leaves = test_global_loss._leaves(outputs)
+    ref = loss(leaves, batch, naive)
+    ref.backward()
+    np.testing.assert_allclose(loss2, float(ref.detach()), rtol=1e-5)
+    for key, leaf in leaves.items():
+        want = leaf.grad.numpy()
+        if task == "detection":  # JAX's outputs are NHWC
+            want = np.moveaxis(want, 1, -1)
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(grads2[key], want, rtol=0, atol=1e-5 * scale)
+
+
 def test_report_names_the_device_count(runs):
     two = [runs["jax", 2], runs["torch", 2]]
     summary = {
@@ -146,13 +202,21 @@ def test_report_names_the_device_count(runs):
     assert "Agreement with 1 device" in text
 
 
-def test_devices_option_is_refused_where_unsupported(capsys):
-    args = compare.parse_args(["segmentation", "--devices", "2", "--quick"])
+@pytest.mark.parametrize("name", ["segmentation", "ocr", "contrastive", "detection"])
+def test_every_task_takes_devices(name):
+    args = compare.parse_args([name, "--devices", "2", "--quick"])
     assert harness.base_config(args).devices == 2
+
+
+def test_devices_option_is_refused_where_unsupported(capsys):
+    import dataclasses
+
+    tasks = compare.tasks()
+    tasks["ocr"] = dataclasses.replace(tasks["ocr"], multi_device=False)
     with pytest.raises(SystemExit):
-        compare.parse_args(["ocr", "--devices", "2"])
+        harness.parse_args(tasks, ["ocr", "--devices", "2"])
     err = capsys.readouterr().err
-    assert "--devices > 1 is supported for ['segmentation']" in err
+    assert "--devices > 1 is supported for ['segmentation', 'contrastive', " in err
     with pytest.raises(ValueError, match="batch_size must be a multiple of devices"):
         harness.BaseConfig(batch_size=3, devices=2)
 

@@ -17,6 +17,11 @@ Both losses return the check points of `probe.CHECKS` and the logit scale as
 ``aux``: `fit` logs them in every record. Before training, ``check_params``
 runs on the initial weights (and every train batch is checked:
 `task.check_batch`).
+
+Under ``compare.py --devices N`` (DDP) the embeddings of every rank are
+gathered before the loss (`examples.harness.collective.gather_rows`, open_clip's
+``gather_with_grad`` with ``local_loss=False``): each rank's InfoNCE is the
+whole batch's, every other caption a negative, as on one device.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from examples.contrastive import data, loss_torch, model_torch
 from examples.contrastive.config import Config
 from examples.contrastive.metric import recall_at_1
 from examples.contrastive.probe import empty_captions, note
+from examples.harness import ddp
 from examples.harness.config import torch_dtype
 from examples.harness.parts import TorchParts
 from torchref import diagnostics
@@ -75,6 +81,17 @@ def to_torch(batch) -> dict[str, Any]:
     }
 
 
+def _global(img, txt, image):
+    """The embeddings (and images, for the check points) of the whole batch
+    under DDP (`ddp.gather_rows`), as they are in one process."""
+    return ddp.gather_rows((img, txt, image))
+
+
+def _scale(m):
+    # the logit scale parameter, also through the DDP wrapper (`module`)
+    return getattr(m, "module", m).logit_scale
+
+
 def _evaluate(model, heldout, config) -> dict[str, float]:
     safe = config.mode == "stable"
     imgs, txts = [], []
@@ -103,10 +120,11 @@ def torch_parts(config: Config, weights) -> TorchParts:
 
         def loss_fn(m, batch):
             img, txt = m(batch["image"], batch["tokens"], safe=True)
+            img, txt, image = _global(img, txt, batch["image"])
             # the loss outside autocast: its matmuls would otherwise run in
             # the compute dtype (autocast lists matmul), info_nce is float32
             with torch.autocast("cpu", enabled=False):
-                return loss_torch.stable_loss(img, txt, m.logit_scale, batch["image"])
+                return loss_torch.stable_loss(img, txt, _scale(m), image)
 
     else:
 
@@ -116,7 +134,8 @@ def torch_parts(config: Config, weights) -> TorchParts:
             # the first attempt's loss on the compute-dtype embeddings, outside
             # autocast (whose float32 op lists would decide its dtypes)
             img, txt = img.to(dtype), txt.to(dtype)
-            return loss_torch.naive_loss(img, txt, m.logit_scale, batch["image"])
+            img, txt, image = _global(img, txt, batch["image"])
+            return loss_torch.naive_loss(img, txt, _scale(m), image)
 
     def probe(m, batch):
         with torch.no_grad():

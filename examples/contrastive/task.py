@@ -166,4 +166,8 @@ TASK = Task(
     jax_parts=jax_parts,
     torch_parts=torch_parts,
     check_config=check_config,
+    # `compare.py --devices N`: the torch InfoNCE sees every
+    # rank's embeddings under DDP (parts_torch); JAX's jitted step is one
+    # SPMD program over the global arrays already
+    multi_device=True,
 )

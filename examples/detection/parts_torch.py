@@ -15,6 +15,11 @@ detection (see `examples.harness.parts.TorchParts`). The two modes:
 
 With ``optimizer="sgd"`` (the default) both train with the YOLO recipe
 (`recipe.for_config`, `recipe_torch`) and are evaluated with its weight EMA.
+
+Under ``compare.py --devices N`` (DDP) both losses are computed on the
+GLOBAL batch on every rank (`examples.harness.collective.gather_rows`): the sum of
+the focal and box terms over the whole batch divided by its number of
+boxes, as on one device (a rank's own mean would divide by its own count).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from examples.detection import data, loss_torch, metric, model_torch, recipe_tor
 from examples.detection.config import Config
 from examples.detection.probe import cause_note
 from examples.detection.recipe import for_config, settings
+from examples.harness import ddp
 from examples.harness.config import torch_dtype
 from examples.harness.parts import TorchParts
 
@@ -73,6 +79,12 @@ def scores(cls_logits, box_raw, heldout) -> dict[str, float]:
     return metric.evaluate(cls_logits, box_raw, heldout)
 
 
+def _global(out, batch):
+    """The model's outputs and the box targets of the whole batch under DDP
+    (`ddp.gather_rows`): the loss divides by the global box count."""
+    return ddp.gather_rows((out, {key: batch[key] for key in data.BOX_KEYS}))
+
+
 def _evaluate(model, heldout, config) -> dict[str, float]:
     param_dtype = next(model.parameters()).dtype
     cls, box = [], []
@@ -106,12 +118,12 @@ def torch_parts(config: Config, weights) -> TorchParts:
     if config.mode == "stable":
 
         def loss_fn(m, batch):
-            return loss_torch.stable_loss(m(batch["image"]), batch)[0]
+            return loss_torch.stable_loss(*_global(m(batch["image"]), batch))[0]
 
     else:
 
         def loss_fn(m, batch):
-            return loss_torch.naive_loss(forward(m, batch), batch)[0]
+            return loss_torch.naive_loss(*_global(forward(m, batch), batch))[0]
 
     def probe(m, batch):
         out = forward(m.train(), batch)

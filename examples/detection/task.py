@@ -181,4 +181,8 @@ TASK = Task(
     jax_parts=jax_parts,
     torch_parts=torch_parts,
     check_config=check_config,
+    # `compare.py --devices N`: the torch loss divides by the
+    # global box count under DDP (parts_torch); JAX's jitted step is one
+    # SPMD program over the global arrays already
+    multi_device=True,
 )

@@ -17,7 +17,8 @@ One concern per module, the arrows pointing one way (``a <- b``: b imports a)::
     devices       --devices N: JAX's mesh, replica checks, the 1-device check
     jax_runner    the naive / stable JAX step, one run on jaxstable's fit
     torch_runner  the naive / stable torch step, one run on torchref's fit
-    ddp           one torch run in N DDP processes (<- torch_runner)
+    collective    global_mean, gather_rows: a torch loss made global under DDP
+    ddp           one torch run in N DDP processes (<- torch_runner, collective)
     agreement     fp32_agreement, gradient_agreement (<- torch_runner)
     report        metrics.jsonl lines, curves.png, report.md
     run           train_and_evaluate, compare: the plan and its outputs

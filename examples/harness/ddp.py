@@ -2,7 +2,8 @@
 
 :func:`torch_multiprocess` spawns the ranks; each runs
 `torch_runner.run_torch` on its rows of the same global batches, with batch
-norms and the task's loss made global (:func:`global_mean`) so that each run
+norms and the task's loss made global (`examples.harness.collective`:
+``global_mean``, ``gather_rows``, re-exported here) so that each run
 computes the 1-device run. `examples.harness.run.train_and_evaluate` calls
 it for a torch config with ``devices > 1``; a task opts in with
 ``Task.multi_device``.
@@ -16,6 +17,11 @@ import time
 from typing import Any
 
 from examples.harness import torch_runner
+
+# gather_rows, global_mean: what a task's loss calls, importable from here too
+from examples.harness.collective import _COLLECTIVE
+from examples.harness.collective import gather_rows as gather_rows
+from examples.harness.collective import global_mean as global_mean
 from examples.harness.devices import replica_check
 from examples.harness.parts import TorchParts
 from examples.harness.results import RunResult
@@ -23,43 +29,6 @@ from examples.harness.results import RunResult
 # A torch rank waits this long in a collective for a peer that died or took
 # another path before giving up (gloo's own default is 30 minutes).
 COLLECTIVE_TIMEOUT_S = 300
-# Set while a DDP rank runs the task's loss through the DDP wrapper: only
-# then do `global_mean` and the batch norms of `_global_batch_norms` talk to
-# the other ranks. A re-run on this rank alone (`diagnostics.locate`, the
-# naive run's copy of the model) stays local, so it cannot leave a peer
-# waiting in a collective it never joins.
-_COLLECTIVE = {"on": False}
-
-
-def global_mean(local_mean: Any, local_count: Any) -> Any:
-    """Under DDP, the mean over the GLOBAL batch from this rank's mean.
-
-    A task's torch loss that averages over a varying number of items (pixels
-    not ignored, boxes) calls this with its local mean and item count. DDP
-    averages the ranks' gradients, which is the global batch's gradient only
-    if every rank holds as many items; this rescales the local loss by
-    ``count * world / global count`` for the gradient, and its VALUE is the
-    global mean (the same on every rank, as the 1-process run records it):
-    one all-reduce of two floats. In one process, or outside a DDP forward
-    (see ``_COLLECTIVE``), it returns ``local_mean`` itself.
-
-    Example:
-        >>> import torch
-        >>> float(global_mean(torch.tensor(2.0), 3))
-        2.0
-    """
-    if not _COLLECTIVE["on"]:
-        return local_mean
-    import torch
-    import torch.distributed as dist
-
-    count = torch.as_tensor(local_count, dtype=torch.float32)
-    totals = torch.stack([local_mean.detach().float() * count, count])
-    dist.all_reduce(totals)
-    factor = count * dist.get_world_size() / totals[1]
-    share = local_mean * factor.to(local_mean.dtype)
-    value = (totals[0] / totals[1]).to(local_mean.dtype)
-    return share + (value - share).detach()  # value: global; gradient: share
 
 
 _SUM_OVER_RANKS: dict[str, Any] = {}

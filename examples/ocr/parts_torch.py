@@ -13,6 +13,11 @@
 * ``stable``: `db_step` inside the model, the float32 `db_loss`
   (`loss_torch.stable_loss`), and the harness's guards (dynamic loss scale
   for float16, clip, skip).
+
+Under ``compare.py --devices N`` (DDP) both losses are computed on the
+GLOBAL batch on every rank (`examples.harness.collective.gather_rows`): the
+balanced BCE mines its hard negatives among the whole batch's pixels and
+every masked mean divides by the whole batch's mask, as on one device.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from examples.harness import ddp
 from examples.harness.config import torch_dtype
 from examples.harness.parts import TorchParts
 from examples.ocr import data, loss_torch, metric, model_torch
@@ -68,6 +74,12 @@ def to_torch(batch: Mapping[str, np.ndarray]) -> dict[str, Any]:
     return out
 
 
+def _global(out, batch):
+    """The model's output maps and DBNet's target maps of the whole batch
+    under DDP (`ddp.gather_rows`), as they are in one process."""
+    return ddp.gather_rows((out, {key: batch[key] for key in data.MAP_KEYS}))
+
+
 def _evaluate(model, heldout, config) -> dict[str, float]:
     param_dtype = next(model.parameters()).dtype
     probs = []
@@ -91,7 +103,8 @@ def torch_parts(config: Config, weights) -> TorchParts:
     if config.mode == "stable":
 
         def loss_fn(m, batch):
-            return loss_torch.stable_loss(m(batch["image"]), batch, k=config.k)[0]
+            out, maps = _global(m(batch["image"]), batch)
+            return loss_torch.stable_loss(out, maps, k=config.k)[0]
 
     else:
         dtype = torch_dtype(config.precision)
@@ -102,7 +115,8 @@ def torch_parts(config: Config, weights) -> TorchParts:
             # the team's loss on the compute-dtype maps, outside autocast (whose
             # float32 op lists would otherwise decide the dtype of exp)
             out = {key: out[key].to(dtype) for key in ("logits", "thresh")}
-            return loss_torch.naive_loss(out, batch, k=config.k)[0]
+            out, maps = _global(out, batch)
+            return loss_torch.naive_loss(out, maps, k=config.k)[0]
 
     def probe(m, batch):
         dtype = torch_dtype(config.precision)

@@ -132,4 +132,8 @@ TASK = Task(
     jax_parts=jax_parts,
     torch_parts=torch_parts,
     check_config=check_config,
+    # `compare.py --devices N`: the torch loss is computed on the
+    # global batch under DDP (parts_torch: gathered outputs and maps); JAX's
+    # jitted step is one SPMD program over the global arrays already
+    multi_device=True,
 )
