@@ -18,12 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstable._src.losses._checks import (
-    _as_arrays,
-    _check_float,
-    _check_reduction,
-    _is_concrete,
-)
+from _stablecore.losses import check_reduction as _check_reduction
+from jaxstable._src.losses._checks import _as_arrays, _check_float, _is_concrete
 from jaxstable._src.losses.cross_entropy import _bad_label_message, _check_z_loss
 
 __all__ = ["linear_cross_entropy"]

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from torchref._src.losses._checks import _as_tensors, _check_float, _check_reduction
+from _stablecore.losses import check_reduction as _check_reduction
+from torchref._src.losses._checks import _as_tensors, _check_float
 from torchref._src.losses.cross_entropy import _bad_label_message, _check_z_loss
 
 __all__ = ["linear_cross_entropy"]
