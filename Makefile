@@ -26,8 +26,9 @@ $(STAMP): pyproject.toml Makefile
 # wall / 128 s CPU, 2 workers 95 s / 117 s CPU (no CPU lost to the split);
 # capping each worker's torch/XLA threads at 1 was slower: 112 s / 133 s CPU.
 # Whole suite, fresh clone, quiet 2-core machine: 9m18s (serial was 12m25s);
-# 1066 tests on 2026-11-23: 12m44s (14m13s for .ci/run with the venv): near
-# the 15-minute budget; trim the slowest files before adding more.
+# 1066 tests on 2026-11-23: 12m44s (14m13s for .ci/run with the venv);
+# 1586 tests on 2026-11-24 with the session's persistent compilation cache:
+# 8m59s on a quiet machine. CI runs ~1.3-1.5x slower: trim before adding.
 TEST_WORKERS ?= 2
 
 test: venv
