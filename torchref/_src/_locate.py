@@ -157,6 +157,17 @@ class Origin:
     hint: str | None = None  # MASKED_ROW, SOFTMAX_MASKED, MASKED_NAN, VARIANCE_ZERO
 
 
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage (a parameter and an in-place op's
+    output share it), or None for a tensor without one: a sparse tensor
+    raises NotImplementedError ("Cannot access storage of SparseTensorImpl"),
+    a functional/wrapper tensor RuntimeError."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _is_float(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
@@ -384,11 +395,8 @@ class Tracer(TorchDispatchMode):
 
     def _copy_on_write(self, written: list[torch.Tensor]) -> None:
         for t in written:
-            try:
-                key = t.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):
-                continue
-            param = self.watched.get(key)
+            key = _storage_key(t)
+            param = None if key is None else self.watched.get(key)
             if param is not None and key not in self.saved:
                 self.saved[key] = (param, param.detach().clone())
                 self.account()
@@ -928,8 +936,9 @@ def _run(step: Any, batch: Any, scale: float, rng_state, params) -> _Run:
     model = step.model
     watched = {}
     for _, p in params:
-        with contextlib.suppress(RuntimeError, NotImplementedError):
-            watched[p.untyped_storage().data_ptr()] = p
+        key = _storage_key(p)
+        if key is not None:
+            watched[key] = p
     tracer = Tracer(watched, sources=True)
     buffers = [(clean(n), b, b.detach().clone()) for n, b in model.named_buffers()]
     tracer.base = sum(_nbytes(c) for _, _, c in buffers)

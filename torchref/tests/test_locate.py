@@ -475,3 +475,14 @@ def test_torch_compile_paths_have_no_orig_mod():
     with torch.no_grad():
         net.layers[0].bias[0] = float("nan")
     assert diagnostics.locate(step, _xy()).path == "layers.0.bias"
+
+
+def test_storage_key_of_a_tensor_without_storage_is_none():
+    # locate watches parameters by storage address; a sparse one has none
+    # and is left unwatched instead of failing the whole locate.
+    from torchref._src._locate import _storage_key
+
+    dense = torch.zeros(3)
+    assert _storage_key(dense) == dense.untyped_storage().data_ptr()
+    assert _storage_key(dense[1:]) == _storage_key(dense)  # a view: one storage
+    assert _storage_key(torch.zeros(2).to_sparse()) is None
