@@ -1,8 +1,8 @@
 """The language-model losses of the JAX runs, with their check points.
 
 * `stable_loss`: the library's float32 `jaxstable.losses.softmax_cross_entropy`
-  (it reads bf16 logits as they are and reduces in float32) plus, when
-  ``z_loss > 0``, PaLM's ``z_loss * mean(log^2 Z)``.
+  (it reads bf16 logits as they are and reduces in float32) with, when
+  ``z_loss > 0``, its own z-loss term (PaLM's ``z_loss * mean(log^2 Z)``).
 * `naive_loss`: what a first attempt writes: ``logsumexp - logit[target]``
   on the logits upcast to float32, no z-loss. The same arithmetic as the
   stable loss: the naive run's failure is in the attention, not here.
@@ -65,7 +65,7 @@ def naive_loss(logits, targets, stats):
 
 
 def stable_loss(logits, targets, stats, z_loss: float = 0.0):
-    """`losses.softmax_cross_entropy` (float32) plus ``z_loss * mean(log^2 Z)``.
+    """`losses.softmax_cross_entropy` (float32) with its ``z_loss`` term.
 
     Example:
         >>> logits = jnp.zeros((1, 2, 256), jnp.bfloat16)
@@ -74,13 +74,11 @@ def stable_loss(logits, targets, stats, z_loss: float = 0.0):
         >>> round(float(loss), 4), round(float(aux["ce"]), 4)
         (5.5483, 5.5452)
     """
-    ce = losses.softmax_cross_entropy(logits, targets)
-    if z_loss:
-        lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-        return ce + z_loss * jnp.mean(lse**2), _aux(
-            jax.lax.stop_gradient(lse), ce, stats
-        )
-    return ce, _aux(_log_z(logits), ce, stats)
+    loss = losses.softmax_cross_entropy(logits, targets, z_loss=z_loss)
+    lse = _log_z(logits)
+    # the check point's ce: the loss without the library's z-loss term
+    ce = loss - z_loss * jnp.mean(lse**2) if z_loss else loss
+    return loss, _aux(lse, ce, stats)
 
 
 def nll_sum(logits, targets):

@@ -1,7 +1,7 @@
 """The language-model losses of the torch runs (twins of `loss_jax`).
 
 * `stable_loss`: the library's float32 `torchref.losses.softmax_cross_entropy`
-  plus, when ``z_loss > 0``, ``z_loss * mean(log^2 Z)``.
+  with, when ``z_loss > 0``, its own z-loss term (``z_loss * mean(log^2 Z)``).
 * `naive_loss`: ``logsumexp - logit[target]`` on the logits upcast to
   float32, no z-loss.
 
@@ -45,7 +45,7 @@ def naive_loss(logits, targets, stats):
 
 
 def stable_loss(logits, targets, stats, z_loss: float = 0.0):
-    """`losses.softmax_cross_entropy` (float32) plus ``z_loss * mean(log^2 Z)``.
+    """`losses.softmax_cross_entropy` (float32) with its ``z_loss`` term.
 
     Example:
         >>> logits = torch.zeros(1, 2, 256, dtype=torch.bfloat16)
@@ -54,11 +54,13 @@ def stable_loss(logits, targets, stats, z_loss: float = 0.0):
         >>> round(float(loss), 4), round(float(aux["ce"]), 4)
         (5.5483, 5.5452)
     """
-    ce = losses.softmax_cross_entropy(logits.flatten(0, 1), targets.flatten(), dim=1)
-    lse = torch.logsumexp(logits.float(), dim=-1)
-    if z_loss:
-        return ce + z_loss * (lse**2).mean(), _aux(lse.detach(), ce, stats)
-    return ce, _aux(lse.detach(), ce, stats)
+    loss = losses.softmax_cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), dim=1, z_loss=z_loss
+    )
+    lse = torch.logsumexp(logits.detach().float(), dim=-1)
+    # the check point's ce: the loss without the library's z-loss term
+    ce = loss.detach() - z_loss * (lse**2).mean() if z_loss else loss
+    return loss, _aux(lse, ce, stats)
 
 
 def nll_sum(logits, targets) -> float:
