@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml Makefile
 # Whole suite, fresh clone, quiet 2-core machine: 9m18s (serial was 12m25s);
 # 1066 tests on 2026-11-23: 12m44s (14m13s for .ci/run with the venv);
 # 1586 tests on 2026-11-24 with the session's persistent compilation cache:
-# 8m59s on a quiet machine. CI runs ~1.3-1.5x slower: trim before adding.
+# 8m59s on a quiet machine; a fresh clone, venv included: 10m51s (9m52s of
+# tests). CI runs ~1.3-1.5x slower: trim before adding.
 TEST_WORKERS ?= 2
 
 test: venv
