@@ -87,7 +87,8 @@ def _select_max(a, b):
 # Long rows (classification, C = 1000) take a two-stage path: the one-stage
 # reductions above run serially along the whole row, which made fwd+bwd of
 # 4096x1000 bf16 3.4x slower than the naive optax path (30 ms vs 9 ms; now
-# ~10 ms). Measured on XLA:CPU 0.10, 2 cores, reductions timed alone:
+# below optax's time, benchmarks/results/bench_losses_cpu.md). Measured on
+# XLA:CPU 0.10, 2 cores, reductions timed alone:
 # - row max: a plain `jnp.max` over chunks of the row in the logits' own
 #   dtype is a vectorised library reduction (0.5 ms vs 8 ms for the
 #   bit-pattern max); the few chunk maxima are then combined by a select
