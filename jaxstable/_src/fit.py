@@ -631,10 +631,10 @@ class _Peers:
     that did not answer are named in its error as the dead ones. Then it
     raises, and ends with status 1 when Python exits (`_end`), without
     jax's shutdown barrier, which cannot complete without the others.
-    Process 0 ends last (each process says when it ends; process 0 waits
-    up to `ANSWER_S` for those that answered): its exit takes jax's
-    coordination service down, and jaxlib then aborts every process still
-    running, mid-message.
+    Process 0 ends last (each process says when it ends, and process 0
+    waits up to `ANSWER_S` for the others, but those its own roll call
+    found silent): its exit takes jax's coordination service down, and
+    jaxlib then aborts every process still running, mid-message.
 
     What no Python can do: a dead process 0 takes the coordination service
     with it, and jaxlib ends every other process at once (its default
