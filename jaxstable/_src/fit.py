@@ -721,7 +721,8 @@ class _Peers:
     def failed(self, error: BaseException) -> str | None:
         """Tells the other processes that this one's fit failed with
         ``error``; the message of the RuntimeError to raise instead of it
-        for a JAX runtime error (a failed collective), else None.
+        when another process did not answer (it died), or for a JAX runtime
+        error (a failed collective), else None.
 
         Not a `NonFiniteError`: the guard's decisions are global, so every
         process raises it at the same step itself (and must not be ended by
@@ -741,14 +742,22 @@ class _Peers:
         if not _ENDING:  # at exit, before jax's handler (the last runs first)
             _ENDING.append(self)
             atexit.register(self._end)
-        return self._collective_failed(error) if runtime else None
+        # Not by type alone: a collective that fails in a gather to the host
+        # (a checkpoint, a report) is a ValueError from jax, not a
+        # JaxRuntimeError ("UNKNOWN: Gloo AllGather failed", jax 0.10.2).
+        return self._message(error, runtime) if runtime or self.silent else None
 
-    def _collective_failed(self, error: BaseException) -> str:
+    def _message(self, error: BaseException, runtime: bool) -> str:
         first = str(error).splitlines()[0][:300] if str(error) else ""
+        what = (
+            "a JAX runtime error, most likely a collective with the other "
+            "processes that failed"
+            if runtime
+            else "an error"
+        )
         head = (
-            f"fit: process {jax.process_index()} at step {self.step}: a JAX "
-            f"runtime error, most likely a collective with the other processes "
-            f"that failed ({first}); "
+            f"fit: process {jax.process_index()} at step {self.step}: {what} "
+            f"({type(error).__name__}: {first}); "
         )
         if not self.silent:
             return head + (

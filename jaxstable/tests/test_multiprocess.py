@@ -8,16 +8,17 @@ of 4 devices, each process loading only its own rows of every batch
 process 0's rows only: both processes must skip both steps. The runs:
 
 * ``kill``: 2 processes, checkpoints every 4 steps (orbax, written by both
-  processes together); process 1 SIGKILLs itself after step 9. Process 0
-  must exit with status 1 and fit's error naming process 1 and the step
-  (not jax's SIGABRT after the heartbeat timeout).
+  processes together); process 1 SIGKILLs itself after step 7, while
+  process 0 gathers the step-8 checkpoint. Process 0 must exit with status
+  1 and fit's error naming process 1 and the step (not jax's SIGABRT after
+  the heartbeat timeout).
 * ``single``: 1 process x 4 devices, the reference (checkpoints every 4
-  steps); then the same call resumed from the kill run's step-8
+  steps); then the same call resumed from the kill run's step-4
   checkpoint (2 processes -> 1).
 * ``resume``: the same call with ``resume=True`` finishes the run from the
-  step-8 checkpoint; its params, skip decisions, loss scales and log (one
+  step-4 checkpoint; its params, skip decisions, loss scales and log (one
   file, process 0's) must equal the reference; then the same call resumed
-  from the single run's step-8 checkpoint (1 process -> 2), and
+  from the single run's step-4 checkpoint (1 process -> 2), and
   cross-process checks (different initial states are refused;
   replicas_identical sees them). Last, in the same processes, a second run
   whose loader raises on process 1 at step 2: process 0 must exit promptly
@@ -47,7 +48,11 @@ STEPS = 12
 ROWS = 8  # global batch: 2 rows per device
 IN, HIDDEN, OUT = 4, 8, 3
 POISON = {3: (slice(4, 8), 0), 10: (1, 2)}  # step -> x index (NaN, then inf)
-KILL_AFTER = 9
+# Process 1 dies after step 7 (its step 8 done, on both): process 0's next
+# collective is the gather of the step-8 checkpoint (jax may report its
+# failure as a ValueError, not a JaxRuntimeError). The run resumes from 4.
+KILL_AFTER = 7
+RESUME_AT = 4
 RAISE_AT = 2
 # Not reached on any path (each ends sooner); a survivor must end before it
 # would (fit waits 2 s for the other processes' answers).
@@ -168,7 +173,7 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
         on_step=on_step,
     )
     if mode != "kill":
-        # Across process counts: the same call resumed from the step-8
+        # Across process counts: the same call resumed from the step-4
         # checkpoint of the other layout (written by 2 processes, restored
         # by 1 process with 4 devices, and the reverse).
         theirs = "ckpt_from2" if mode == "single" else "ckpt_from1"
@@ -291,11 +296,14 @@ def runs(tmp_path_factory):
     got = {}
     for mode, nproc in (("kill", 2), ("single", 1), ("resume", 2), ("coordinator", 2)):
         if mode == "single":  # its second run resumes the 2-process checkpoint
-            _copy_until(out, "ckpt", "ckpt_from2", 8)
+            _copy_until(out, "ckpt", "ckpt_from2", RESUME_AT)
         if mode == "resume":  # its second run resumes the 1-process checkpoint
-            _copy_until(out, "ckpt_single", "ckpt_from1", 8)
+            _copy_until(out, "ckpt_single", "ckpt_from1", RESUME_AT)
         got[mode] = _launch(mode, out, nproc)
         got[mode + "/out"] = out
+        if mode == "kill":
+            ckpt = os.path.join(out, "ckpt")
+            got["kill/ckpt"] = sorted(n for n in os.listdir(ckpt) if n[:5] == "step_")
     return got
 
 
@@ -314,14 +322,14 @@ def test_two_processes_resumed_after_a_kill_equal_one_process(runs):
     assert [i for i, f in enumerate(one["finite"]) if not f] == sorted(POISON)
     for pid in (0, 1):
         two = _read(out, f"resume_{pid}.json")
-        assert two["steps"] == list(range(8, STEPS))  # from the step-8 checkpoint
-        assert two["finite"] == one["finite"][8:]
-        assert two["loss_scale"] == one["loss_scale"][8:]
-        np.testing.assert_allclose(two["loss"], one["loss"][8:], rtol=1e-6)
+        assert two["steps"] == list(range(RESUME_AT, STEPS))  # its checkpoint
+        assert two["finite"] == one["finite"][RESUME_AT:]
+        assert two["loss_scale"] == one["loss_scale"][RESUME_AT:]
+        np.testing.assert_allclose(two["loss"], one["loss"][RESUME_AT:], rtol=1e-6)
         for k, v in one["params"].items():
             np.testing.assert_allclose(two["params"][k], v, rtol=0, atol=1e-6)
         assert two["replicas_identical"] is True
-    # Process 0 alone wrote the log: the whole run, 8 lines kept + 4 resumed.
+    # Process 0 alone wrote the log: the whole run, 4 lines kept + 8 resumed.
     assert not os.path.exists(os.path.join(out, "log_run_1.jsonl"))
     with open(os.path.join(out, "log_run_0.jsonl")) as f:
         log = [json.loads(line) for line in f]
@@ -375,11 +383,15 @@ def test_a_killed_process_ends_the_other_with_an_error_naming_it(runs):
     # names the step, the failed collective and the process that is gone,
     # and the process skips jax's shutdown barrier (it cannot complete).
     assert rc0 == 1 and t0 is not None, err0[-3000:]
-    assert "RuntimeError: fit: process 0 at step " in err0, err0[-3000:]
-    assert "Gloo" in err0 and "Terminating process" not in err0, err0[-3000:]
+    # The gather of the step-8 checkpoint failed: a JaxRuntimeError or a
+    # ValueError from jax (seen both), named by process 1's silence.
+    assert f"RuntimeError: fit: process 0 at step {KILL_AFTER + 1}: " in err0
+    assert "Gloo AllGather failed" in err0, err0[-3000:]
     assert "process(es) 1 did not answer within 2 s" in err0, err0[-3000:]
-    # The checkpoint at step 8 was written by both processes before the kill.
-    assert "step_00000008" in os.listdir(os.path.join(runs["kill/out"], "ckpt"))
+    assert "Terminating process" not in err0, err0[-3000:]
+    # The checkpoint at step 4 was written by both processes before the
+    # kill, the one at step 8 not at all (its gather failed).
+    assert runs["kill/ckpt"] == ["step_00000004"]
 
 
 def test_a_killed_coordinator_ends_the_other_process(runs):
@@ -395,18 +407,18 @@ def test_a_killed_coordinator_ends_the_other_process(runs):
 
 def test_checkpoints_restore_across_process_counts(runs):
     # 2 processes x 2 devices -> 1 process x 4 devices, and the reverse:
-    # resumed at step 8 from the other layout's checkpoint, both finish on
+    # resumed at step 4 from the other layout's checkpoint, both finish on
     # the uninterrupted run's trajectory.
     out = runs["resume/out"]
     one = _read(out, "single_0.json")
     done = [("single", 0)] + [("resume", pid) for pid in (0, 1)]
     for mode, pid in done:
         got = _read(out, f"{mode}_{pid}.json")["across"]
-        assert got["steps"] == list(range(8, STEPS))
-        assert got["finite"] == one["finite"][8:]
-        assert got["loss_scale"] == one["loss_scale"][8:]
+        assert got["steps"] == list(range(RESUME_AT, STEPS))
+        assert got["finite"] == one["finite"][RESUME_AT:]
+        assert got["loss_scale"] == one["loss_scale"][RESUME_AT:]
         assert got["final_scale"] == one["final_scale"]
-        np.testing.assert_allclose(got["loss"], one["loss"][8:], rtol=1e-6)
+        np.testing.assert_allclose(got["loss"], one["loss"][RESUME_AT:], rtol=1e-6)
         for k, v in one["params"].items():
             np.testing.assert_allclose(got["params"][k], v, rtol=0, atol=1e-6)
         assert got["replicas_identical"] is True
