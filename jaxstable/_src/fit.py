@@ -186,7 +186,9 @@ def fit(
     waiting in the next collective; the failing process raises (after a
     failed collective, a RuntimeError naming the processes that no longer
     answer) and ends with status 1 when Python exits, without waiting in
-    jax's shutdown barrier for processes that are gone. A dead process 0
+    jax's shutdown barrier for processes that are gone (so an exception is
+    no way to stop every process early and go on: return True from
+    ``on_step`` instead). A dead process 0
     ends the others at once by jax's own abort (SIGABRT), and a collective
     that hangs instead of failing by jax's heartbeat timeout
     (``jax.distributed.initialize(heartbeat_timeout_seconds=)``). See
