@@ -232,10 +232,10 @@ class TrainStep:
     Under DDP or FSDP2 (a process group of N ranks) the step also
     all-reduces the ranks' losses before the backward: ``loss`` is the
     global mean and a non-finite loss on one rank is one on every rank;
-    under DDP it backpropagates ``loss / N`` and sums the gradients (its
-    comm hook: one device's float16 headroom), refuses a ``loss_fn`` that
-    bypasses the wrapper and a parameter used on some ranks only (see
-    `torchref.distributed`).
+    it backpropagates ``loss / N`` and sums the gradients (DDP: its comm
+    hook; FSDP2: a gradient divide factor of 1), one device's float16
+    headroom; under DDP it refuses a ``loss_fn`` that bypasses the wrapper
+    and a parameter used on some ranks only (see `torchref.distributed`).
 
     Args:
         model: the `nn.Module` (its device gives autocast's device type).

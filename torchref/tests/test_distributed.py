@@ -490,17 +490,26 @@ class MLPExtra(MLP):
 
 
 def _new_step(params, ddp, *, fp16=False, loss_fn=mse, find_unused=None):
+    """A TrainStep on `MLP`: one process, or ``ddp`` True / "data_parallel"
+    / "fsdp" under the process group (FSDP2 without the update check, see
+    `run_trajectory`)."""
     model = MLP(params) if find_unused is None else MLPExtra(params)
+    strategy = "data_parallel" if ddp is True else ddp
     if ddp:
         mesh = distributed.make_mesh()
         kw = {"find_unused_parameters": True} if find_unused else {}
-        model = distributed.shard_state(model, mesh, "data_parallel", **kw)
+        model = distributed.shard_state(model, mesh, strategy, **kw)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    check = strategy != "fsdp"
     if fp16:
         ls = DynamicLossScale(loss_scale=2.0**15, period=2)
-        return train.TrainStep(model, opt, loss_fn, scaler=ls, autocast_dtype="f16")
+        return train.TrainStep(
+            model, opt, loss_fn, scaler=ls, autocast_dtype="f16", check_update=check
+        )
     ls = DynamicLossScale(loss_scale=2.0**10, period=8)
-    return train.TrainStep(model, opt, loss_fn, max_grad_norm=1.0, scaler=ls)
+    return train.TrainStep(
+        model, opt, loss_fn, max_grad_norm=1.0, scaler=ls, check_update=check
+    )
 
 
 def _params_of(step):
@@ -565,9 +574,9 @@ def _fits(params, batches, folder, ddp):
             return e.step, len(e.history)
         return None
 
-    def fp16():
+    def fp16(strategy=ddp):
         # float16 under autocast from the scale 2**15.
-        step = _new_step(params, ddp, fp16=True)
+        step = _new_step(params, strategy, fp16=True)
         fp16 = [(torch.tensor(x), torch.tensor(y)) for x, y in fp16_batches()]
         out, _ = run(step, fp16)
         return {**out, "final_scale": step.scaler.get_scale()}
@@ -593,6 +602,8 @@ def _fits(params, batches, folder, ddp):
     if ddp:
         sections["fsdp"] = fsdp
     sections.update(stop=stop, fp16=fp16)
+    if ddp:
+        sections["fp16_fsdp"] = lambda: fp16("fsdp")
     return {name: _guarded(fn) for name, fn in sections.items()}
 
 
@@ -742,14 +753,16 @@ def test_fsdp_checkpoints_hold_every_shard_across_placements(ranks, fits_single)
     np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["fsdp"]["params"])
 
 
-def test_fp16_ddp_has_one_devices_headroom(ranks, fits_single):
-    # Each replica backpropagates loss/2 and DDP sums: the same skips and
-    # final scale as one device (each replica's own mean would overflow at
-    # half the scale and skip more).
+@pytest.mark.parametrize("strategy", ["fp16", "fp16_fsdp"])
+def test_fp16_ddp_and_fsdp_have_one_devices_headroom(ranks, fits_single, strategy):
+    # Each replica backpropagates loss/2 and DDP (its comm hook) or FSDP2
+    # (its reduce-scatter, divide factor 1) sums: the same skips and final
+    # scale as one device (each replica's own mean would overflow at half
+    # the scale and skip more).
     want = fits_single["fp16"]
     assert (~want["finite"]).sum() >= 2 and want["finite"].any()
     for rank, r in enumerate(ranks):
-        got = r["fits"]["fp16"]
+        got = r["fits"][strategy]
         assert got["final_scale"] == want["final_scale"], rank
         # float16 matmuls over 8 rows and over 16 round differently.
         _same_records(got, want, f"fp16 rank {rank}", "float16")
