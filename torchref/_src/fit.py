@@ -26,7 +26,7 @@ from _stablecore.fit import policy_note as _policy_note
 from _stablecore.fit import show as _show
 from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
-from torchref._src.checkpoint import CheckpointManager
+from torchref._src.checkpoint import CheckpointManager, _is_sharded
 from torchref._src.diagnostics import (
     check_record,
     format_checks,
@@ -362,13 +362,11 @@ def fit(
     mgr, own_mgr, lock = _manager(checkpoint_dir if writer else None)
     try:
         if group.size > 1:
-            mgr, own_mgr = group.plan(mgr, own_mgr, checkpoint_dir, resume)
+            mgr, own_mgr = group.plan(mgr, own_mgr, checkpoint_dir, resume, step)
         start, resumed = _resume(mgr, step, resume, group)
         if mgr is not None and rollback_to == "disk" and group.latest_step(mgr) is None:
-            if writer:
+            if writer or _is_sharded(step):  # FSDP2: every rank its shards
                 mgr.save(start, step)  # what the first rollback goes back to
-            elif _locate_step(step) is None and isinstance(step, TrainStep):
-                step.state_dict()  # FSDP2: rank 0's gather needs every rank
         return _run(**locals())
     finally:
         try:
@@ -427,9 +425,8 @@ def _run(
     def save(done, metrics=None):
         # With the NaN policy's state and, unless it is this very state, the
         # rollback snapshot: a resumed run goes on as the uninterrupted one.
-        if not writer:
-            if locate_step is None and isinstance(step, TrainStep):
-                step.state_dict()  # FSDP2: rank 0's gather needs every rank
+        # FSDP2: every rank writes its shards (torch.distributed.checkpoint).
+        if not writer and not _is_sharded(step):
             return
         kept = snapshot if in_memory and policy.snapshot_at != done else None
         mgr._save(done, step, None, metrics, policy.state(), kept)
@@ -560,14 +557,16 @@ class _Group:
         self.rank = dist.get_rank() if on else 0
         self.latest = None
 
-    def plan(self, mgr, own_mgr, checkpoint_dir, resume):
+    def plan(self, mgr, own_mgr, checkpoint_dir, resume, step):
         """One all-gather: the ranks agree on resuming and on rank 0's latest
         checkpoint (taken under its lock); the others open the directory to
-        read it. Returns ``(manager, owned)``."""
+        read it (under FSDP2 rank 0's, to write their shards there too, also
+        when they were given none). Returns ``(manager, owned)``."""
         mine = {
             "resume": resume,
             "dir": checkpoint_dir is not None,
             "latest": None if mgr is None else mgr.latest_step(),
+            "path": None if mgr is None else mgr.directory,
         }
         every: list[Any] = [None] * self.size
         self.dist.all_gather_object(every, mine)
@@ -589,6 +588,8 @@ class _Group:
             return (checkpoint_dir if given else CheckpointManager(checkpoint_dir)), (
                 not given
             )
+        if self.rank != 0 and every[0]["path"] is not None and _is_sharded(step):
+            return CheckpointManager(every[0]["path"]), True
         return mgr, own_mgr
 
     def latest_step(self, mgr):
@@ -596,8 +597,9 @@ class _Group:
         return self.latest if self.size > 1 else mgr.latest_step()
 
     def restore(self, mgr, step, **kwargs):
-        """`CheckpointManager.restore` of the checkpoint rank 0 restores."""
-        if self.size == 1:
+        """`CheckpointManager.restore` of the checkpoint rank 0 restores
+        (under FSDP2 every rank restores together: the manager agrees)."""
+        if self.size == 1 or _is_sharded(step):
             return mgr.restore(step, **kwargs)
         chosen: list[Any] = [None]
         error = None

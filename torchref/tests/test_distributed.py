@@ -598,13 +598,52 @@ def _fits(params, batches, folder, ddp):
         out, hist = run(step, data, checkpoint_dir=dst, resume=True)
         return {**out, "first": hist[0]["step"]}
 
+    def fsdp_resume():
+        # FSDP2 from the start: 20 steps with sharded checkpoints every 10
+        # (torch.distributed.checkpoint: each rank writes its shards; a
+        # gather of the full model would raise here), then new objects
+        # resume on every rank. Each rank draws from its own RNG stream:
+        # the resume restores each its own.
+        res = dict(checkpoint_dir=os.path.join(folder, "dcp"), checkpoint_every=10)
+        with _no_full_gather():
+            torch.manual_seed(100 + dist.get_rank())
+            train.fit(_new_step(params, "fsdp"), data, steps=20, **res, **kw)
+            drawn = torch.rand(2).tolist()
+            torch.manual_seed(0)
+            out, hist = run(_new_step(params, "fsdp"), data, resume=True, **res)
+        rng = [drawn, torch.rand(2).tolist()]
+        # The sharded checkpoint at step 20 restores into DDP (each rank
+        # reads the whole tensors, no collective).
+        step = _new_step(params, True)
+        train.CheckpointManager(res["checkpoint_dir"]).restore(step, 20)
+        return {**out, "first": hist[0]["step"], "rng": rng, "ddp": _params_of(step)}
+
     sections = {"skip": skip, "resume": resume, "rollback": rollback}
     if ddp:
         sections["fsdp"] = fsdp
+        sections["fsdp_resume"] = fsdp_resume
     sections.update(stop=stop, fp16=fp16)
     if ddp:
         sections["fp16_fsdp"] = lambda: fp16("fsdp")
     return {name: _guarded(fn) for name, fn in sections.items()}
+
+
+class _no_full_gather:
+    """Makes a gather of the full FSDP2 state (`TrainStep.state_dict`) raise
+    for the block: sharded checkpoints must not need one."""
+
+    def __enter__(self):
+        from torchref._src import distributed as impl
+
+        self.impl, self.gather = impl, impl._gather_full
+
+        def refused(tree):
+            raise AssertionError("the full FSDP2 state was gathered")
+
+        impl._gather_full = refused
+
+    def __exit__(self, *exc):
+        self.impl._gather_full = self.gather
 
 
 def _errors(params, batches):
@@ -737,20 +776,82 @@ def test_fit_under_ddp_writes_on_rank_0_and_resumes_on_every_rank(ranks, fits_si
     np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["skip"]["params"])
 
 
-def test_fsdp_checkpoints_hold_every_shard_across_placements(ranks, fits_single):
-    # FSDP2 resumed from a DDP checkpoint (step 20) and ended on the
-    # 1-process trajectory; its checkpoint (written by rank 0 alone) holds
-    # every shard, and restores into one process.
+@pytest.mark.parametrize("section", ["fsdp", "fsdp_resume"])
+def test_fsdp_checkpoints_hold_every_shard_across_placements(
+    ranks, fits_single, section
+):
+    # FSDP2 resumed at step 20 from a DDP checkpoint ("fsdp") or from its own
+    # sharded one ("fsdp_resume", new objects as after a kill) and ended on
+    # the 1-process trajectory; its sharded checkpoints restore into one
+    # process.
     skip = fits_single["skip"]
     for rank, r in enumerate(ranks):
-        got = r["fits"]["fsdp"]
+        got = r["fits"][section]
         assert isinstance(got, dict) and got["first"] == 20, (rank, got)
         rest = {k: v[20:] for k, v in skip.items() if k not in ("params", "located")}
-        _same_records(got, {**rest, "params": skip["params"]}, f"fsdp rank {rank}")
+        _same_records(got, {**rest, "params": skip["params"]}, f"{section} {rank}")
+    np.testing.assert_array_equal(
+        ranks[0]["fits"][section]["params"], ranks[1]["fits"][section]["params"]
+    )
     step = _new_step(problem()[0], False)
-    folder = os.path.join(ranks[0]["folder"], "fits", "fsdp")
-    train.CheckpointManager(folder).restore(step)
-    np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["fsdp"]["params"])
+    folder = os.path.join(ranks[0]["folder"], "fits", section.replace("_resume", ""))
+    if section == "fsdp_resume":
+        folder = os.path.join(ranks[0]["folder"], "fits", "dcp")
+    mgr = train.CheckpointManager(folder)
+    assert os.path.isdir(mgr._path(40)) and mgr._path(40).endswith(".dcp")
+    mgr.restore(step)
+    np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"][section]["params"])
+
+
+def test_sharded_checkpoints_keep_every_shard_and_restore_anywhere(ranks):
+    import torch.distributed.checkpoint as dcp
+
+    got = [r["fits"]["fsdp_resume"] for r in ranks]
+    # Each rank restored its own RNG stream (ranks seeded apart).
+    for rank, r in enumerate(got):
+        assert r["rng"][0] == r["rng"][1], rank
+    assert got[0]["rng"][0] != got[1]["rng"][0]
+    # Step 20: each rank wrote its own file, and w1 (8 x 16, sharded by
+    # rows) is stored whole: the chunks of both ranks cover its 8 rows.
+    path = os.path.join(ranks[0]["folder"], "fits", "dcp", "step_00000020.dcp")
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(path))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, shape in [
+        ("model/w1", (IN, HIDDEN)),
+        ("optimizer/w1/exp_avg", (IN, HIDDEN)),
+        ("model/b2", (OUT,)),
+    ]:
+        assert tuple(meta[key].size) == shape
+        assert sum(c.sizes[0] for c in meta[key].chunks) == shape[0], key
+    # One process and DDP (2 ranks) restore the same step-20 state.
+    step = _new_step(problem()[0], False)
+    train.CheckpointManager(os.path.dirname(path)).restore(step, 20)
+    for r in got:
+        np.testing.assert_array_equal(_params_of(step), r["ddp"])
+    assert step.steps_done == 20 and step.optimizer.state_dict()["state"]
+    # Another model is refused, naming the leaf (not a raw shape error).
+    other = {**problem()[0], "w1": np.zeros((IN, 4), np.float32)}
+    other["w2"] = np.zeros((4, OUT), np.float32)
+    with pytest.raises(
+        ValueError, match=r"model/w1: checkpoint \(8, 16\) float32, target \(8, 4\)"
+    ):
+        train.load_checkpoint(path, _new_step(other, False))
+
+
+def test_a_damaged_sharded_checkpoint_is_refused_and_skipped(ranks, tmp_path):
+    # A rank's file lost (or changed) is caught by the sha256 saved in the
+    # header; restore warns and goes back to the checkpoint before it.
+    src = os.path.join(ranks[0]["folder"], "fits", "dcp")
+    for n in (20, 30):
+        shutil.copytree(os.path.join(src, f"step_{n:08d}.dcp"),
+                        tmp_path / f"step_{n:08d}.dcp")  # fmt: skip
+    os.remove(tmp_path / "step_00000030.dcp" / "__1_0.distcp")
+    step = _new_step(problem()[0], False)
+    with pytest.raises(ValueError, match=r"files \['__1_0.distcp'\] are missing"):
+        train.load_checkpoint(tmp_path / "step_00000030.dcp", step)
+    with pytest.warns(RuntimeWarning, match="trying the checkpoint before it"):
+        _, info = train.CheckpointManager(tmp_path).restore(step)
+    assert info["step"] == 20 and step.steps_done == 20
 
 
 @pytest.mark.parametrize("strategy", ["fp16", "fp16_fsdp"])
