@@ -16,6 +16,16 @@ parameter. It is written to a temporary file, flushed and fsynced, then
 renamed over the final name with `os.replace` (and the directory fsynced):
 a crash leaves the previous file intact.
 
+Under FSDP2 (a `TrainStep` over a ``fully_shard`` model, a process group
+of more than one rank) a checkpoint is a DIRECTORY ``step_{n:08d}.dcp``
+written with `torch.distributed.checkpoint`: every rank writes its own
+shards, no rank gathers the model, and rank 0 adds ``checkpoint.pt`` (the
+header + payload format above, ``torchref-dcp-1``) with the rest of the
+state, each rank's RNG states and the sha256 of every shard file. It
+restores in any placement: FSDP2 ranks read their shards together, a DDP
+rank or one process reads whole tensors alone (see `_save_dcp`,
+`_load_dcp` and docs/distributed.md).
+
 Older files are still read: format 1 (``torchref-checkpoint-1``, whose
 sha256 covered the payload only; its data position is taken from the
 payload, which has it too) and bare `torch.save` zips (no checksum; telling
@@ -210,7 +220,9 @@ def save_checkpoint(
     that `load_checkpoint` can refuse a checkpoint of another one by name)
     and a sha256 of the payload (so that it refuses a damaged one). See the
     module docstring for the layout; for a run, `CheckpointManager` keeps
-    several, by global step.
+    several, by global step. Under FSDP2 (more than one rank) `path`
+    becomes a directory written with `torch.distributed.checkpoint`, each
+    rank its shards: a collective, every rank calls it.
 
     Args:
       path: file to write.
@@ -257,6 +269,11 @@ def load_checkpoint(
     path), with the same messages. The RNG
     states saved with it are restored too (`restore_rng`), so that dropout
     after a resume draws what it would have drawn.
+
+    A sharded checkpoint (a directory, written under FSDP2) loads into any
+    placement: under FSDP2 every rank calls this (a collective) and reads
+    its shards; in one process or on a DDP rank the whole tensors are read
+    here alone. Its files are checked against the sha256 saved with them.
 
     A file written before `save_checkpoint` named the parameters loads its
     optimizer state by position, as torch does. One written before it named
@@ -443,6 +460,13 @@ class CheckpointManager:
     A crash mid-write leaves a ``.tmp-<pid>`` file, which the next manager
     on the directory removes (unless a run holds the directory's lock, see
     `fit`).
+
+    Under FSDP2 (more than one rank) checkpoint n is the directory
+    ``directory/step_{n:08d}.dcp`` (`torch.distributed.checkpoint`, every
+    rank writing its shards: `save` and `restore` are collectives there,
+    every rank calls them on the same directory; the save is synchronous
+    and rank 0 prunes). A crash leaves ``step_{n:08d}.dcp.partial``, removed
+    the same way. Files and directories count alike, by step.
 
     `restore` takes the latest intact checkpoint: a truncated, damaged or
     foreign one (its sha256 differs, or it is no checkpoint file) gives a

@@ -290,9 +290,11 @@ def fit(
             a process group of N > 1 ranks (DDP, FSDP2) every rank calls fit
             with the same arguments and takes the same path (the decisions
             are global, see `TrainStep`); rank 0 alone writes ``log_path``
-            and the checkpoints, ``resume=True`` loads rank 0's checkpoint
-            on every rank, ``on_step`` stopping one rank stops all, `locate`
-            re-runs a DDP step on this rank's unwrapped module (no
+            and the checkpoints (under FSDP2 every rank writes its shards
+            into rank 0's ``checkpoint_dir`` with
+            `torch.distributed.checkpoint`), ``resume=True`` loads rank
+            0's checkpoint on every rank, ``on_step`` stopping one rank
+            stops all, `locate` re-runs a DDP step on this rank's unwrapped module (no
             collective) and is not run under FSDP2; a rank that raises
             makes the others' next collective fail with a RuntimeError
             naming its rank, step and error (after the process group's
@@ -566,7 +568,7 @@ class _Group:
             "resume": resume,
             "dir": checkpoint_dir is not None,
             "latest": None if mgr is None else mgr.latest_step(),
-            "path": None if mgr is None else mgr.directory,
+            "path": _directory_of(checkpoint_dir),
         }
         every: list[Any] = [None] * self.size
         self.dist.all_gather_object(every, mine)
@@ -581,6 +583,13 @@ class _Group:
                     f"{'given' if p['dir'] else 'None'}"
                     for r, p in enumerate(every)
                 )
+            )
+        paths = {p["path"] for p in every} - {None}
+        if _is_sharded(step) and len(paths) > 1:
+            raise ValueError(
+                "under FSDP2 every rank writes its shards into one checkpoint_dir "
+                "(rank 0's; give the others the same one or None), got "
+                + ", ".join(f"rank {r}: {p['path']}" for r, p in enumerate(every))
             )
         self.latest = every[0]["latest"]
         if self.rank != 0 and checkpoint_dir is not None:
@@ -668,6 +677,15 @@ class _Group:
             f"fit on rank {self.rank} of {self.size} stopped at step {index}: a "
             f"collective failed because {why}"
         ) from error
+
+
+def _directory_of(checkpoint_dir) -> str | None:
+    """The absolute directory of `checkpoint_dir` (a path or a manager)."""
+    if checkpoint_dir is None:
+        return None
+    if isinstance(checkpoint_dir, CheckpointManager):
+        return checkpoint_dir.directory
+    return os.path.abspath(checkpoint_dir)
 
 
 def _manager(checkpoint_dir):

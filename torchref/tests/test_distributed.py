@@ -583,7 +583,7 @@ def _fits(params, batches, folder, ddp):
 
     def fsdp():
         # FSDP2 resumes from the DDP run's checkpoint at step 20 and writes
-        # its own (rank 0, gathered) at step 40.
+        # its own (sharded) at step 40.
         src, dst = os.path.join(folder, "skip"), os.path.join(folder, "fsdp")
         if dist.get_rank() == 0:
             os.makedirs(dst)
@@ -595,7 +595,8 @@ def _fits(params, batches, folder, ddp):
         step = train.TrainStep(
             model, opt, mse, max_grad_norm=1.0, scaler=ls, check_update=False
         )
-        out, hist = run(step, data, checkpoint_dir=dst, resume=True)
+        with _no_full_gather():  # its own checkpoint is sharded
+            out, hist = run(step, data, checkpoint_dir=dst, resume=True)
         return {**out, "first": hist[0]["step"]}
 
     def fsdp_resume():
@@ -622,6 +623,11 @@ def _fits(params, batches, folder, ddp):
     if ddp:
         sections["fsdp"] = fsdp
         sections["fsdp_resume"] = fsdp_resume
+        # Sharded checkpoints need one directory: each rank its own is refused.
+        own = os.path.join(folder, f"own{dist.get_rank()}")
+        sections["fsdp_dirs"] = lambda: train.fit(
+            _new_step(params, "fsdp"), data, checkpoint_dir=own, **kw
+        )
     sections.update(stop=stop, fp16=fp16)
     if ddp:
         sections["fp16_fsdp"] = lambda: fp16("fsdp")
@@ -836,6 +842,12 @@ def test_sharded_checkpoints_keep_every_shard_and_restore_anywhere(ranks):
         ValueError, match=r"model/w1: checkpoint \(8, 16\) float32, target \(8, 4\)"
     ):
         train.load_checkpoint(path, _new_step(other, False))
+
+
+def test_sharded_checkpoints_refuse_a_directory_per_rank(ranks):
+    for r in ranks:
+        got = r["fits"]["fsdp_dirs"]
+        assert "raised ValueError: under FSDP2 every rank writes its shards" in got
 
 
 def test_a_damaged_sharded_checkpoint_is_refused_and_skipped(ranks, tmp_path):
