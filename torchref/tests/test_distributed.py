@@ -619,10 +619,24 @@ def _fits(params, batches, folder, ddp):
         train.CheckpointManager(res["checkpoint_dir"]).restore(step, 20)
         return {**out, "first": hist[0]["step"], "rng": rng, "ddp": _params_of(step)}
 
+    def fsdp_rollback():
+        # Back to the last sharded checkpoint on disk (every 5 steps, the
+        # first one before step 0 with no Adam state yet): every rank
+        # restores it together.
+        ckpt = os.path.join(folder, "fsdp_rollback")
+        with _no_full_gather():
+            out, hist = run(
+                _new_step(params, "fsdp"), data, nan_policy="rollback",
+                rollback_to="disk", max_consecutive_nonfinite=1,
+                checkpoint_dir=ckpt, checkpoint_every=5,
+            )  # fmt: skip
+        return {**out, "rolled": [h["step"] for h in hist if h.get("rolled_back")]}
+
     sections = {"skip": skip, "resume": resume, "rollback": rollback}
     if ddp:
         sections["fsdp"] = fsdp
         sections["fsdp_resume"] = fsdp_resume
+        sections["fsdp_rollback"] = fsdp_rollback
         # Sharded checkpoints need one directory: each rank its own is refused.
         own = os.path.join(folder, f"own{dist.get_rank()}")
         sections["fsdp_dirs"] = lambda: train.fit(
@@ -842,6 +856,16 @@ def test_sharded_checkpoints_keep_every_shard_and_restore_anywhere(ranks):
         ValueError, match=r"model/w1: checkpoint \(8, 16\) float32, target \(8, 4\)"
     ):
         train.load_checkpoint(path, _new_step(other, False))
+
+
+def test_fsdp_rolls_back_to_sharded_checkpoints_as_one_process(ranks, fits_single):
+    # The same rollbacks and trajectory as one process rolling back to its
+    # in-memory snapshots (taken every 5 steps, as the checkpoints here).
+    want = fits_single["rollback"]
+    for rank, r in enumerate(ranks):
+        got = r["fits"]["fsdp_rollback"]
+        _same_records(got, want, f"fsdp rollback rank {rank}")
+        assert got["rolled"] == want["rolled"] == [19, 32]
 
 
 def test_sharded_checkpoints_refuse_a_directory_per_rank(ranks):
