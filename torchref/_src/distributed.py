@@ -18,8 +18,9 @@ per device (``torchrun`` or `torch.multiprocessing`), a process group, and
 `torchref.train.TrainStep` runs unchanged on the wrapped model (under both it
 backpropagates each rank's loss / N and has the gradients summed, DDP by a
 comm hook, FSDP2 by a divide factor of 1: one device's float16 headroom,
-see `_Replicas`); under FSDP2 build it with ``check_update=False``: its update check copies the state with
-``torch._foreach_copy_``, which DTensor does not implement in torch 2.13.
+see `_Replicas`); under FSDP2 build it with ``check_update=False``: its
+update check copies the state with ``torch._foreach_copy_``, which DTensor
+does not implement in torch 2.13.
 """
 
 from __future__ import annotations

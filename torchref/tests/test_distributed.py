@@ -611,8 +611,11 @@ def _fits(params, batches, folder, ddp):
             train.fit(_new_step(params, "fsdp"), data, steps=20, **res, **kw)
             drawn = torch.rand(2).tolist()
             torch.manual_seed(0)
-            out, hist = run(_new_step(params, "fsdp"), data, resume=True, **res)
-        rng = [drawn, torch.rand(2).tolist()]
+            step = _new_step(params, "fsdp")
+            out, hist = run(step, data, resume=True, **res)
+            rng = [drawn, torch.rand(2).tolist()]
+            # save_checkpoint under FSDP2: a sharded directory too.
+            train.save_checkpoint(os.path.join(folder, "saved.dcp"), step)
         # The sharded checkpoint at step 20 restores into DDP (each rank
         # reads the whole tensors, no collective).
         step = _new_step(params, True)
@@ -843,6 +846,10 @@ def test_sharded_checkpoints_keep_every_shard_and_restore_anywhere(ranks):
     ]:
         assert tuple(meta[key].size) == shape
         assert sum(c.sizes[0] for c in meta[key].chunks) == shape[0], key
+    # save_checkpoint wrote a sharded directory that load_checkpoint reads.
+    step = _new_step(problem()[0], False)
+    train.load_checkpoint(os.path.join(ranks[0]["folder"], "fits", "saved.dcp"), step)
+    np.testing.assert_array_equal(_params_of(step), got[0]["params"])
     # One process and DDP (2 ranks) restore the same step-20 state.
     step = _new_step(problem()[0], False)
     train.CheckpointManager(os.path.dirname(path)).restore(step, 20)
