@@ -632,7 +632,10 @@ class CheckpointManager:
         for n in ours:
             if n not in keep:
                 path = self._path(n)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                if os.path.isdir(path):  # a sharded checkpoint
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
