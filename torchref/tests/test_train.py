@@ -732,3 +732,79 @@ def test_fit_extras_are_validated(kwargs, match):
         train.fit(_guarded(), _batches(1), progress=False, on_step=3)
     with pytest.raises(TypeError, match="time_steps must be True or False"):
         train.fit(_guarded(), _batches(1), progress=False, time_steps=1)
+
+
+def _syncs_outside_optimizer(fn):
+    """`aten::_local_scalar_dense` events (.item(), bool(t), float(t)) of
+    one call, leaving out those inside ``Optimizer.step`` (Adam reads its
+    CPU ``step`` counter; on a GPU that is no device->host sync)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    out = 0
+    for e in prof.events():
+        if e.name != "aten::_local_scalar_dense":
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("Optimizer.step"):
+            parent = parent.cpu_parent
+        out += parent is None
+    return out
+
+
+@pytest.mark.parametrize(
+    ("opt", "check_update", "kw"),
+    [
+        ("sgd", True, {}),
+        ("adam", True, {}),
+        ("adam", False, {}),
+        ("adam_fused", True, {}),
+        ("adam", True, {"scaler": None, "microbatches": 2}),
+    ],
+)
+def test_trainstep_makes_no_host_sync(opt, check_update, kw):
+    # Issue 24: the skip decision, clip, scale back-off, buffer restore and
+    # counters stay on the device: no .item()/bool(tensor) inside one step,
+    # applied or skipped (a NaN batch), once the optimizer state exists.
+    # The old step made 6-8 per call (GradScaler.step's found_inf read, the
+    # loss and grads checks, the norm, the update check, float metrics).
+    model = _bn_net()
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
+    }[opt]
+    step = train.TrainStep(
+        model,
+        make(model.parameters()),
+        _bn_loss,
+        max_grad_norm=1.0,
+        check_update=check_update,
+        **({"scaler": ls.DynamicLossScale(2.0**8)} | kw),
+    )
+    x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    step(x)  # creates the optimizer state (that first step may sync once)
+    nan = torch.full_like(x, math.nan)
+    runs = ((x, True, False), (nan, False, False), (x, True, True))
+    for batch, applied, sync in runs:
+        before = [p.detach().clone() for p in model.parameters()]
+        out = {}
+
+        def run(b=batch, o=out, s=sync):
+            o.update(step(b, sync=s))
+
+        assert _syncs_outside_optimizer(run) == 0
+        assert isinstance(out["finite"], bool if sync else torch.Tensor)
+        assert bool(out["finite"]) is applied
+        moved = any(
+            not torch.equal(p, q)
+            for p, q in zip(model.parameters(), before, strict=True)
+        )
+        assert moved is applied
+    # The default step(batch) returned python metrics through one transfer
+    # (a .tolist(), no _local_scalar_dense), which also recorded the two
+    # tensor steps before it, in order.
+    assert out["skipped_total"] == 1 and out["grads_finite"] is True
+    s = step.skip_state
+    assert (s.skipped_total, s.consecutive, s.last_finite) == (1, 0, True)
