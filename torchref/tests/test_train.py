@@ -786,13 +786,15 @@ def test_trainstep_makes_no_host_sync(opt, check_update, kw):
     x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     step(x)  # creates the optimizer state (that first step may sync once)
     nan = torch.full_like(x, math.nan)
-    runs = ((x, True, False), (nan, False, False), (x, True, True))
+    # The default step(batch) first: python metrics through one transfer
+    # (a .tolist(), no _local_scalar_dense); then tensor metrics.
+    runs = ((x, True, True), (nan, False, False), (x, True, False))
     for batch, applied, sync in runs:
         before = [p.detach().clone() for p in model.parameters()]
         out = {}
 
         def run(b=batch, o=out, s=sync):
-            o.update(step(b, sync=s))
+            o.update(step(b) if s else step(b, sync=False))
 
         assert _syncs_outside_optimizer(run) == 0
         assert isinstance(out["finite"], bool if sync else torch.Tensor)
@@ -802,9 +804,6 @@ def test_trainstep_makes_no_host_sync(opt, check_update, kw):
             for p, q in zip(model.parameters(), before, strict=True)
         )
         assert moved is applied
-    # The default step(batch) returned python metrics through one transfer
-    # (a .tolist(), no _local_scalar_dense), which also recorded the two
-    # tensor steps before it, in order.
-    assert out["skipped_total"] == 1 and out["grads_finite"] is True
-    s = step.skip_state
+    assert int(out["skipped_total"]) == 1 and bool(out["grads_finite"])
+    s = step.skip_state  # the two tensor steps, recorded in order on reading
     assert (s.skipped_total, s.consecutive, s.last_finite) == (1, 0, True)
