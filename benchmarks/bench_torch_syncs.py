@@ -216,6 +216,20 @@ def count(step, batch) -> dict[str, int]:
     }
 
 
+_NOTES = [
+    "Syncs outside the optimizer per guarded step: 0 in every torchref row",
+    "(the recipe itself has 1: GradScaler.step reads found_inf before a",
+    "non-fused step). The `_local_scalar_dense` left are inside",
+    "`Optimizer.step` (Adam reads its CPU `step` counter: no device sync on a",
+    "GPU). Launch proxy: +25 top-level ops over the old TrainStep (0-d ops:",
+    "loss check, flag combine, the float64 finiteness/rescue norm, counters);",
+    "`grads_only` with a non-fused optimizer now copies and selects back (one",
+    "cat + where + foreach_copy per dtype), as it cannot skip on the device by",
+    "itself; the spike guard's window (sort, median, select) adds ~100 small",
+    "ops in place of its host reads. GPU time not measured (no GPU lent).",
+]
+
+
 def _table(rows: dict[str, dict[str, int]]) -> list[str]:
     lines = [
         "| variant | host syncs outside the optimizer | all `_local_scalar_dense` "
@@ -270,6 +284,7 @@ def main() -> None:
             "",
             *_table(json.loads(before.read_text())),
         ]
+    lines += ["", *_NOTES]
     text = "\n".join(lines) + "\n"
     print(text)
     if "--no-write" not in sys.argv:

@@ -242,13 +242,13 @@ class TrainStep(_DeferredRecords):
     24; `torchref/tests/test_train.py` profiles it): ``step(batch)`` reads
     its python metrics in ONE transfer at the end, ``step(batch,
     sync=False)`` returns them as 0-d tensors
-    (`benchmarks/bench_torch_syncs.py` counts syncs and ops). Three places
-    still read the host, by design: `skip_spikes` (its window of applied
-    steps is a host-side statistic: one read of the flag before the step
-    and one after), DDP/FSDP2 (the loss all-reduce of `torchref.distributed`
-    reads the global loss and the used-parameter counts to name a bad
-    parameter) and sharded FSDP2 parameters (one read of the flag; no flat
-    copy of DTensors).
+    (`benchmarks/bench_torch_syncs.py` counts syncs and ops). Some places
+    still read the host, by design: DDP/FSDP2 (the loss all-reduce of
+    `torchref.distributed` reads the global loss and the used-parameter
+    counts to name a bad parameter), sharded FSDP2 parameters (one read of
+    the flag; no flat copy of DTensors) and the first step (Adam creates
+    its state: one read of the flag). `skip_spikes`' window and counters
+    are device tensors too.
 
     Under DDP or FSDP2 (a process group of N ranks) the step also
     all-reduces the ranks' losses before the backward: ``loss`` is the
@@ -489,12 +489,16 @@ class TrainStep(_DeferredRecords):
             return metrics
         # The one host sync of a step, outside it: the three floats and every
         # pending (applied, grads_finite) pair in one transfer.
-        keys = ("loss", "grad_norm", "loss_scale")
+        keys = ("loss", "grad_norm", "loss_scale", "spike")[
+            : 3 if self.spikes is None else 4
+        ]
         flags = [t for pair in self._pending for t in pair]
         values = _to_host([metrics[key] for key in keys] + flags)
         self._record(values[len(keys) :])
         state = self._skip_state
-        metrics.update(zip(keys, (float(v) for v in values), strict=False))
+        metrics.update(zip(keys[:3], (float(v) for v in values), strict=False))
+        if self.spikes is not None:
+            metrics["spike"] = bool(values[3])
         metrics["finite"] = state.last_finite
         metrics["grads_finite"] = state.last_grads_finite
         metrics["skipped_total"] = state.skipped_total
@@ -558,15 +562,16 @@ class TrainStep(_DeferredRecords):
         for flag in found.values():
             flag.copy_(bad)
         loss_value = losses[0] if k is None else stacked.mean()
-        spike, spike_values, refuse = False, None, bad
+        spike, spike_values, refuse = None, None, bad
         if self.spikes is not None:
             # The pre-clip norm and the loss against the window of applied
-            # steps (jaxstable: the step passes value=loss to skip_spikes).
-            # The window is a host-side statistic: one read of the flag here.
+            # steps (jaxstable: the step passes value=loss to skip_spikes),
+            # on the device too.
             _, spike, spike_values = self.spikes._decision.check(
-                grad_norm, loss_value, not bool(bad)
+                grad_norm, loss_value, ~bad
             )
-            refuse = bad | spike  # a spike is no overflow: the scale goes on
+            # A spike is no overflow: found_inf keeps `bad`, the scale goes on.
+            refuse = bad | spike.to(bad.device)
         self._stage = "optimizer step"
         # GradScaler.step would read found_inf on the host (one sync) before
         # a non-fused optimizer.step(); _GuardedStep skips on the device
@@ -575,7 +580,7 @@ class TrainStep(_DeferredRecords):
         if self._scaler_enabled():
             scaler.update()
         if self.spikes is not None:
-            self.spikes._decision.record(spike_values, spike, not bool(skipped))
+            self.spikes._decision.record(spike_values, spike, ~skipped)
         # Buffers go back on a skipped step, and also when the forward wrote
         # a non-finite one on an applied step (a batch-norm running_var of
         # inf from a feature of 1e20, with finite gradients), as the JAX step
@@ -601,7 +606,7 @@ class TrainStep(_DeferredRecords):
             "skipped_total": self._skipped_dev,
         }
         if self.spikes is not None:
-            metrics["spike"] = bool(spike)
+            metrics["spike"] = spike
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics

@@ -11,6 +11,7 @@ import torch
 
 from torchref import loss_scale as ls
 from torchref import train
+from torchref.transforms import skip_spikes
 
 
 def _mlp(seed=0):
@@ -761,19 +762,24 @@ def _syncs_outside_optimizer(fn):
         ("adam", False, {}),
         ("adam_fused", True, {}),
         ("adam", True, {"scaler": None, "microbatches": 2}),
+        ("adam_spikes", True, {}),
     ],
 )
 def test_trainstep_makes_no_host_sync(opt, check_update, kw):
-    # Issue 24: the skip decision, clip, scale back-off, buffer restore and
-    # counters stay on the device: no .item()/bool(tensor) inside one step,
-    # applied or skipped (a NaN batch), once the optimizer state exists.
-    # The old step made 6-8 per call (GradScaler.step's found_inf read, the
-    # loss and grads checks, the norm, the update check, float metrics).
+    # Issue 24: the skip decision, clip, scale back-off, buffer restore,
+    # spike window and counters stay on the device: no .item() or
+    # bool(tensor) inside one step, applied or skipped (a NaN batch), once
+    # the optimizer state exists. The old step made 7-9 per call
+    # (GradScaler.step's found_inf read, the loss and grads checks, the
+    # norm, the update check, float metrics).
     model = _bn_net()
     make = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
         "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
+        "adam_spikes": lambda ps: skip_spikes(
+            torch.optim.Adam(ps, lr=1e-3), window=4, min_history=1
+        ),
     }[opt]
     step = train.TrainStep(
         model,
@@ -807,3 +813,5 @@ def test_trainstep_makes_no_host_sync(opt, check_update, kw):
     assert int(out["skipped_total"]) == 1 and bool(out["grads_finite"])
     s = step.skip_state  # the two tensor steps, recorded in order on reading
     assert (s.skipped_total, s.consecutive, s.last_finite) == (1, 0, True)
+    if step.spike_state is not None:  # the NaN step never entered the window
+        assert (step.spike_state.norm_count, step.spike_state.spikes_total) == (3, 0)

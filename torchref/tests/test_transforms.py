@@ -384,23 +384,23 @@ def test_lbfgs_refused_with_a_clip_and_by_train_step():
         train.TrainStep(model, torch.optim.LBFGS(model.parameters()), lambda m, b: 0)
 
 
-@pytest.mark.parametrize("wrap", ["skip_non_finite", "stable_optimizer"])
+@pytest.mark.parametrize("wrap", ["skip_non_finite", "stable_optimizer", "skip_spikes"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_guarded_wrappers_make_no_host_sync(wrap, fused):
-    # Issue 24: the check, the clip and the skip stay on the device (a fused
-    # Adam gets GradScaler's found_inf, any other a torch.where select);
-    # skip_state reads the pending flags when it is read, in one transfer.
-    # The old wrappers made 2-3 per step (all_finite, the norm's overflow
-    # test, the update check).
+    # Issue 24: the check, the clip, the spike window and the skip stay on
+    # the device (a fused Adam gets GradScaler's found_inf, any other a
+    # torch.where select); skip_state reads the pending flags when it is
+    # read, in one transfer. The old wrappers made 2-3 per step (all_finite,
+    # the norm's overflow test, the update check), skip_spikes more.
     from torchref.tests.test_train import _syncs_outside_optimizer
 
     model = torch.nn.Linear(4, 3)
     adam = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused or None)
-    opt = (
-        tr.skip_non_finite(adam)
-        if wrap == "skip_non_finite"
-        else tr.stable_optimizer(adam, max_grad_norm=1.0)
-    )
+    opt = {
+        "skip_non_finite": lambda: tr.skip_non_finite(adam),
+        "stable_optimizer": lambda: tr.stable_optimizer(adam, max_grad_norm=1.0),
+        "skip_spikes": lambda: tr.skip_spikes(adam, window=4, min_history=1),
+    }[wrap]()
 
     def set_grads(value):
         for p in model.parameters():
