@@ -31,13 +31,26 @@ _MAD_TO_SIGMA = 1.482602218505602
 _TINY = torch.finfo(torch.float32).tiny
 
 
+def _const(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 0-d constant made on `device` by a fill (`torch.tensor` on
+    an accelerator copies from the host, which waits for the stream)."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _flag(value: Any, device: torch.device) -> torch.Tensor:
+    """A 0-d bool tensor on `device` from a bool or a bool tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.bool)
+    return torch.full((), bool(value), dtype=torch.bool, device=device)
+
+
 def _median(sorted_values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Median of the first `count` (a 0-d int tensor) sorted values; nan for
     none. Indexed on the device: no host read of `count`."""
     lo = torch.clamp((count - 1) // 2, min=0).reshape(1)
     hi = torch.clamp(count // 2, min=0).reshape(1)
     both = sorted_values.index_select(0, torch.cat([lo, hi]))
-    med = (both[0] + both[1]) * torch.tensor(0.5, device=both.device)
+    med = (both[0] + both[1]) * _const(0.5, both.device)
     return torch.where(count == 0, torch.full_like(med, float("nan")), med)
 
 
@@ -48,8 +61,7 @@ def _robust_stats(buffer: torch.Tensor, count: torch.Tensor):
     window = torch.where(slots < count, buffer, float("nan"))
     med = _median(torch.sort(window).values, count)
     mad = _median(torch.sort(torch.abs(window - med)).values, count)
-    sigma = torch.tensor(_MAD_TO_SIGMA, dtype=torch.float32, device=mad.device)
-    return med, sigma * mad
+    return med, _const(_MAD_TO_SIGMA, mad.device) * mad
 
 
 class SkipSpikesState:
@@ -194,7 +206,7 @@ class _Decision:
 
     def _outlier(self, x, buffer, count, floor) -> torch.Tensor:
         med, sigma = _robust_stats(buffer, count)
-        threshold = torch.tensor(self.threshold, dtype=torch.float32, device=x.device)
+        threshold = _const(self.threshold, x.device)
         margin = torch.maximum(threshold * sigma, floor(med))
         return (count >= self.min_history) & (x - med > margin)
 
@@ -205,17 +217,17 @@ class _Decision:
         norm = torch.as_tensor(norm, dtype=torch.float32).detach()
         s, dev = self.state, norm.device
         s._to(dev)
-        finite = torch.as_tensor(finite, device=dev) & torch.isfinite(norm)
+        finite = _flag(finite, dev) & torch.isfinite(norm)
         x = torch.log(torch.clamp(norm, min=_TINY))
-        log_ratio = torch.tensor(math.log(self.min_ratio), dtype=torch.float32)
+        log_ratio = _const(math.log(self.min_ratio), dev)
         spike = finite & self._outlier(
-            x, s.log_norms, s._t["norm_count"], lambda m: log_ratio.to(dev)
+            x, s.log_norms, s._t["norm_count"], lambda m: log_ratio
         )
         loss = None
         if value is not None:
             loss = torch.as_tensor(value, dtype=torch.float32).detach().to(dev)
             finite = finite & torch.isfinite(loss)
-            rel = torch.tensor(self.min_ratio - 1.0, dtype=torch.float32, device=dev)
+            rel = _const(self.min_ratio - 1.0, dev)
             spike = spike | self._outlier(
                 loss, s.losses, s._t["loss_count"], lambda m: rel * torch.abs(m)
             )
@@ -227,8 +239,7 @@ class _Decision:
         the device: `spike` and `applied` may be bools or bool tensors)."""
         s, (x, loss) = self.state, values
         t, dev = s._t, s.log_norms.device
-        spike = torch.as_tensor(spike, device=dev)
-        applied = torch.as_tensor(applied, device=dev)
+        spike, applied = _flag(spike, dev), _flag(applied, dev)
         t["last_spike"], t["last_finite"] = spike.clone(), applied.clone()
         t["spikes_total"] = t["spikes_total"] + spike.to(torch.int64)
         here = applied & (torch.arange(self.window, device=dev) == t["position"])
