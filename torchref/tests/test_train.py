@@ -815,3 +815,37 @@ def test_trainstep_makes_no_host_sync(opt, check_update, kw):
     assert (s.skipped_total, s.consecutive, s.last_finite) == (1, 0, True)
     if step.spike_state is not None:  # the NaN step never entered the window
         assert (step.spike_state.norm_count, step.spike_state.spikes_total) == (3, 0)
+
+
+def test_tensor_metrics_equal_the_python_ones():
+    # step(sync=False) returns the very values step() reads in its one
+    # transfer, and skip_state, read once at the end, counts the same steps
+    # in the same order (a NaN batch, one inf pixel, then a batch of 1e20
+    # that batch norm absorbs but whose running_var overflows: applied, its
+    # buffers restored).
+    x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    inf = x.clone()
+    inf[0, 0, 0, 0] = math.inf
+    batches = [x, torch.full_like(x, math.nan), inf, x * 1e20, x]
+    got = {}
+    for sync in (True, False):
+        model = _bn_net()
+        step = train.TrainStep(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            _bn_loss,
+            max_grad_norm=1.0,
+            scaler=ls.DynamicLossScale(2.0**15),
+            max_consecutive=1,
+        )
+        rows = [step(b, sync=sync) for b in batches]
+        if not sync:
+            assert all(isinstance(v, torch.Tensor) for r in rows for v in r.values())
+            rows = [{k: v.item() for k, v in r.items()} for r in rows]
+        got[sync] = (rows, step.skip_state, list(model.parameters()))
+    (rows, state, params), (t_rows, t_state, t_params) = got[True], got[False]
+    assert [r["finite"] for r in rows] == [True, False, False, True, True]
+    assert repr(rows) == repr(t_rows) and state == t_state  # nan == nan, types
+    assert state.skipped_total == 2 and state.exceeded is False
+    for p, q in zip(params, t_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
