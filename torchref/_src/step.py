@@ -2,9 +2,12 @@
 
 `TrainStep` runs the recipe of the torch.amp docs with the real
 `torch.amp.GradScaler`, `torch.autocast` and `clip_grad_norm_` (as its two
-halves `get_total_norm` + `clip_grads_with_norm_`) and returns the same
-metrics as the JAX step: ``loss``, ``grad_norm``, ``loss_scale``, ``finite``,
-``skipped_total``.
+halves: `get_total_norm`, and `clip_grads_with_norm_`'s coefficient) and
+returns the same metrics as the JAX step: ``loss``, ``grad_norm``,
+``loss_scale``, ``finite``, ``skipped_total``. GradScaler's ``step`` is not
+called: it reads ``found_inf`` on the host before a non-fused
+``optimizer.step()``; the step hands the flag to the optimizer itself, as
+GradScaler does to a fused one (see `TrainStep`).
 """
 
 from __future__ import annotations

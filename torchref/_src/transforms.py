@@ -1,7 +1,8 @@
 """Gradient guards for PyTorch optimizers, mirroring `jaxstable.transforms`.
 
-Clipping goes through `torch.nn.utils.get_total_norm` and
-`torch.nn.utils.clip_grads_with_norm_` (the two halves of `clip_grad_norm_`);
+Clipping goes through `torch.nn.utils.get_total_norm` and the coefficient
+of `torch.nn.utils.clip_grads_with_norm_` (the two halves of
+`clip_grad_norm_`);
 skipping wraps any `torch.optim.Optimizer` so that a non-finite step leaves
 the parameters AND the optimizer state (Adam moments, step count) untouched,
 as `torch.amp.GradScaler.step` does. Finite gradients can still give a
@@ -250,10 +251,12 @@ def clip_by_global_norm(
 
     Maths: ``norm = global_norm(grads)`` (float32 accumulation, see
     `global_norm`); ``coef = min(max_norm / (norm + eps), 1)``;
-    ``grad *= coef``. With the default ``eps=1e-6`` the norm goes through
-    `get_total_norm` and the scaling through `clip_grads_with_norm_`, so for
-    float32 grads the result equals `clip_grad_norm_` bit for bit. Any other
-    `eps` applies the same formula explicitly (torch hard-codes 1e-6).
+    ``grad *= coef``. The norm goes through `get_total_norm` and the
+    scaling is `clip_grads_with_norm_`'s (the same clamped coefficient and
+    one `_foreach_mul_` per device and dtype, written out so that a
+    non-finite step can select a coefficient of 1 on the device), so for
+    float32 grads and the default ``eps=1e-6`` the result equals
+    `clip_grad_norm_` bit for bit (torch hard-codes that eps).
 
     Deviations from `clip_grad_norm_`, each where torch fails: sparse
     gradients are clipped (torch raises NotImplementedError); when the
