@@ -232,6 +232,11 @@ class TorchParts:
         config (the twin of `JaxParts.optimizer`); the harness calls
         ``scheduler.step()`` after every step that was applied (a skipped
         step leaves the schedule where it was, as on the JAX side).
+      ddp: set by the harness on a DDP rank (`examples.harness.ddp`), never
+        by a task: the `DistributedDataParallel` wrapper of ``model``. The
+        stable `torchref.train.TrainStep` drives it, so that it gets the
+        library's data-parallel step (``loss / N`` summed: one device's
+        float16 headroom, the global loss in the records).
     """
 
     model: Any
@@ -240,3 +245,4 @@ class TorchParts:
     evaluate: Callable[[Any, Any], dict[str, float]]
     probe: Callable[[Any, Any], str] | None = None
     optimizer: Callable[[Any], tuple[Any, Any]] | None = None
+    ddp: Any = None

@@ -188,6 +188,8 @@ def stable_step(config, parts):
     Autocast to ``config.precision`` for a low-precision run, the real
     ``GradScaler`` (`DynamicLossScale`) for float16, ``clip_grad_norm_`` at
     ``config.max_grad_norm`` and a skipped update on non-finite gradients.
+    On a DDP rank it drives ``parts.ddp`` (the library's data-parallel
+    step: global loss, loss / N summed, one device's float16 headroom).
     """
     from torchref import train
     from torchref.loss_scale import DynamicLossScale
@@ -196,7 +198,7 @@ def stable_step(config, parts):
     model = parts.model
     optimizer, scheduler = _optimizer(config, parts, model)
     step = train.TrainStep(
-        model,
+        model if parts.ddp is None else parts.ddp,
         optimizer,
         lambda m, batch: parts.loss_fn(m, batch),
         max_grad_norm=config.max_grad_norm,
