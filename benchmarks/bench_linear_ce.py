@@ -177,11 +177,14 @@ def bench(n, d, v, dtype, reps):
     }  # fmt: skip
 
 
-def to_markdown(results, device) -> str:
+def to_markdown(results, device, load=None) -> str:
+    where = f"Device: {device}" + (
+        "" if load is None else f", load average {load[0]:.1f} at the start"
+    )
     lines = [
         "# linear_cross_entropy vs naive projection + CE (fwd+bwd)",
         "",
-        f"Device: {device}. Ratios lean / naive from one interleaved run, medians.",
+        f"{where}. Ratios lean / naive from one interleaved run, medians.",
         "",
         "| V | dtype | JAX temp lean / naive (MiB) | JAX time lean / naive (ms) "
         "| torch peak above inputs and gradients, lean / naive (MiB) "
@@ -224,6 +227,7 @@ def main() -> None:
         f"{cpu_name()}, {os.cpu_count()} cores (CPU; jax {jax.__version__}, "
         f"torch {torch.__version__})"
     )
+    load = os.getloadavg()  # the machine is shared: timings depend on it
     results = []
     for v in VOCABS:
         for dtype in DTYPES:
@@ -231,12 +235,15 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             results.append(r)
     RESULTS.mkdir(exist_ok=True)
-    meta = {"device": device, "platform": platform.platform(), "load": os.getloadavg()}
+    meta = {
+        "device": device, "platform": platform.platform(),
+        "load_start": load, "load_end": os.getloadavg(),
+    }  # fmt: skip
     (RESULTS / "bench_linear_ce_cpu.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
     )
-    (RESULTS / "bench_linear_ce_cpu.md").write_text(to_markdown(results, device))
-    print(to_markdown(results, device))
+    (RESULTS / "bench_linear_ce_cpu.md").write_text(to_markdown(results, device, load))
+    print(to_markdown(results, device, load))
 
 
 if __name__ == "__main__":

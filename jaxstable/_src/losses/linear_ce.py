@@ -4,9 +4,9 @@
 ``softmax_cross_entropy(hidden @ kernel, labels)`` but computes the logits
 one vocabulary block at a time (a `lax.fori_loop` over column blocks of the
 kernel), keeping per token only a running max, a running sum of
-exponentials, the label's logit and (for smoothing) the logits' sum. Its
-gradient is written by hand (`jax.custom_vjp`): the float32 logits of a
-block exist only inside one loop iteration.
+exponentials and (for smoothing) the logits' sum; the label's logit is
+gathered once. Its gradient is written by hand (`jax.custom_vjp`): the
+float32 logits of a block exist only inside one loop iteration.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from jaxstable._src.losses.cross_entropy import _bad_label_message, _check_z_los
 __all__ = ["linear_cross_entropy"]
 
 _F32 = jnp.float32
-# Elements of one float32 block of logits [tokens, block]: 2**20 = 4 MiB,
+# Elements of one float32 block of logits [tokens, block]: 2**19 = 2 MiB,
 # small next to [tokens, vocab] (4096 tokens x 128k vocab x 4 bytes = 2 GiB).
-# Measured on XLA:CPU, 1024 tokens x 256 features x 32k vocab, float32
-# fwd+bwd: blocks of 1024 / 2048 / 4096 columns hold 8 / 16 / 32 MiB of
-# temporaries (naive: 141 MiB) at about the same speed (within the noise
-# of the loaded 2-core machine).
-_BLOCK_ELEMENTS = 2**20
+# Measured on XLA:CPU, 1024 tokens x 256 features, fwd+bwd: blocks of 512 /
+# 1024 columns hold 3.5 / 6 MiB of temporaries in float32 (naive: 141 MiB at
+# 32k vocab) and 21 / 24 MiB in bfloat16 (naive 238; 16 of them the [D, V]
+# gradient, see `_bits`), at about the same speed at 32k and 128k (within
+# the noise of the 2-core machine at a load of 5 to 7).
+_BLOCK_ELEMENTS = 2**19
 # A floor for many tokens: a block keeps at least this many columns so that
 # its matmul stays wide (a choice, not a measured optimum).
 _MIN_BLOCK = 128
@@ -148,7 +149,8 @@ def _token_losses(lse, x_y, x_sum, vocab, valid, bad, smoothing, z_loss):
 
 
 def _grads(hidden, kernel, labels, valid, bad, lse, g, block, smoothing, z_loss):
-    """``(d hidden, d kernel)`` of ``sum_n g_n loss_n``, block by block."""
+    """``(d hidden, d kernel)`` of ``sum_n g_n loss_n``, block by block
+    (``d kernel`` as `_bits`)."""
     n, d = hidden.shape
     vocab = kernel.shape[1]
     g = jnp.where(bad, jnp.nan, jnp.where(valid, g, 0.0))
@@ -308,7 +310,7 @@ def linear_cross_entropy(
       z_loss: PaLM's ``z`` (static, finite, >= 0).
       reduction: "mean", "sum" or "none" (per-token losses ``hidden.shape[:-1]``).
       block_size: vocabulary columns per block (int >= 1); None picks about
-        ``2**20 / N`` (a 4 MiB float32 block), at least 128.
+        ``2**19 / N`` (a 2 MiB float32 block), at least 128.
 
     Returns:
       float32 scalar, or per-token float32 losses for "none". A label
