@@ -59,6 +59,7 @@ def _runs(out: str) -> None:
         for n in (1, 2)
     }
     runs["contrastive"] = _contrastive_runs()
+    runs["fp16"] = _fp16_runs()
     runs["jax_losses"] = test_global_loss.jax_global_losses()
     with open(out, "wb") as f:
         pickle.dump(runs, f)
@@ -70,6 +71,22 @@ def _contrastive_runs() -> dict:
     from examples.contrastive.task import TASK
 
     config = TASK.get_config(**TASK.quick)
+    args = dict(weights=TASK.initial_weights(config),
+                batches=TASK.train_batches(config),
+                heldout=TASK.heldout_set(config), progress=False)  # fmt: skip
+    return {
+        n: harness.train_and_evaluate(TASK, "torch", config.replace(devices=n), **args)
+        for n in (1, 2)
+    }
+
+
+def _fp16_runs() -> dict:
+    """torch's detection stable float16 run (3 steps) in 1 and in 2 DDP
+    processes: at the default scale 2**16 one device skips steps 0 and 2; a
+    rank backpropagating its own mean (2x its share) skipped step 1 too."""
+    from examples.detection.task import TASK
+
+    config = TASK.get_config(**{**TASK.quick, "steps": 3, "precision": "float16"})
     args = dict(weights=TASK.initial_weights(config),
                 batches=TASK.train_batches(config),
                 heldout=TASK.heldout_set(config), progress=False)  # fmt: skip
@@ -164,6 +181,16 @@ def test_contrastive_two_processes_equal_one(runs, tol):
     assert row["max_rel_loss_diff"] <= 1e-5
     for key in one.scores:
         np.testing.assert_allclose(two.scores[key], one.scores[key], rtol=1e-5)
+
+
+def test_float16_two_processes_skip_as_one_device(runs):
+    # The stable step drives the DDP wrapper (TrainStep's data-parallel
+    # step: loss / 2 per rank, gradients summed): one device's float16
+    # headroom, hence its skips and scales, step by step.
+    one, two = runs["fp16"][1], runs["fp16"][2]
+    assert [m["finite"] for m in one.metrics] == [False, True, False]
+    assert _decisions(two) == _decisions(one)
+    assert two.replicas["replicas_identical"] and two.replicas["ranks_agree"]
 
 
 @pytest.mark.parametrize("naive", [False, True], ids=["stable", "naive"])

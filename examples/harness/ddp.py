@@ -121,9 +121,14 @@ def _ddp_parts(parts: TorchParts, mesh: Any) -> TorchParts:
     """The task's torch parts on a DDP rank: global batch norms, the loss run
     through `DistributedDataParallel`, this rank's rows of every batch.
 
-    The harness keeps the plain module (its optimizer, clipping, copies and
-    diagnostics see the usual parameter names); only the loss goes through
-    the DDP wrapper, whose backward all-reduces (averages) the gradients.
+    The harness keeps the plain module (its optimizer, copies and
+    diagnostics see the usual parameter names) and hands the wrapper over
+    as ``parts.ddp``: the stable `torchref.train.TrainStep` drives it, with
+    the library's data-parallel step (each rank backpropagates its loss / N
+    and the gradients are summed: one device's float16 headroom and skip
+    decisions); the naive step runs the loss through it too (DDP's own
+    average, as users do). The loss goes through the wrapper, whose
+    backward all-reduces the gradients, whichever of the two it is given.
     """
     import torch
 
@@ -136,7 +141,8 @@ def _ddp_parts(parts: TorchParts, mesh: Any) -> TorchParts:
         # a copy of the model, or diagnostics.locate's op-by-op re-run (it
         # traces under a TorchDispatchMode; older versions used anomaly
         # mode): this rank alone, no collective
-        if model is not inner or torch.is_anomaly_enabled() or _is_traced():
+        ours = model is inner or model is ddp
+        if not ours or torch.is_anomaly_enabled() or _is_traced():
             return parts.loss_fn(model, batch)
         _COLLECTIVE["on"] = True
         try:
@@ -147,7 +153,9 @@ def _ddp_parts(parts: TorchParts, mesh: Any) -> TorchParts:
     def to_torch(batch):
         return distributed.shard_batch(parts.to_torch(batch), mesh)
 
-    return dataclasses.replace(parts, model=inner, loss_fn=loss_fn, to_torch=to_torch)
+    return dataclasses.replace(
+        parts, model=inner, loss_fn=loss_fn, to_torch=to_torch, ddp=ddp
+    )
 
 
 def _is_traced() -> bool:

@@ -241,6 +241,11 @@ class TorchParts:
         optimizer`` wraps the plain optimizer before `TrainStep` gets it,
         e.g. ``functools.partial(torchref.transforms.skip_spikes,
         window=64)`` (the twin of `JaxParts.spike_guard`).
+      ddp: set by the harness on a DDP rank (`examples.harness.ddp`), never
+        by a task: the `DistributedDataParallel` wrapper of ``model``. The
+        stable `torchref.train.TrainStep` drives it, so that it gets the
+        library's data-parallel step (``loss / N`` summed: one device's
+        float16 headroom, the global loss in the records).
     """
 
     model: Any
@@ -250,3 +255,4 @@ class TorchParts:
     probe: Callable[[Any, Any], str] | None = None
     optimizer: Callable[[Any], tuple[Any, Any]] | None = None
     spike_guard: Callable[[Any], Any] | None = None
+    ddp: Any = None

@@ -189,6 +189,8 @@ def stable_step(config, parts):
     ``GradScaler`` (`DynamicLossScale`) for float16, ``clip_grad_norm_`` at
     ``config.max_grad_norm`` and a skipped update on non-finite gradients;
     the task's ``spike_guard`` (a spike is skipped the same way) if it has one.
+    On a DDP rank it drives ``parts.ddp`` (the library's data-parallel
+    step: global loss, loss / N summed, one device's float16 headroom).
     """
     from torchref import train
     from torchref.loss_scale import DynamicLossScale
@@ -199,7 +201,7 @@ def stable_step(config, parts):
     if parts.spike_guard is not None:
         optimizer = parts.spike_guard(optimizer)
     step = train.TrainStep(
-        model,
+        model if parts.ddp is None else parts.ddp,
         optimizer,
         lambda m, batch: parts.loss_fn(m, batch),
         max_grad_norm=config.max_grad_norm,

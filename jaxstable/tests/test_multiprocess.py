@@ -7,18 +7,24 @@ of 4 devices, each process loading only its own rows of every batch
 4 devices. Batch 3 holds NaN in process 1's rows only, batch 10 an inf in
 process 0's rows only: both processes must skip both steps. The runs:
 
-* ``single``: 1 process x 4 devices, the reference.
 * ``kill``: 2 processes, checkpoints every 4 steps (orbax, written by both
-  processes together); process 1 SIGKILLs itself after step 9. Process 0
-  must exit within the heartbeat timeout (4 s here) with jax's message
-  naming the dead task, not wait forever.
+  processes together); process 1 SIGKILLs itself after step 7, while
+  process 0 gathers the step-8 checkpoint. Process 0 must exit with status
+  1 and fit's error naming process 1 and the step (not jax's SIGABRT after
+  the heartbeat timeout).
+* ``single``: 1 process x 4 devices, the reference (checkpoints every 4
+  steps); then the same call resumed from the kill run's step-4
+  checkpoint (2 processes -> 1).
 * ``resume``: the same call with ``resume=True`` finishes the run from the
-  step-8 checkpoint; its params, skip decisions, loss scales and log (one
-  file, process 0's) must equal the reference; then cross-process checks
-  (different initial states are refused; replicas_identical sees them).
-  Last, in the same processes, a second run whose loader raises on process
-  1 at step 2: process 0 must exit promptly (status 1) with an error naming
-  process 1, the step and the exception.
+  step-4 checkpoint; its params, skip decisions, loss scales and log (one
+  file, process 0's) must equal the reference; then the same call resumed
+  from the single run's step-4 checkpoint (1 process -> 2), and
+  cross-process checks (different initial states are refused;
+  replicas_identical sees them). Last, in the same processes, a second run
+  whose loader raises on process 1 at step 2: process 0 must exit promptly
+  (status 1) with an error naming process 1, the step and the exception.
+* ``coordinator``: process 0 SIGKILLs itself in fit; process 1 must end at
+  once (jax's own abort: process 0 held the coordination service).
 
 Every process is started by this module with a hard timeout and killed on
 every path (`_launch`).
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,9 +48,15 @@ STEPS = 12
 ROWS = 8  # global batch: 2 rows per device
 IN, HIDDEN, OUT = 4, 8, 3
 POISON = {3: (slice(4, 8), 0), 10: (1, 2)}  # step -> x index (NaN, then inf)
-KILL_AFTER = 9
+# Process 1 dies after step 7 (its step 8 done, on both): process 0's next
+# collective is the gather of the step-8 checkpoint (jax may report its
+# failure as a ValueError, not a JaxRuntimeError). The run resumes from 4.
+KILL_AFTER = 7
+RESUME_AT = 4
 RAISE_AT = 2
-HEARTBEAT_S = 4
+# Not reached on any path (each ends sooner); a survivor must end before it
+# would (fit waits 2 s for the other processes' answers).
+HEARTBEAT_S = 10
 TIMEOUT_S = 60
 
 
@@ -121,34 +134,50 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
         if mode == "kill" and pid == 1 and rec["step"] == KILL_AFTER:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    ckpt = None
-    if mode != "single":
-        ckpt = train.CheckpointManager(os.path.join(out, "ckpt"), async_save=False)
-    state, hist = train.fit(
+    if mode == "coordinator":
+        # Process 0 dies loading its first batch: both are in fit (past its
+        # all-gather of the settings), process 1 loading or compiling step 0
+        # (not waiting for the compile keeps this launch short).
+        def die_first(batch):
+            if pid == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return load(batch)
+
+        train.fit(state, step, batches, progress=False, batch_transform=die_first)
+        return
+
+    def run(state, directory, **kw):
+        manager = train.CheckpointManager(directory, async_save=False)
+        state, hist = train.fit(
+            state, step, batches, steps=STEPS, checkpoint_dir=manager,
+            checkpoint_every=4, batch_transform=load, **kw,
+        )  # fmt: skip
+        return state, {
+            "params": {k: host(v).tolist() for k, v in state.params.items()},
+            "final_scale": float(host(state.loss_scale.loss_scale)),
+            "steps": [r["step"] for r in hist],
+            "finite": [r["finite"] for r in hist],
+            "loss_scale": [r["loss_scale"] for r in hist],
+            "loss": [r["loss"] for r in hist],
+            "replicas_identical": distributed.replicas_identical(state),
+        }
+
+    state, result = run(
         state,
-        step,
-        batches,
-        steps=STEPS,
+        os.path.join(out, "ckpt_single" if mode == "single" else "ckpt"),
         progress=mode != "single",
         log_path=os.path.join(
             out, f"log_{'single' if mode == 'single' else 'run'}_{pid}.jsonl"
         ),
-        checkpoint_dir=ckpt,
-        checkpoint_every=None if ckpt is None else 4,
         resume=mode == "resume",
-        batch_transform=load,
         on_step=on_step,
     )
-    result = {
-        "params": {k: host(v).tolist() for k, v in state.params.items()},
-        "final_scale": float(host(state.loss_scale.loss_scale)),
-        "steps": [r["step"] for r in hist],
-        "finite": [r["finite"] for r in hist],
-        "loss_scale": [r["loss_scale"] for r in hist],
-        "loss": [r["loss"] for r in hist],
-        "located": [r["step"] for r in hist if "location" in r],
-        "replicas_identical": distributed.replicas_identical(state),
-    }
+    if mode != "kill":
+        # Across process counts: the same call resumed from the step-4
+        # checkpoint of the other layout (written by 2 processes, restored
+        # by 1 process with 4 devices, and the reverse).
+        theirs = "ckpt_from2" if mode == "single" else "ckpt_from1"
+        result["across"] = run(state, os.path.join(out, theirs), resume=True)[1]
     if mode == "resume":
         # The torch idiom, checkpoints from process 0 only: refused on every
         # process before any step (it aborted both with a collective mismatch).
@@ -249,13 +278,32 @@ def _read(out, name):
         return json.load(f)
 
 
+def _copy_until(out, source, target, step):
+    """A copy of checkpoint directory `source` up to global step `step`
+    (without its lock: another run's)."""
+
+    def left_out(_, names):
+        later = [n for n in names if n[5:].isdigit() and int(n[5:]) > step]
+        return [*later, ".fit.lock"]
+
+    src, dst = os.path.join(out, source), os.path.join(out, target)
+    shutil.copytree(src, dst, ignore=left_out)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("multiprocess")
     got = {}
-    for mode, nproc in (("single", 1), ("kill", 2), ("resume", 2)):
+    for mode, nproc in (("kill", 2), ("single", 1), ("resume", 2), ("coordinator", 2)):
+        if mode == "single":  # its second run resumes the 2-process checkpoint
+            _copy_until(out, "ckpt", "ckpt_from2", RESUME_AT)
+        if mode == "resume":  # its second run resumes the 1-process checkpoint
+            _copy_until(out, "ckpt_single", "ckpt_from1", RESUME_AT)
         got[mode] = _launch(mode, out, nproc)
         got[mode + "/out"] = out
+        if mode == "kill":
+            ckpt = os.path.join(out, "ckpt")
+            got["kill/ckpt"] = sorted(n for n in os.listdir(ckpt) if n[:5] == "step_")
     return got
 
 
@@ -267,21 +315,21 @@ def _ok(run):
 def test_two_processes_resumed_after_a_kill_equal_one_process(runs):
     _ok(runs["single"])
     for rc, err, _ in runs["resume"]:  # its json written (before the raise)
-        assert rc in (0, 1, -signal.SIGABRT), err[-3000:]
+        assert rc == 1, err[-3000:]
     out = runs["resume/out"]
     one = _read(out, "single_0.json")
     # Not vacuous: both poisoned steps were skipped by the reference.
     assert [i for i, f in enumerate(one["finite"]) if not f] == sorted(POISON)
     for pid in (0, 1):
         two = _read(out, f"resume_{pid}.json")
-        assert two["steps"] == list(range(8, STEPS))  # from the step-8 checkpoint
-        assert two["finite"] == one["finite"][8:]
-        assert two["loss_scale"] == one["loss_scale"][8:]
-        np.testing.assert_allclose(two["loss"], one["loss"][8:], rtol=1e-6)
+        assert two["steps"] == list(range(RESUME_AT, STEPS))  # its checkpoint
+        assert two["finite"] == one["finite"][RESUME_AT:]
+        assert two["loss_scale"] == one["loss_scale"][RESUME_AT:]
+        np.testing.assert_allclose(two["loss"], one["loss"][RESUME_AT:], rtol=1e-6)
         for k, v in one["params"].items():
             np.testing.assert_allclose(two["params"][k], v, rtol=0, atol=1e-6)
         assert two["replicas_identical"] is True
-    # Process 0 alone wrote the log: the whole run, 8 lines kept + 4 resumed.
+    # Process 0 alone wrote the log: the whole run, 4 lines kept + 8 resumed.
     assert not os.path.exists(os.path.join(out, "log_run_1.jsonl"))
     with open(os.path.join(out, "log_run_0.jsonl")) as f:
         log = [json.loads(line) for line in f]
@@ -328,21 +376,59 @@ def test_every_process_takes_the_same_decisions_and_locates(runs):
     assert "location" in log[3] and log[3]["location"]["phase"] == "input"
 
 
-def test_a_killed_process_stops_the_other_within_the_heartbeat(runs):
+def test_a_killed_process_ends_the_other_with_an_error_naming_it(runs):
     (rc0, err0, t0), (rc1, _, _) = runs["kill"]
     assert rc1 == -signal.SIGKILL
-    assert rc0 != 0 and t0 is not None, err0[-2000:]
-    # fit's error names the failed collective and what it most likely means,
-    # then jax's heartbeat check ends the process (exit code of SIGABRT).
-    assert "a collective with the other processes failed" in err0, err0[-3000:]
-    assert "stopped sending heartbeats" in err0, err0[-2000:]
-    # The checkpoint at step 8 was written by both processes before the kill.
-    assert "step_00000008" in os.listdir(os.path.join(runs["kill/out"], "ckpt"))
+    # Status 1, not jax's SIGABRT after the heartbeat timeout: fit's error
+    # names the step, the failed collective and the process that is gone,
+    # and the process skips jax's shutdown barrier (it cannot complete).
+    assert rc0 == 1 and t0 is not None, err0[-3000:]
+    # The gather of the step-8 checkpoint failed: a JaxRuntimeError or a
+    # ValueError from jax (seen both), named by process 1's silence.
+    assert f"RuntimeError: fit: process 0 at step {KILL_AFTER + 1}: " in err0
+    assert "Gloo AllGather failed" in err0, err0[-3000:]
+    assert "process(es) 1 did not answer within 2 s" in err0, err0[-3000:]
+    assert "Terminating process" not in err0, err0[-3000:]
+    # The checkpoint at step 4 was written by both processes before the
+    # kill, the one at step 8 not at all (its gather failed).
+    assert runs["kill/ckpt"] == ["step_00000004"]
+
+
+def test_a_killed_coordinator_ends_the_other_process(runs):
+    # Process 0 holds jax's coordination service: when it dies, jaxlib ends
+    # process 1 at once with its own fatal error (SIGABRT; no Python runs),
+    # within the launch's timeout, not after the heartbeat timeout's wait.
+    (rc0, _, _), (rc1, err1, t1) = runs["coordinator"]
+    assert rc0 == -signal.SIGKILL
+    assert rc1 == -signal.SIGABRT and t1 is not None, err1[-3000:]
+    assert "JAX distributed service detected fatal errors" in err1, err1[-3000:]
+    assert "stopped sending heartbeats" not in err1, err1[-3000:]
+
+
+def test_checkpoints_restore_across_process_counts(runs):
+    # 2 processes x 2 devices -> 1 process x 4 devices, and the reverse:
+    # resumed at step 4 from the other layout's checkpoint, both finish on
+    # the uninterrupted run's trajectory.
+    out = runs["resume/out"]
+    one = _read(out, "single_0.json")
+    done = [("single", 0)] + [("resume", pid) for pid in (0, 1)]
+    for mode, pid in done:
+        got = _read(out, f"{mode}_{pid}.json")["across"]
+        assert got["steps"] == list(range(RESUME_AT, STEPS))
+        assert got["finite"] == one["finite"][RESUME_AT:]
+        assert got["loss_scale"] == one["loss_scale"][RESUME_AT:]
+        assert got["final_scale"] == one["final_scale"]
+        np.testing.assert_allclose(got["loss"], one["loss"][RESUME_AT:], rtol=1e-6)
+        for k, v in one["params"].items():
+            np.testing.assert_allclose(got["params"][k], v, rtol=0, atol=1e-6)
+        assert got["replicas_identical"] is True
 
 
 def test_a_raising_process_stops_the_other_with_its_error(runs):
     (rc0, err0, t0), (rc1, err1, t1) = runs["resume"]
-    assert rc1 != 0 and t1 is not None
+    # Both status 1: process 1 with its traceback (it skips jax's shutdown
+    # barrier, which process 0 can no longer join), process 0 with its error.
+    assert rc1 == 1 and t1 is not None, err1[-3000:]
     assert "ValueError: process 1 cannot read batch 2" in err1
     assert rc0 == 1 and t0 is not None, err0[-2000:]
     assert f"process 1 raised at step {RAISE_AT}" in err0

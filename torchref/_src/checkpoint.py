@@ -16,6 +16,16 @@ parameter. It is written to a temporary file, flushed and fsynced, then
 renamed over the final name with `os.replace` (and the directory fsynced):
 a crash leaves the previous file intact.
 
+Under FSDP2 (a `TrainStep` over a ``fully_shard`` model, a process group
+of more than one rank) a checkpoint is a DIRECTORY ``step_{n:08d}.dcp``
+written with `torch.distributed.checkpoint`: every rank writes its own
+shards, no rank gathers the model, and rank 0 adds ``checkpoint.pt`` (the
+header + payload format above, ``torchref-dcp-1``) with the rest of the
+state, each rank's RNG states and the sha256 of every shard file. It
+restores in any placement: FSDP2 ranks read their shards together, a DDP
+rank or one process reads whole tensors alone (see `_save_dcp`,
+`_load_dcp` and docs/distributed.md).
+
 Older files are still read: format 1 (``torchref-checkpoint-1``, whose
 sha256 covered the payload only; its data position is taken from the
 payload, which has it too) and bare `torch.save` zips (no checksum; telling
@@ -64,6 +74,12 @@ _EXTRA_KEYS = (_CLASSES_KEY, "rng", "data_position", _PARAMS_KEY, "snapshot")
 # The largest header read; a header is ~200 bytes.
 _MAX_HEADER = 1 << 16
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
+# A sharded checkpoint (see `_save_dcp`).
+_DCP_FORMAT = "torchref-dcp-1"
+_DCP_NAME = re.compile(r"^step_(\d{8,})\.dcp$")
+_DCP_HEADER = "checkpoint.pt"
+# DCP keys: "model/<name>" and "optimizer/<parameter name>/<state key>".
+_MODEL, _OPTIM = "model/", "optimizer/"
 
 
 def _rng_states() -> dict[str, Any]:
@@ -137,11 +153,7 @@ def _write_durably(path: str, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _read_header(path: Any) -> tuple[dict | None, bytes]:
@@ -157,10 +169,15 @@ def _read_header(path: Any) -> tuple[dict | None, bytes]:
         header = json.loads(data[:end]) if end > 0 else None
     except ValueError:
         header = None
-    if not isinstance(header, dict) or header.get("format") not in (
-        _FORMAT,
-        _FORMAT_1,
-    ):
+    known = (_FORMAT, _FORMAT_1, _DCP_FORMAT)
+    found = header.get("format") if isinstance(header, dict) else None
+    if isinstance(found, str) and found.startswith("torchref-") and found not in known:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} is in format {found!r}, which this "
+            f"torchref does not read (it reads {', '.join(known)} and bare "
+            "torch.save files): load it with the torchref version that wrote it"
+        )
+    if found not in known:
         raise _CorruptCheckpoint(
             f"checkpoint {os.fspath(path)!r} is damaged or not a checkpoint: "
             f"no {_FORMAT} header ({len(data)} bytes)"
@@ -203,7 +220,9 @@ def save_checkpoint(
     that `load_checkpoint` can refuse a checkpoint of another one by name)
     and a sha256 of the payload (so that it refuses a damaged one). See the
     module docstring for the layout; for a run, `CheckpointManager` keeps
-    several, by global step.
+    several, by global step. Under FSDP2 (more than one rank) `path`
+    becomes a directory written with `torch.distributed.checkpoint`, each
+    rank its shards: a collective, every rank calls it.
 
     Args:
       path: file to write.
@@ -223,6 +242,9 @@ def save_checkpoint(
       ...     print(f.readline()[:40])
       b'{"format": "torchref-checkpoint-2", "ste'
     """
+    if _is_sharded(step):
+        _save_dcp(os.fspath(path), step, None, data_position, None)
+        return
     _write_durably(os.fspath(path), _encode(step, None, data_position, None))
 
 
@@ -247,6 +269,11 @@ def load_checkpoint(
     path), with the same messages. The RNG
     states saved with it are restored too (`restore_rng`), so that dropout
     after a resume draws what it would have drawn.
+
+    A sharded checkpoint (a directory, written under FSDP2) loads into any
+    placement: under FSDP2 every rank calls this (a collective) and reads
+    its shards; in one process or on a DDP rank the whole tensors are read
+    here alone. Its files are checked against the sha256 saved with them.
 
     A file written before `save_checkpoint` named the parameters loads its
     optimizer state by position, as torch does. One written before it named
@@ -305,6 +332,11 @@ def _load(path: Any, step: Any, restore_rng: bool, expected: int | None = None):
     agree)."""
     if not os.path.lexists(path):
         raise FileNotFoundError(f"no checkpoint file at {os.fspath(path)!r}")
+    if os.path.isdir(path) and (
+        os.fspath(path).endswith(".dcp")
+        or os.path.lexists(os.path.join(path, _DCP_HEADER))
+    ):
+        return _load_dcp(path, step, restore_rng, expected)
     header, payload = _read_header(path)
     if expected is not None and (header or {}).get("step") not in (None, expected):
         raise _CorruptCheckpoint(
@@ -429,6 +461,13 @@ class CheckpointManager:
     on the directory removes (unless a run holds the directory's lock, see
     `fit`).
 
+    Under FSDP2 (more than one rank) checkpoint n is the directory
+    ``directory/step_{n:08d}.dcp`` (`torch.distributed.checkpoint`, every
+    rank writing its shards: `save` and `restore` are collectives there,
+    every rank calls them on the same directory; the save is synchronous
+    and rank 0 prunes). A crash leaves ``step_{n:08d}.dcp.partial``, removed
+    the same way. Files and directories count alike, by step.
+
     `restore` takes the latest intact checkpoint: a truncated, damaged or
     foreign one (its sha256 differs, or it is no checkpoint file) gives a
     `RuntimeWarning` naming it and the one before it is tried. A checkpoint
@@ -483,14 +522,22 @@ class CheckpointManager:
             for name in os.listdir(self.directory):
                 if re.match(r"^step_\d{8,}\.pt\.tmp-\d+$", name):
                     os.remove(os.path.join(self.directory, name))
+                elif re.match(r"^step_\d{8,}\.dcp\.partial$", name):
+                    shutil.rmtree(os.path.join(self.directory, name))
 
     def _path(self, step: int) -> str:
+        """Checkpoint `step`'s entry: its sharded directory if there is one,
+        else its file."""
+        sharded = os.path.join(self.directory, f"step_{step:08d}.dcp")
+        if os.path.isdir(sharded):
+            return sharded
         return os.path.join(self.directory, f"step_{step:08d}.pt")
 
     def steps(self) -> list[int]:
         """The global steps of the checkpoints on disk, ascending."""
-        names = (_NAME.match(n) for n in os.listdir(self.directory))
-        return sorted(int(m.group(1)) for m in names if m)
+        names = os.listdir(self.directory)
+        found = (_NAME.match(n) or _DCP_NAME.match(n) for n in names)
+        return sorted({int(m.group(1)) for m in found if m})
 
     def latest_step(self) -> int | None:
         """The highest global step on disk, or None."""
@@ -503,9 +550,9 @@ class CheckpointManager:
             return None
         scored = []
         for n in self.steps():
-            value = (_peek_header(self._path(n)).get("metrics") or {}).get(
-                self.best_metric
-            )
+            value = (
+                _peek_header(_header_file(self._path(n))).get("metrics") or {}
+            ).get(self.best_metric)
             if isinstance(value, int | float) and value == value:  # not NaN
                 scored.append((value if self.best_mode == "min" else -value, n))
         return min(scored)[1] if scored else None
@@ -545,8 +592,21 @@ class CheckpointManager:
         if self.best_metric is not None and metrics and self.best_metric in metrics:
             kept = {self.best_metric: float(metrics[self.best_metric])}
         position = step if data_position is None else int(data_position)
+        if _is_sharded(train_step):
+            # Every rank writes its shards, synchronously (a collective);
+            # rank 0 prunes.
+            import torch.distributed as dist
+
+            path = os.path.join(self.directory, f"step_{step:08d}.dcp")
+            _save_dcp(path, train_step, step, position, kept, fit_state, snapshot)
+            if dist.get_rank() == 0:
+                file = os.path.join(self.directory, f"step_{step:08d}.pt")
+                if os.path.isfile(file):  # the same step, saved unsharded
+                    os.remove(file)
+                self._prune(step)
+            return
         data = _encode(train_step, step, position, kept, fit_state, snapshot)
-        path = self._path(step)
+        path = os.path.join(self.directory, f"step_{step:08d}.pt")
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)  # a stray directory of that name (a file is replaced)
 
@@ -571,7 +631,11 @@ class CheckpointManager:
         keep = set(ours[-self.max_to_keep :]) | {self.best_step()}
         for n in ours:
             if n not in keep:
-                os.remove(self._path(n))
+                path = self._path(n)
+                if os.path.isdir(path):  # a sharded checkpoint
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
@@ -603,14 +667,27 @@ class CheckpointManager:
         """
         self.wait()
         candidates = [step] if step is not None else self.steps()[::-1]
+        collective = _is_sharded(train_step)
+        if collective:  # every rank tries rank 0's list, in its order
+            import torch.distributed as dist
+
+            told = [candidates]
+            dist.broadcast_object_list(told, src=0)
+            candidates = told[0]
         for n in candidates:
             try:
+                error = None
                 header = _load(self._path(n), train_step, restore_rng, n)
             except _CorruptCheckpoint as e:
+                error = e
+            if collective:  # one rank's damaged file is every rank's
+                errors = [e for e in _gathered(error and str(error)) if e]
+                error = _CorruptCheckpoint(errors[0]) if errors else None
+            if error is not None:
                 if step is not None:
-                    raise
+                    raise error
                 warnings.warn(
-                    f"{e}; trying the checkpoint before it", RuntimeWarning, 2
+                    f"{error}; trying the checkpoint before it", RuntimeWarning, 2
                 )
                 continue
             position = header.get("data_position")
@@ -636,9 +713,18 @@ class CheckpointManager:
         self.close()
 
 
+def _header_file(path: str) -> str:
+    """The file holding the header of checkpoint entry `path`."""
+    return os.path.join(path, _DCP_HEADER) if os.path.isdir(path) else path
+
+
 def _is_ours(path: str) -> bool:
-    """A checkpoint file (ours or an older bare `torch.save` zip), not a
-    stray entry of the same name: only those are counted and pruned."""
+    """A checkpoint file (ours or an older bare `torch.save` zip) or a
+    sharded checkpoint directory, not a stray entry of the same name: only
+    those are counted and pruned."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        head = os.path.join(path, _DCP_HEADER)
+        return os.path.isfile(head) and _peek_header(head).get("format") == _DCP_FORMAT
     if not os.path.isfile(path) or os.path.islink(path):
         return False
     with open(path, "rb") as f:
@@ -849,3 +935,301 @@ def _structure_mismatches(saved: dict[str, tuple], expected: dict[str, tuple]):
 def _spec(spec: tuple) -> str:
     shape, dtype = spec
     return f"{shape} {dtype}"
+
+
+# --------------------------------------------- sharded (FSDP2) checkpoints
+# A TrainStep over an FSDP2 model under a process group of N > 1 ranks is
+# saved with torch.distributed.checkpoint (DCP): every rank writes its own
+# shards, no rank gathers the model. The checkpoint is a directory
+# ``step_{n:08d}.dcp`` holding DCP's files (``.metadata``, ``__{r}_0.distcp``)
+# and ``checkpoint.pt``: a file of this module's format (JSON header line +
+# payload) whose payload holds everything but the tensors of the model and
+# the optimizer state (scaler, counters, the optimizer's param_groups by
+# parameter name, each rank's RNG states, the data position, fit's snapshot)
+# and whose header holds the sha256 of every DCP file. The header's format
+# is _DCP_FORMAT.
+
+
+def _is_sharded(step: Any) -> bool:
+    """Whether `step` is saved with DCP: a TrainStep over an FSDP2 model
+    under a process group of more than one rank."""
+    import torch.distributed as dist
+
+    from torchref._src.distributed import _is_fsdp
+
+    return (
+        isinstance(step, TrainStep)
+        and _is_fsdp(step.model)
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _share_of_files(directory: str, collective: bool) -> list[str]:
+    """The DCP files of `directory` this rank hashes: every ``r``-th one
+    (sorted) under a collective, all of them otherwise."""
+    import torch.distributed as dist
+
+    names = sorted(n for n in os.listdir(directory) if n != _DCP_HEADER)
+    if not collective:
+        return names
+    return names[dist.get_rank() :: dist.get_world_size()]
+
+
+def _gathered(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def _dcp_tensors(step: TrainStep) -> tuple[dict, dict]:
+    """``(tensors for DCP, the rest of the optimizer state)``: the model's
+    state dict (this rank's DTensor shards) and every tensor of the
+    optimizer state keyed by parameter name; the rest holds the
+    param_groups by name, the non-tensor state values and the saved keys.
+
+    Not `torch.distributed.checkpoint.state_dict.get_state_dict`: on an
+    optimizer without state yet (a save before the first step) it runs a
+    step with zero gradients and lr 0 to create one, which sets Adam's
+    step count to 1 on the live optimizer and in the checkpoint, so a run
+    saved (or resumed) there would take another first step than the
+    uninterrupted run.
+    """
+    tensors = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    names, specs = _param_names(step)
+    by_name = _by_name(step.optimizer.state_dict(), names)
+    keys, scalars = [], {}
+    for name, state in by_name["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{_OPTIM}{name}/{key}"] = value
+                keys.append([name, key])
+            else:
+                scalars.setdefault(name, {})[key] = value
+    rest = {"param_groups": by_name["param_groups"], "keys": keys, "scalars": scalars}
+    return tensors, {"optimizer": rest, _PARAMS_KEY: specs}
+
+
+def _save_dcp(
+    path: str,
+    step: TrainStep,
+    global_step: Any,
+    data_position: Any,
+    metrics: Any,
+    fit_state: dict | None = None,
+    snapshot: dict | None = None,
+) -> None:
+    """Writes `step` as the DCP checkpoint directory `path` (a collective:
+    every rank calls it and writes its shards; rank 0 writes the header).
+
+    Written into ``path + ".partial"`` and renamed by rank 0 once every
+    rank's files and their sha256 are in: a crash leaves the previous
+    checkpoint as it was.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    tmp = f"{path}.partial"
+    if rank == 0 and os.path.lexists(tmp):
+        shutil.rmtree(tmp)
+    dist.barrier()
+    tensors, rest = _dcp_tensors(step)
+    dcp.save(tensors, checkpoint_id=tmp)
+    rng = _gathered(_rng_states())
+    dist.barrier()  # every rank's files are written
+    digests = {}
+    for share in _gathered(
+        {n: _file_sha256(os.path.join(tmp, n)) for n in _share_of_files(tmp, True)}
+    ):
+        digests.update(share)
+    error = None
+    if rank == 0:
+        try:
+            payload = {**rest, **step._counters_dict(), "rng": rng}
+            payload.update(data_position=data_position, world=dist.get_world_size())
+            payload[_CLASSES_KEY] = _classes(step)
+            if snapshot is not None:
+                names = _param_names(step)[0]
+                by_name = _optimizer_state(snapshot["optimizer"], _by_name, names)
+                payload["snapshot"] = {**snapshot, "optimizer": by_name}
+            buf = io.BytesIO()
+            torch.save(payload, buf)
+            header = {
+                "format": _DCP_FORMAT,
+                "step": global_step,
+                "data_position": data_position,
+                "metrics": metrics,
+                "fit_state": fit_state,
+                "files": digests,
+            }
+            header["sha256"] = _digest(header, buf.getvalue())
+            data = json.dumps(header).encode() + b"\n" + buf.getvalue()
+            _write_durably(os.path.join(tmp, _DCP_HEADER), data)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        except Exception as e:  # told to every rank, raised on each
+            error = f"{type(e).__name__}: {e}"
+    told = [error]
+    dist.broadcast_object_list(told, src=0)
+    if told[0] is not None:
+        raise RuntimeError(
+            f"rank 0 could not finish the sharded checkpoint {path!r}: {told[0]}"
+        )
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dcp_header(path: Any) -> tuple[dict, bytes]:
+    """``(header, payload)`` of a DCP checkpoint directory, checked."""
+    head = os.path.join(path, _DCP_HEADER)
+    if not os.path.isfile(head):
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} has no {_DCP_HEADER} (an unfinished "
+            "or foreign directory)"
+        )
+    header, payload = _read_header(head)
+    if (header or {}).get("format") != _DCP_FORMAT:
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r}: {_DCP_HEADER} is not a sharded "
+            f"checkpoint's header ({_DCP_FORMAT})"
+        )
+    return header, payload
+
+
+def _check_dcp_files(path: Any, header: dict, collective: bool) -> None:
+    """Each DCP file has the sha256 its header saved (under a collective,
+    every rank hashes its share and all agree on the verdict)."""
+    files = header.get("files") or {}
+    have = set(os.listdir(path)) - {_DCP_HEADER}
+    bad = sorted(set(files) ^ have)
+    mine = [n for n in _share_of_files(path, collective) if n in files]
+    bad += [n for n in mine if _file_sha256(os.path.join(path, n)) != files[n]]
+    if collective:
+        bad = sorted({n for every in _gathered(bad) for n in every})
+    if bad:
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} is corrupt or incomplete: its files "
+            f"{bad} are missing, extra, or do not match the sha256 saved with them"
+        )
+
+
+def _load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
+    """`_load` for a DCP checkpoint directory: its header (with the data
+    position and fit's snapshot, as `_load` returns it).
+
+    A collective when `step` is sharded (`_is_sharded`): every rank reads
+    its own shards. Otherwise (one process, DDP) this process reads the
+    whole tensors alone (``no_dist``): a checkpoint of N FSDP2 ranks
+    restores into any placement.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(step, TrainStep):
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} is a sharded TrainStep checkpoint; "
+            f"it loads into a TrainStep, not a {type(step).__name__}"
+        )
+    collective = _is_sharded(step)
+    header, payload = _dcp_header(path)
+    if expected is not None and header.get("step") not in (None, expected):
+        raise _CorruptCheckpoint(
+            f"checkpoint {os.fspath(path)!r} is not checkpoint {expected}: its "
+            f"header names step {header['step']}"
+        )
+    _check_dcp_files(path, header, collective)
+    extras = torch.load(io.BytesIO(payload), weights_only=True)
+    metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
+    saved = metadata.state_dict_metadata
+    _check_dcp_structure(path, saved, extras, step)
+    names = _param_names(step)[0]
+    by_name = dict(zip(names, step._params(), strict=True))
+    template = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    for name, key in extras["optimizer"]["keys"]:
+        md, p = saved[f"{_OPTIM}{name}/{key}"], by_name[name]
+        dtype = md.properties.dtype
+        if tuple(md.size) == tuple(p.shape):  # placed as its parameter
+            like = torch.zeros_like(p.detach(), dtype=dtype)
+        else:  # e.g. Adam's step count
+            like = torch.zeros(tuple(md.size), dtype=dtype)
+        template[f"{_OPTIM}{name}/{key}"] = like
+    with warnings.catch_warnings():
+        # no_dist: DCP warns that it assumes a single process; we asked it.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(template, checkpoint_id=os.fspath(path), no_dist=not collective)
+    from torchref._src.distributed import _load_plain_state_dict
+
+    model = {k[len(_MODEL) :]: v for k, v in template.items() if k.startswith(_MODEL)}
+    _load_plain_state_dict(step.model, model)
+    rest = extras["optimizer"]
+    state: dict = {n: dict(v) for n, v in rest["scalars"].items()}
+    for name, key in rest["keys"]:
+        state.setdefault(name, {})[key] = template[f"{_OPTIM}{name}/{key}"]
+    optimizer = {"state": state, "param_groups": rest["param_groups"]}
+    step.optimizer.load_state_dict(_to_index(optimizer, names, step))
+    step._load_counters(extras)
+    if restore_rng and extras.get("rng"):
+        rngs = extras["rng"]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # Each rank its own states when the world is the one saved; else
+        # rank 0's everywhere (as a checkpoint file restores them).
+        _set_rng_states(rngs[rank] if world == len(rngs) else rngs[0])
+    out = dict(header)
+    out["data_position"] = extras.get("data_position", header.get("data_position"))
+    snapshot = extras.get("snapshot")
+    if snapshot is not None:
+        by_index = _to_index(snapshot["optimizer"], names, step)
+        out["snapshot"] = {**snapshot, "optimizer": by_index}
+    return out
+
+
+def _check_dcp_structure(path: Any, saved: dict, extras: dict, step: TrainStep):
+    """`_check_train_step` for a DCP checkpoint: classes, the model's keys,
+    global shapes and dtypes (from DCP's metadata) and the optimizer's
+    parameters by name."""
+    classes = extras.get(_CLASSES_KEY) or {}
+    _check_scaler_class(path, classes, extras.get("scaler") or {}, step)
+    _check_optimizer_class(path, classes, {}, step.optimizer)
+    model = {
+        "model/" + k[len(_MODEL) :]: (
+            tuple(md.size),
+            str(md.properties.dtype).removeprefix("torch."),
+        )
+        for k, md in saved.items()
+        if k.startswith(_MODEL) and hasattr(md, "size")
+    }
+    lines = _structure_mismatches(
+        {**model, **_leaf_specs(extras["skip_state"], "skip_state")},
+        {
+            **_leaf_specs(_plain(step.model).state_dict(), "model"),
+            **_leaf_specs(dataclasses.asdict(step.skip_state), "skip_state"),
+        },
+    )
+    opt = {"state": {}, "param_groups": extras["optimizer"]["param_groups"]}
+    lines += _param_group_mismatches(opt, step.optimizer)
+    if not lines:
+        params = _param_names(step)[1]
+        lines = _param_mismatches(extras[_PARAMS_KEY], opt, params, step)
+    _raise_mismatches(path, lines)

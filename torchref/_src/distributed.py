@@ -15,9 +15,12 @@ per device (``torchrun`` or `torch.multiprocessing`), a process group, and
   handler of ``_amp_foreach_non_finite_check_and_unscale_``). (FSDP1 needs
   `ShardedGradScaler` for the same.)
 
-`torchref.train.TrainStep` runs unchanged on the wrapped model; under FSDP2
-build it with ``check_update=False``: its update check copies the state with
-``torch._foreach_copy_``, which DTensor does not implement in torch 2.13.
+`torchref.train.TrainStep` runs unchanged on the wrapped model (under both it
+backpropagates each rank's loss / N and has the gradients summed, DDP by a
+comm hook, FSDP2 by a divide factor of 1: one device's float16 headroom,
+see `_Replicas`); under FSDP2 build it with ``check_update=False``: its
+update check copies the state with ``torch._foreach_copy_``, which DTensor
+does not implement in torch 2.13.
 """
 
 from __future__ import annotations
@@ -406,14 +409,17 @@ def _sum_hook(group, bucket):  # unannotated: DDP checks the annotations
 class _Replicas:
     """What `TrainStep` does differently on a DDP or FSDP2 model.
 
-    * float16 headroom (DDP): each replica's backward of its own mean is N
-      times its share of the global gradient (its rows are 1/N of the batch
-      but its mean divides by B/N), so under DDP's averaging every replica
-      overflows at 1/N of the scale one device overflows at. The step
-      backpropagates ``loss / N`` instead and the gradients are summed, not
-      averaged (`_sum_hook`): every row's gradient is then the one a single
-      device computes at the same scale, bit for bit with N a power of 2,
-      and the skip decisions and the final scale are one device's.
+    * float16 headroom (DDP and FSDP2): each replica's backward of its own
+      mean is N times its share of the global gradient (its rows are 1/N of
+      the batch but its mean divides by B/N), so under DDP's averaging (or
+      FSDP2's averaging reduce-scatter) every replica overflows at 1/N of
+      the scale one device overflows at. The step backpropagates ``loss /
+      N`` instead and the gradients are summed, not averaged: DDP through
+      `_sum_hook`, FSDP2 through its own gradient divide factor set to 1
+      with sum-only collectives (`_sum_fsdp_gradients`). Every row's
+      gradient is then the one a single device computes at the same scale,
+      bit for bit with N a power of 2, and the skip decisions and the final
+      scale are one device's.
     * `agree`: one all-reduce per step of the ranks' losses (the record's
       loss is the global mean, as one device reports it; a non-finite loss
       on one rank makes every rank skip) and of which parameters got a
@@ -430,7 +436,8 @@ class _Replicas:
         self.forward_calls = 0
         self.names = [n for n, p in _plain(model).named_parameters() if p.requires_grad]
         self.params = [p for p in _plain(model).parameters() if p.requires_grad]
-        if ddp is None:
+        if ddp is None:  # FSDP2
+            _sum_fsdp_gradients(model)
             return
         hooks = [h for h, _ in ddp._comm_hooks]
         if hooks and hooks != [_sum_hook]:  # [_sum_hook]: a TrainStep before
@@ -468,8 +475,8 @@ class _Replicas:
         without ``find_unused_parameters``, which parameters this loss uses
         (a walk of its autograd graph: a parameter used on some ranks only
         would leave DDP's all-reduces unpaired; a RuntimeError names it on
-        every rank instead). Under DDP the share is ``share / N`` (see the
-        class docstring).
+        every rank instead). The share is ``share / N`` (see the class
+        docstring).
         """
         if self.ddp is not None and self.forward_calls == 0:
             raise RuntimeError(
@@ -496,8 +503,37 @@ class _Replicas:
             )
         total = (vec[0] / self.size).to(loss.dtype)
         # The value: the global loss; the gradient: this rank's share's.
-        share = share / self.size if self.ddp is not None else share
-        return share, total
+        return share / self.size, total
+
+
+def _sum_fsdp_gradients(model: torch.nn.Module) -> None:
+    """Makes every FSDP2 module of ``model`` SUM its reduce-scattered
+    gradients (FSDP2 divides the sum by the world size by default).
+
+    `TrainStep` backpropagates ``scale / N`` times each replica's loss (see
+    `_Replicas`): the sum is then ``scale`` times the global gradient, as
+    under DDP's `_sum_hook`. ``set_gradient_divide_factor(1.0)`` alone
+    would reduce with ``PREMUL_SUM``, which gloo lacks;
+    ``set_force_sum_reduction_for_comms(True)`` makes it a plain SUM with
+    no division (a factor of 1). A divide factor the user set already is
+    refused: the two would compound.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        factors = {g.gradient_divide_factor for g in groups} - {None, 1.0}
+        if factors:
+            raise ValueError(
+                "TrainStep sets FSDP2's gradient divide factor to 1 (a sum of "
+                "the gradients, for float16 headroom: see torchref.distributed)"
+                f"; this model's {type(module).__name__} already has "
+                f"{sorted(factors)}: shard it without set_gradient_divide_factor"
+            )
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 def _graph_leaves(t: torch.Tensor) -> set[int]:

@@ -26,7 +26,7 @@ from _stablecore.fit import policy_note as _policy_note
 from _stablecore.fit import show as _show
 from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
-from torchref._src.checkpoint import CheckpointManager
+from torchref._src.checkpoint import CheckpointManager, _is_sharded
 from torchref._src.diagnostics import (
     check_record,
     format_checks,
@@ -290,9 +290,11 @@ def fit(
             a process group of N > 1 ranks (DDP, FSDP2) every rank calls fit
             with the same arguments and takes the same path (the decisions
             are global, see `TrainStep`); rank 0 alone writes ``log_path``
-            and the checkpoints, ``resume=True`` loads rank 0's checkpoint
-            on every rank, ``on_step`` stopping one rank stops all, `locate`
-            re-runs a DDP step on this rank's unwrapped module (no
+            and the checkpoints (under FSDP2 every rank writes its shards
+            into rank 0's ``checkpoint_dir`` with
+            `torch.distributed.checkpoint`), ``resume=True`` loads rank
+            0's checkpoint on every rank, ``on_step`` stopping one rank
+            stops all, `locate` re-runs a DDP step on this rank's unwrapped module (no
             collective) and is not run under FSDP2; a rank that raises
             makes the others' next collective fail with a RuntimeError
             naming its rank, step and error (after the process group's
@@ -362,13 +364,11 @@ def fit(
     mgr, own_mgr, lock = _manager(checkpoint_dir if writer else None)
     try:
         if group.size > 1:
-            mgr, own_mgr = group.plan(mgr, own_mgr, checkpoint_dir, resume)
+            mgr, own_mgr = group.plan(mgr, own_mgr, checkpoint_dir, resume, step)
         start, resumed = _resume(mgr, step, resume, group)
         if mgr is not None and rollback_to == "disk" and group.latest_step(mgr) is None:
-            if writer:
+            if writer or _is_sharded(step):  # FSDP2: every rank its shards
                 mgr.save(start, step)  # what the first rollback goes back to
-            elif _locate_step(step) is None and isinstance(step, TrainStep):
-                step.state_dict()  # FSDP2: rank 0's gather needs every rank
         return _run(**locals())
     finally:
         try:
@@ -427,9 +427,8 @@ def _run(
     def save(done, metrics=None):
         # With the NaN policy's state and, unless it is this very state, the
         # rollback snapshot: a resumed run goes on as the uninterrupted one.
-        if not writer:
-            if locate_step is None and isinstance(step, TrainStep):
-                step.state_dict()  # FSDP2: rank 0's gather needs every rank
+        # FSDP2: every rank writes its shards (torch.distributed.checkpoint).
+        if not writer and not _is_sharded(step):
             return
         kept = snapshot if in_memory and policy.snapshot_at != done else None
         mgr._save(done, step, None, metrics, policy.state(), kept)
@@ -560,14 +559,16 @@ class _Group:
         self.rank = dist.get_rank() if on else 0
         self.latest = None
 
-    def plan(self, mgr, own_mgr, checkpoint_dir, resume):
+    def plan(self, mgr, own_mgr, checkpoint_dir, resume, step):
         """One all-gather: the ranks agree on resuming and on rank 0's latest
         checkpoint (taken under its lock); the others open the directory to
-        read it. Returns ``(manager, owned)``."""
+        read it (under FSDP2 rank 0's, to write their shards there too, also
+        when they were given none). Returns ``(manager, owned)``."""
         mine = {
             "resume": resume,
             "dir": checkpoint_dir is not None,
             "latest": None if mgr is None else mgr.latest_step(),
+            "path": _directory_of(checkpoint_dir),
         }
         every: list[Any] = [None] * self.size
         self.dist.all_gather_object(every, mine)
@@ -583,12 +584,21 @@ class _Group:
                     for r, p in enumerate(every)
                 )
             )
+        paths = {p["path"] for p in every} - {None}
+        if _is_sharded(step) and len(paths) > 1:
+            raise ValueError(
+                "under FSDP2 every rank writes its shards into one checkpoint_dir "
+                "(rank 0's; give the others the same one or None), got "
+                + ", ".join(f"rank {r}: {p['path']}" for r, p in enumerate(every))
+            )
         self.latest = every[0]["latest"]
         if self.rank != 0 and checkpoint_dir is not None:
             given = isinstance(checkpoint_dir, CheckpointManager)
             return (checkpoint_dir if given else CheckpointManager(checkpoint_dir)), (
                 not given
             )
+        if self.rank != 0 and every[0]["path"] is not None and _is_sharded(step):
+            return CheckpointManager(every[0]["path"]), True
         return mgr, own_mgr
 
     def latest_step(self, mgr):
@@ -596,8 +606,9 @@ class _Group:
         return self.latest if self.size > 1 else mgr.latest_step()
 
     def restore(self, mgr, step, **kwargs):
-        """`CheckpointManager.restore` of the checkpoint rank 0 restores."""
-        if self.size == 1:
+        """`CheckpointManager.restore` of the checkpoint rank 0 restores
+        (under FSDP2 every rank restores together: the manager agrees)."""
+        if self.size == 1 or _is_sharded(step):
             return mgr.restore(step, **kwargs)
         chosen: list[Any] = [None]
         error = None
@@ -666,6 +677,15 @@ class _Group:
             f"fit on rank {self.rank} of {self.size} stopped at step {index}: a "
             f"collective failed because {why}"
         ) from error
+
+
+def _directory_of(checkpoint_dir) -> str | None:
+    """The absolute directory of `checkpoint_dir` (a path or a manager)."""
+    if checkpoint_dir is None:
+        return None
+    if isinstance(checkpoint_dir, CheckpointManager):
+        return checkpoint_dir.directory
+    return os.path.abspath(checkpoint_dir)
 
 
 def _manager(checkpoint_dir):

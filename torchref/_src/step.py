@@ -232,10 +232,10 @@ class TrainStep:
     Under DDP or FSDP2 (a process group of N ranks) the step also
     all-reduces the ranks' losses before the backward: ``loss`` is the
     global mean and a non-finite loss on one rank is one on every rank;
-    under DDP it backpropagates ``loss / N`` and sums the gradients (its
-    comm hook: one device's float16 headroom), refuses a ``loss_fn`` that
-    bypasses the wrapper and a parameter used on some ranks only (see
-    `torchref.distributed`).
+    it backpropagates ``loss / N`` and sums the gradients (DDP: its comm
+    hook; FSDP2: a gradient divide factor of 1), one device's float16
+    headroom; under DDP it refuses a ``loss_fn`` that bypasses the wrapper
+    and a parameter used on some ranks only (see `torchref.distributed`).
 
     Args:
         model: the `nn.Module` (its device gives autocast's device type).
@@ -600,11 +600,15 @@ class TrainStep:
         if _dist._is_fsdp(self.model):
             # Every shard, gathered (a collective: every rank calls this).
             model, optimizer = _dist._gather_full((model, optimizer))
+        # The unwrapped module's keys (no DDP "module." prefix) and full
+        # tensors, so that a checkpoint restores in any placement.
+        return {"model": model, "optimizer": optimizer} | self._counters_dict()
+
+    def _counters_dict(self) -> dict[str, Any]:
+        """The state besides model and optimizer: scaler, skip and spike
+        counters, steps done (no collective; a sharded checkpoint saves the
+        model and optimizer shards apart)."""
         return {
-            # The unwrapped module's keys (no DDP "module." prefix) and full
-            # tensors, so that a checkpoint restores in any placement.
-            "model": model,
-            "optimizer": optimizer,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
             "skip_state": dataclasses.asdict(self.skip_state),
             "steps_done": self.steps_done,
@@ -646,6 +650,10 @@ class TrainStep:
             optimizer = _dist._shard_like(optimizer, like)
         _dist._load_plain_state_dict(self.model, model)
         self.optimizer.load_state_dict(optimizer)
+        self._load_counters(state)
+
+    def _load_counters(self, state: dict[str, Any]) -> None:
+        """Inverse of `_counters_dict` (the scaler kind checked already)."""
         if self._scaler_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.skip_state = SkipNonFiniteState(**state["skip_state"])

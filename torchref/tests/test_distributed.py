@@ -490,17 +490,26 @@ class MLPExtra(MLP):
 
 
 def _new_step(params, ddp, *, fp16=False, loss_fn=mse, find_unused=None):
+    """A TrainStep on `MLP`: one process, or ``ddp`` True / "data_parallel"
+    / "fsdp" under the process group (FSDP2 without the update check, see
+    `run_trajectory`)."""
     model = MLP(params) if find_unused is None else MLPExtra(params)
+    strategy = "data_parallel" if ddp is True else ddp
     if ddp:
         mesh = distributed.make_mesh()
         kw = {"find_unused_parameters": True} if find_unused else {}
-        model = distributed.shard_state(model, mesh, "data_parallel", **kw)
+        model = distributed.shard_state(model, mesh, strategy, **kw)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    check = strategy != "fsdp"
     if fp16:
         ls = DynamicLossScale(loss_scale=2.0**15, period=2)
-        return train.TrainStep(model, opt, loss_fn, scaler=ls, autocast_dtype="f16")
+        return train.TrainStep(
+            model, opt, loss_fn, scaler=ls, autocast_dtype="f16", check_update=check
+        )
     ls = DynamicLossScale(loss_scale=2.0**10, period=8)
-    return train.TrainStep(model, opt, loss_fn, max_grad_norm=1.0, scaler=ls)
+    return train.TrainStep(
+        model, opt, loss_fn, max_grad_norm=1.0, scaler=ls, check_update=check
+    )
 
 
 def _params_of(step):
@@ -565,16 +574,16 @@ def _fits(params, batches, folder, ddp):
             return e.step, len(e.history)
         return None
 
-    def fp16():
+    def fp16(strategy=ddp):
         # float16 under autocast from the scale 2**15.
-        step = _new_step(params, ddp, fp16=True)
+        step = _new_step(params, strategy, fp16=True)
         fp16 = [(torch.tensor(x), torch.tensor(y)) for x, y in fp16_batches()]
         out, _ = run(step, fp16)
         return {**out, "final_scale": step.scaler.get_scale()}
 
     def fsdp():
         # FSDP2 resumes from the DDP run's checkpoint at step 20 and writes
-        # its own (rank 0, gathered) at step 40.
+        # its own (sharded) at step 40.
         src, dst = os.path.join(folder, "skip"), os.path.join(folder, "fsdp")
         if dist.get_rank() == 0:
             os.makedirs(dst)
@@ -586,14 +595,78 @@ def _fits(params, batches, folder, ddp):
         step = train.TrainStep(
             model, opt, mse, max_grad_norm=1.0, scaler=ls, check_update=False
         )
-        out, hist = run(step, data, checkpoint_dir=dst, resume=True)
+        with _no_full_gather():  # its own checkpoint is sharded
+            out, hist = run(step, data, checkpoint_dir=dst, resume=True)
         return {**out, "first": hist[0]["step"]}
+
+    def fsdp_resume():
+        # FSDP2 from the start: 20 steps with sharded checkpoints every 10
+        # (torch.distributed.checkpoint: each rank writes its shards; a
+        # gather of the full model would raise here), then new objects
+        # resume on every rank. Each rank draws from its own RNG stream:
+        # the resume restores each its own.
+        res = dict(checkpoint_dir=os.path.join(folder, "dcp"), checkpoint_every=10)
+        with _no_full_gather():
+            torch.manual_seed(100 + dist.get_rank())
+            train.fit(_new_step(params, "fsdp"), data, steps=20, **res, **kw)
+            drawn = torch.rand(2).tolist()
+            torch.manual_seed(0)
+            step = _new_step(params, "fsdp")
+            out, hist = run(step, data, resume=True, **res)
+            rng = [drawn, torch.rand(2).tolist()]
+            # save_checkpoint under FSDP2: a sharded directory too.
+            train.save_checkpoint(os.path.join(folder, "saved.dcp"), step)
+        # The sharded checkpoint at step 20 restores into DDP (each rank
+        # reads the whole tensors, no collective).
+        step = _new_step(params, True)
+        train.CheckpointManager(res["checkpoint_dir"]).restore(step, 20)
+        return {**out, "first": hist[0]["step"], "rng": rng, "ddp": _params_of(step)}
+
+    def fsdp_rollback():
+        # Back to the last sharded checkpoint on disk (every 5 steps, the
+        # first one before step 0 with no Adam state yet): every rank
+        # restores it together.
+        ckpt = os.path.join(folder, "fsdp_rollback")
+        with _no_full_gather():
+            out, hist = run(
+                _new_step(params, "fsdp"), data, nan_policy="rollback",
+                rollback_to="disk", max_consecutive_nonfinite=1,
+                checkpoint_dir=ckpt, checkpoint_every=5,
+            )  # fmt: skip
+        return {**out, "rolled": [h["step"] for h in hist if h.get("rolled_back")]}
 
     sections = {"skip": skip, "resume": resume, "rollback": rollback}
     if ddp:
         sections["fsdp"] = fsdp
+        sections["fsdp_resume"] = fsdp_resume
+        sections["fsdp_rollback"] = fsdp_rollback
+        # Sharded checkpoints need one directory: each rank its own is refused.
+        own = os.path.join(folder, f"own{dist.get_rank()}")
+        sections["fsdp_dirs"] = lambda: train.fit(
+            _new_step(params, "fsdp"), data, checkpoint_dir=own, **kw
+        )
     sections.update(stop=stop, fp16=fp16)
+    if ddp:
+        sections["fp16_fsdp"] = lambda: fp16("fsdp")
     return {name: _guarded(fn) for name, fn in sections.items()}
+
+
+class _no_full_gather:
+    """Makes a gather of the full FSDP2 state (`TrainStep.state_dict`) raise
+    for the block: sharded checkpoints must not need one."""
+
+    def __enter__(self):
+        from torchref._src import distributed as impl
+
+        self.impl, self.gather = impl, impl._gather_full
+
+        def refused(tree):
+            raise AssertionError("the full FSDP2 state was gathered")
+
+        impl._gather_full = refused
+
+    def __exit__(self, *exc):
+        self.impl._gather_full = self.gather
 
 
 def _errors(params, batches):
@@ -726,30 +799,114 @@ def test_fit_under_ddp_writes_on_rank_0_and_resumes_on_every_rank(ranks, fits_si
     np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["skip"]["params"])
 
 
-def test_fsdp_checkpoints_hold_every_shard_across_placements(ranks, fits_single):
-    # FSDP2 resumed from a DDP checkpoint (step 20) and ended on the
-    # 1-process trajectory; its checkpoint (written by rank 0 alone) holds
-    # every shard, and restores into one process.
+@pytest.mark.parametrize("section", ["fsdp", "fsdp_resume"])
+def test_fsdp_checkpoints_hold_every_shard_across_placements(
+    ranks, fits_single, section
+):
+    # FSDP2 resumed at step 20 from a DDP checkpoint ("fsdp") or from its own
+    # sharded one ("fsdp_resume", new objects as after a kill) and ended on
+    # the 1-process trajectory; its sharded checkpoints restore into one
+    # process.
     skip = fits_single["skip"]
     for rank, r in enumerate(ranks):
-        got = r["fits"]["fsdp"]
+        got = r["fits"][section]
         assert isinstance(got, dict) and got["first"] == 20, (rank, got)
         rest = {k: v[20:] for k, v in skip.items() if k not in ("params", "located")}
-        _same_records(got, {**rest, "params": skip["params"]}, f"fsdp rank {rank}")
+        _same_records(got, {**rest, "params": skip["params"]}, f"{section} {rank}")
+    np.testing.assert_array_equal(
+        ranks[0]["fits"][section]["params"], ranks[1]["fits"][section]["params"]
+    )
     step = _new_step(problem()[0], False)
-    folder = os.path.join(ranks[0]["folder"], "fits", "fsdp")
-    train.CheckpointManager(folder).restore(step)
-    np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"]["fsdp"]["params"])
+    folder = os.path.join(ranks[0]["folder"], "fits", section.replace("_resume", ""))
+    if section == "fsdp_resume":
+        folder = os.path.join(ranks[0]["folder"], "fits", "dcp")
+    mgr = train.CheckpointManager(folder)
+    assert os.path.isdir(mgr._path(40)) and mgr._path(40).endswith(".dcp")
+    mgr.restore(step)
+    np.testing.assert_array_equal(_params_of(step), ranks[0]["fits"][section]["params"])
 
 
-def test_fp16_ddp_has_one_devices_headroom(ranks, fits_single):
-    # Each replica backpropagates loss/2 and DDP sums: the same skips and
-    # final scale as one device (each replica's own mean would overflow at
-    # half the scale and skip more).
+def test_sharded_checkpoints_keep_every_shard_and_restore_anywhere(ranks):
+    import torch.distributed.checkpoint as dcp
+
+    got = [r["fits"]["fsdp_resume"] for r in ranks]
+    # Each rank restored its own RNG stream (ranks seeded apart).
+    for rank, r in enumerate(got):
+        assert r["rng"][0] == r["rng"][1], rank
+    assert got[0]["rng"][0] != got[1]["rng"][0]
+    # Step 20: each rank wrote its own file, and w1 (8 x 16, sharded by
+    # rows) is stored whole: the chunks of both ranks cover its 8 rows.
+    path = os.path.join(ranks[0]["folder"], "fits", "dcp", "step_00000020.dcp")
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(path))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, shape in [
+        ("model/w1", (IN, HIDDEN)),
+        ("optimizer/w1/exp_avg", (IN, HIDDEN)),
+        ("model/b2", (OUT,)),
+    ]:
+        assert tuple(meta[key].size) == shape
+        assert sum(c.sizes[0] for c in meta[key].chunks) == shape[0], key
+    # save_checkpoint wrote a sharded directory that load_checkpoint reads.
+    step = _new_step(problem()[0], False)
+    train.load_checkpoint(os.path.join(ranks[0]["folder"], "fits", "saved.dcp"), step)
+    np.testing.assert_array_equal(_params_of(step), got[0]["params"])
+    # One process and DDP (2 ranks) restore the same step-20 state.
+    step = _new_step(problem()[0], False)
+    train.CheckpointManager(os.path.dirname(path)).restore(step, 20)
+    for r in got:
+        np.testing.assert_array_equal(_params_of(step), r["ddp"])
+    assert step.steps_done == 20 and step.optimizer.state_dict()["state"]
+    # Another model is refused, naming the leaf (not a raw shape error).
+    other = {**problem()[0], "w1": np.zeros((IN, 4), np.float32)}
+    other["w2"] = np.zeros((4, OUT), np.float32)
+    with pytest.raises(
+        ValueError, match=r"model/w1: checkpoint \(8, 16\) float32, target \(8, 4\)"
+    ):
+        train.load_checkpoint(path, _new_step(other, False))
+
+
+def test_fsdp_rolls_back_to_sharded_checkpoints_as_one_process(ranks, fits_single):
+    # The same rollbacks and trajectory as one process rolling back to its
+    # in-memory snapshots (taken every 5 steps, as the checkpoints here).
+    want = fits_single["rollback"]
+    for rank, r in enumerate(ranks):
+        got = r["fits"]["fsdp_rollback"]
+        _same_records(got, want, f"fsdp rollback rank {rank}")
+        assert got["rolled"] == want["rolled"] == [19, 32]
+
+
+def test_sharded_checkpoints_refuse_a_directory_per_rank(ranks):
+    for r in ranks:
+        got = r["fits"]["fsdp_dirs"]
+        assert "raised ValueError: under FSDP2 every rank writes its shards" in got
+
+
+def test_a_damaged_sharded_checkpoint_is_refused_and_skipped(ranks, tmp_path):
+    # A rank's file lost (or changed) is caught by the sha256 saved in the
+    # header; restore warns and goes back to the checkpoint before it.
+    src = os.path.join(ranks[0]["folder"], "fits", "dcp")
+    for n in (20, 30):
+        shutil.copytree(os.path.join(src, f"step_{n:08d}.dcp"),
+                        tmp_path / f"step_{n:08d}.dcp")  # fmt: skip
+    os.remove(tmp_path / "step_00000030.dcp" / "__1_0.distcp")
+    step = _new_step(problem()[0], False)
+    with pytest.raises(ValueError, match=r"files \['__1_0.distcp'\] are missing"):
+        train.load_checkpoint(tmp_path / "step_00000030.dcp", step)
+    with pytest.warns(RuntimeWarning, match="trying the checkpoint before it"):
+        _, info = train.CheckpointManager(tmp_path).restore(step)
+    assert info["step"] == 20 and step.steps_done == 20
+
+
+@pytest.mark.parametrize("strategy", ["fp16", "fp16_fsdp"])
+def test_fp16_ddp_and_fsdp_have_one_devices_headroom(ranks, fits_single, strategy):
+    # Each replica backpropagates loss/2 and DDP (its comm hook) or FSDP2
+    # (its reduce-scatter, divide factor 1) sums: the same skips and final
+    # scale as one device (each replica's own mean would overflow at half
+    # the scale and skip more).
     want = fits_single["fp16"]
     assert (~want["finite"]).sum() >= 2 and want["finite"].any()
     for rank, r in enumerate(ranks):
-        got = r["fits"]["fp16"]
+        got = r["fits"][strategy]
         assert got["final_scale"] == want["final_scale"], rank
         # float16 matmuls over 8 rows and over 16 round differently.
         _same_records(got, want, f"fp16 rank {rank}", "float16")

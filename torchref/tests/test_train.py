@@ -612,6 +612,15 @@ def test_load_checkpoint_refuses_a_file_that_is_not_a_train_step_checkpoint(
         train.load_checkpoint(tmp_path / "weights.pt", step)
 
 
+def test_load_checkpoint_names_a_format_it_does_not_read(tmp_path):
+    model = _mlp()
+    step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
+    header = b'{"format": "torchref-checkpoint-9", "sha256": ""}\n'
+    (tmp_path / "new.pt").write_bytes(header + b"payload")
+    with pytest.raises(ValueError, match=r"format 'torchref-checkpoint-9', which "):
+        train.load_checkpoint(tmp_path / "new.pt", step)
+
+
 def test_load_checkpoint_refuses_other_param_groups(tmp_path):
     model = _mlp()
     one = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
