@@ -31,21 +31,37 @@ _MAD_TO_SIGMA = 1.482602218505602
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def _median(sorted_values: torch.Tensor, count: int) -> torch.Tensor:
-    if count == 0:
-        return torch.tensor(float("nan"))
-    lo, hi = max((count - 1) // 2, 0), max(count // 2, 0)
-    return (sorted_values[lo] + sorted_values[hi]) * torch.tensor(0.5)
+def _const(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 0-d constant made on `device` by a fill (`torch.tensor` on
+    an accelerator copies from the host, which waits for the stream)."""
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
-def _robust_stats(buffer: torch.Tensor, count: int):
+def _flag(value: Any, device: torch.device) -> torch.Tensor:
+    """A 0-d bool tensor on `device` from a bool or a bool tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.bool)
+    return torch.full((), bool(value), dtype=torch.bool, device=device)
+
+
+def _median(sorted_values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Median of the first `count` (a 0-d int tensor) sorted values; nan for
+    none. Indexed on the device: no host read of `count`."""
+    lo = torch.clamp((count - 1) // 2, min=0).reshape(1)
+    hi = torch.clamp(count // 2, min=0).reshape(1)
+    both = sorted_values.index_select(0, torch.cat([lo, hi]))
+    med = (both[0] + both[1]) * _const(0.5, both.device)
+    return torch.where(count == 0, torch.full_like(med, float("nan")), med)
+
+
+def _robust_stats(buffer: torch.Tensor, count: torch.Tensor):
     """``(median, sigma)`` of the first ``count`` slots (the others NaN in
     the sorted copy, so last), as `jaxstable`'s `_robust_stats`."""
-    window = buffer.clone()
-    window[count:] = float("nan")
+    slots = torch.arange(buffer.shape[0], device=buffer.device)
+    window = torch.where(slots < count, buffer, float("nan"))
     med = _median(torch.sort(window).values, count)
     mad = _median(torch.sort(torch.abs(window - med)).values, count)
-    return med, torch.tensor(_MAD_TO_SIGMA, dtype=torch.float32) * mad
+    return med, _const(_MAD_TO_SIGMA, mad.device) * mad
 
 
 class SkipSpikesState:
@@ -62,25 +78,60 @@ class SkipSpikesState:
         last_spike: whether the latest step was skipped as a spike.
         last_finite: whether the latest step was applied.
 
+    The window lives on the device of the gradient norms (moved there on
+    the first step) and the counters in 0-d tensors beside it, so that a
+    step updates them without a host read (issue 24); reading a counter
+    attribute returns a python int/bool (one device->host transfer).
+
     Example:
         >>> s = SkipSpikesState(window=4)
         >>> s.log_norms.tolist(), s.norm_count, s.spikes_total, s.last_finite
         ([0.0, 0.0, 0.0, 0.0], 0, 0, True)
     """
 
+    # The counters live in 0-d device tensors (`_t`), so that the step
+    # updates them without a host read (issue 24); reading an attribute is
+    # one device->host transfer.
+    _INTS = ("norm_count", "loss_count", "position", "spikes_total")
+    _BOOLS = ("last_spike", "last_finite")
+
     def __init__(self, window: int) -> None:
         self.log_norms = torch.zeros(window, dtype=torch.float32)
         self.losses = torch.zeros(window, dtype=torch.float32)
-        self.norm_count = self.loss_count = self.position = 0
-        self.spikes_total = 0
-        self.last_spike = False
-        self.last_finite = True
+        self._t: dict[str, torch.Tensor] = {}
+        for name in self._INTS:
+            self._t[name] = torch.zeros((), dtype=torch.int64)
+        self._t["last_spike"] = torch.zeros((), dtype=torch.bool)
+        self._t["last_finite"] = torch.ones((), dtype=torch.bool)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in SkipSpikesState._INTS:
+            return int(self.__dict__["_t"][name])
+        if name in SkipSpikesState._BOOLS:
+            return bool(self.__dict__["_t"][name])
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._INTS + self._BOOLS:
+            dtype = torch.int64 if name in self._INTS else torch.bool
+            self._t[name] = torch.as_tensor(value, dtype=dtype).to(
+                self.log_norms.device
+            )
+        else:
+            super().__setattr__(name, value)
+
+    def _to(self, device: torch.device) -> None:
+        """Moves the window and counters to `device` (once: the norms' own)."""
+        if self.log_norms.device != device:
+            self.log_norms = self.log_norms.to(device)
+            self.losses = self.losses.to(device)
+            self._t = {k: v.to(device) for k, v in self._t.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Every field, for a checkpoint."""
+        """Every field, for a checkpoint (python numbers, CPU tensors)."""
         return {
-            "log_norms": self.log_norms.clone(),
-            "losses": self.losses.clone(),
+            "log_norms": self.log_norms.detach().cpu().clone(),
+            "losses": self.losses.detach().cpu().clone(),
             "norm_count": self.norm_count,
             "loss_count": self.loss_count,
             "position": self.position,
@@ -97,8 +148,9 @@ class SkipSpikesState:
                 f"this guard {self.log_norms.shape[0]}: build it with the same "
                 "window"
             )
-        self.log_norms = saved["log_norms"].clone().float()
-        self.losses = saved["losses"].clone().float()
+        device = self.log_norms.device
+        self.log_norms = saved["log_norms"].clone().float().to(device)
+        self.losses = saved["losses"].clone().float().to(device)
         self.norm_count = int(saved["norm_count"])
         self.loss_count = int(saved["loss_count"])
         self.position = int(saved["position"])
@@ -152,49 +204,52 @@ class _Decision:
         )
         self.state = SkipSpikesState(self.window)
 
-    def _outlier(self, x, buffer, count, floor) -> bool:
+    def _outlier(self, x, buffer, count, floor) -> torch.Tensor:
         med, sigma = _robust_stats(buffer, count)
-        threshold = torch.tensor(self.threshold, dtype=torch.float32)
+        threshold = _const(self.threshold, x.device)
         margin = torch.maximum(threshold * sigma, floor(med))
-        return count >= self.min_history and bool(x - med > margin)
+        return (count >= self.min_history) & (x - med > margin)
 
-    def check(self, norm: Any, value: Any, finite: bool) -> tuple[bool, bool, Any]:
+    def check(self, norm: Any, value: Any, finite: Any) -> tuple[Any, Any, Any]:
         """``(finite, spike, (x, loss))`` of a step with gradient norm `norm`
-        and loss `value` (None: not checked)."""
-        norm = torch.as_tensor(norm, dtype=torch.float32).detach().cpu()
-        finite = bool(finite) and bool(torch.isfinite(norm))
+        and loss `value` (None: not checked): 0-d bool tensors on the
+        norm's device, no host read (`finite` a bool or a bool tensor)."""
+        norm = torch.as_tensor(norm, dtype=torch.float32).detach()
+        s, dev = self.state, norm.device
+        s._to(dev)
+        finite = _flag(finite, dev) & torch.isfinite(norm)
         x = torch.log(torch.clamp(norm, min=_TINY))
-        log_ratio = torch.tensor(math.log(self.min_ratio), dtype=torch.float32)
-        spike = finite and self._outlier(
-            x, self.state.log_norms, self.state.norm_count, lambda m: log_ratio
+        log_ratio = _const(math.log(self.min_ratio), dev)
+        spike = finite & self._outlier(
+            x, s.log_norms, s._t["norm_count"], lambda m: log_ratio
         )
         loss = None
         if value is not None:
-            loss = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
-            finite = finite and bool(torch.isfinite(loss))
-            rel = torch.tensor(self.min_ratio - 1.0, dtype=torch.float32)
-            spike = spike or self._outlier(
-                loss,
-                self.state.losses,
-                self.state.loss_count,
-                lambda m: rel * torch.abs(m),
+            loss = torch.as_tensor(value, dtype=torch.float32).detach().to(dev)
+            finite = finite & torch.isfinite(loss)
+            rel = _const(self.min_ratio - 1.0, dev)
+            spike = spike | self._outlier(
+                loss, s.losses, s._t["loss_count"], lambda m: rel * torch.abs(m)
             )
-            spike = spike and finite
+            spike = spike & finite
         return finite, spike, (x, loss)
 
-    def record(self, values: Any, spike: bool, applied: bool) -> None:
-        """Counts the step; an applied one enters the window."""
-        s = self.state
-        x, loss = values
-        s.last_spike, s.last_finite = bool(spike), bool(applied)
-        s.spikes_total += int(spike)
-        if applied:
-            s.log_norms[s.position] = x
-            s.norm_count = min(s.norm_count + 1, self.window)
-            if loss is not None:
-                s.losses[s.position] = loss
-                s.loss_count = min(s.loss_count + 1, self.window)
-            s.position = (s.position + 1) % self.window
+    def record(self, values: Any, spike: Any, applied: Any) -> None:
+        """Counts the step; an applied one enters the window (selected on
+        the device: `spike` and `applied` may be bools or bool tensors)."""
+        s, (x, loss) = self.state, values
+        t, dev = s._t, s.log_norms.device
+        spike, applied = _flag(spike, dev), _flag(applied, dev)
+        t["last_spike"], t["last_finite"] = spike.clone(), applied.clone()
+        t["spikes_total"] = t["spikes_total"] + spike.to(torch.int64)
+        here = applied & (torch.arange(self.window, device=dev) == t["position"])
+        s.log_norms = torch.where(here, x, s.log_norms)
+        grow = applied.to(torch.int64)
+        t["norm_count"] = torch.clamp(t["norm_count"] + grow, max=self.window)
+        if loss is not None:
+            s.losses = torch.where(here, loss, s.losses)
+            t["loss_count"] = torch.clamp(t["loss_count"] + grow, max=self.window)
+        t["position"] = (t["position"] + grow) % self.window
 
 
 class SkipSpikes:
@@ -271,10 +326,13 @@ class SkipSpikes:
                 loss = closure()
             value = loss if value is None else value
         norm = global_norm(self.optimizer.grads())
-        finite = True if grads_finite is None else bool(grads_finite)
+        finite = True if grads_finite is None else grads_finite
         finite, spike, values = self._decision.check(norm, value, finite)
-        self.optimizer.step(grads_finite=finite and not spike)
-        self._decision.record(values, spike, self.skip_state.last_finite)
+        self.optimizer.step(grads_finite=finite & ~spike)
+        # The guard's pending (applied, grads_finite) flags: no host read.
+        pending = self.optimizer._pending
+        applied = pending[-1][0] if pending else self.skip_state.last_finite
+        self._decision.record(values, spike, applied)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -311,7 +369,9 @@ def skip_spikes(
     ``grads_finite=False``: the optimizer state is untouched and the step is
     counted in ``skip_state.skipped_total``. A plain optimizer is guarded
     with `skip_non_finite` for you; wrap a `stable_optimizer` to clip too
-    (the guard sees the pre-clip norm). `torchref.train.TrainStep` accepts
+    (the guard sees the pre-clip norm). The test, the window update and
+    the skip are device tensors: no host sync in the step.
+    `torchref.train.TrainStep` accepts
     ``skip_spikes(plain_optimizer)`` as its optimizer and feeds it the loss.
 
     Args:

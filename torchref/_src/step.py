@@ -2,9 +2,12 @@
 
 `TrainStep` runs the recipe of the torch.amp docs with the real
 `torch.amp.GradScaler`, `torch.autocast` and `clip_grad_norm_` (as its two
-halves `get_total_norm` + `clip_grads_with_norm_`) and returns the same
-metrics as the JAX step: ``loss``, ``grad_norm``, ``loss_scale``, ``finite``,
-``skipped_total``.
+halves: `get_total_norm`, and `clip_grads_with_norm_`'s coefficient) and
+returns the same metrics as the JAX step: ``loss``, ``grad_norm``,
+``loss_scale``, ``finite``, ``skipped_total``. GradScaler's ``step`` is not
+called: it reads ``found_inf`` on the host before a non-fused
+``optimizer.step()``; the step hands the flag to the optimizer itself, as
+GradScaler does to a fused one (see `TrainStep`).
 """
 
 from __future__ import annotations
@@ -25,20 +28,24 @@ from torchref._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     StaticLossScale,
-    all_finite,
 )
 from torchref._src.precision import get_policy
 from torchref._src.spikes import SkipSpikes
 from torchref._src.transforms import (
     SkipNonFinite,
     SkipNonFiniteState,
+    _all_finite_t,
     _check_bool,
     _check_max_consecutive,
     _check_optimizer,
+    _clip_in_place,
+    _DeferredRecords,
+    _DeviceSelect,
+    _GuardedStep,
     _needs_closure,
-    _StepUndo,
+    _norm_and_finite,
+    _to_host,
     clip_by_global_norm,
-    global_norm,
 )
 
 __all__ = ["TrainStep"]
@@ -183,7 +190,7 @@ def _check_param_dtypes(model: torch.nn.Module, policy: Any, spec: str) -> None:
             )
 
 
-class TrainStep:
+class TrainStep(_DeferredRecords):
     """One guarded optimizer step: autocast, GradScaler, clip, skip.
 
     Order of work in ``step(batch)`` (that of the torch.amp docs):
@@ -198,36 +205,53 @@ class TrainStep:
        consecutive micro-batches and ``scaler.scale(loss_i / k).backward()``
        runs for each (the gradients add up in ``.grad``; the buffers are
        updated by each forward in turn), then one ``unscale_``.
-    4. ONE finiteness check. With an enabled GradScaler this is GradScaler's
-       own ``found_inf`` recorded by `unscale_` (read through its private
-       ``_found_inf_per_device(optimizer)``: it is the flag `scaler.step`
-       will act on, so both agree by construction); otherwise `all_finite`.
-       With a scale below 1 the unscaled gradients are tested too (the
-       multiply by 1/scale can overflow after GradScaler's test) and a
-       non-finite one is written into GradScaler's flag, so the step is
-       skipped and the scale backs off, as in the JAX step. A non-finite
-       loss (any micro-batch's) makes the step non-finite even when the
-       gradients are finite (``log`` of an activation a mask zeroed is -inf
-       and the mask zeroes its gradient): it is written into GradScaler's
-       flag the same way (skip and back-off), as the JAX step decides.
-    5. ``grad_norm`` = pre-clip global norm (float32); when finite and
-       `max_grad_norm` is set, grads are clipped (`clip_grads_with_norm_`,
-       i.e. `clip_grad_norm_`). On a non-finite step the NaN coefficient is
-       not multiplied in, so the grad report still names the bad leaves.
-    6. ``scaler.step(optimizer)`` (GradScaler skips `optimizer.step()` itself
-       on inf/NaN); with no (or a disabled) scaler we skip it ourselves.
-       With `check_update` (default), parameters and optimizer state are
-       copied before a step with finite gradients, checked after it, and
-       copied back if the step wrote a non-finite value (finite gradients
-       do not make a finite Adam step in float16): such a step counts as
-       skipped, with ``grads_finite`` True.
+    4. ONE skip decision, a 0-d bool tensor on the device: the loss
+       (any micro-batch's) is finite, GradScaler's own ``found_inf``
+       recorded by `unscale_` (read through its private
+       ``_found_inf_per_device(optimizer)``) is 0, and the UNSCALED
+       gradients are finite (the float64 pass of the norm in 5; with a
+       scale below 1 the multiply by 1/scale can overflow after
+       GradScaler's test). A non-finite loss makes the step non-finite
+       even when the gradients are finite (``log`` of an activation a mask
+       zeroed is -inf and the mask zeroes its gradient). The decision is
+       written into GradScaler's found_inf, so the scale backs off exactly
+       when the step is skipped for its loss or gradients, as in the JAX
+       step.
+    5. ``grad_norm`` = pre-clip global norm (float32, torch's value bit for
+       bit); when finite and `max_grad_norm` is set, grads are multiplied
+       by `clip_grads_with_norm_`'s coefficient. On a non-finite step the
+       coefficient is 1 (selected on the device), so the grad report still
+       names the bad leaves.
+    6. The optimizer step, skipped on the device: GradScaler.step would read
+       found_inf on the host (a sync) before a non-fused ``step()``; here a
+       fused optimizer (``fused=True`` Adam/AdamW/SGD) gets found_inf as
+       GradScaler hands it, any other one steps on a flat copy of
+       parameters and state that `torch.where` selects back where the step
+       is skipped. With `check_update` (default) what the step wrote is
+       checked too, and selected back when not finite (finite gradients do
+       not make a finite Adam step in float16): such a step counts as
+       skipped, with ``grads_finite`` True. The step that creates the
+       optimizer state (the first) decides on the host once.
     7. ``scaler.update()`` (`DynamicGradScaler` also clamps to
-       `min_loss_scale`): the scale reacts to the gradients only, as
-       GradScaler does (a non-finite update is no loss-scale overflow);
-       counters; on a skipped step the buffers are restored, as the JAX step
-       keeps `model_state` unchanged (the forward already updated batch-norm
+       `min_loss_scale`): the scale reacts to the loss and gradients only,
+       as GradScaler does (a non-finite update is no loss-scale overflow);
+       counters (a device count, and `skip_state` when read); on a skipped
+       step the buffers are selected back, as the JAX step keeps
+       `model_state` unchanged (the forward already updated batch-norm
        running stats), and so they are when the step was applied but left a
-       non-finite buffer (one more `all_finite` pass and host sync).
+       non-finite buffer.
+
+    No ``.item()`` and no ``bool(tensor)`` in 1-7 in one process (issue
+    24; `torchref/tests/test_train.py` profiles it): ``step(batch)`` reads
+    its python metrics in ONE transfer at the end, ``step(batch,
+    sync=False)`` returns them as 0-d tensors
+    (`benchmarks/bench_torch_syncs.py` counts syncs and ops). Some places
+    still read the host, by design: DDP/FSDP2 (the loss all-reduce of
+    `torchref.distributed` reads the global loss and the used-parameter
+    counts to name a bad parameter), sharded FSDP2 parameters (one read of
+    the flag; no flat copy of DTensors) and the first step (Adam creates
+    its state: one read of the flag). `skip_spikes`' window and counters
+    are device tensors too.
 
     Under DDP or FSDP2 (a process group of N ranks) the step also
     all-reduces the ranks' losses before the backward: ``loss`` is the
@@ -253,8 +277,9 @@ class TrainStep:
         restore_buffers_on_skip: restore buffers on skipped steps and when
             the step left a non-finite buffer.
         check_update: undo a step that wrote a non-finite parameter or
-            optimizer-state value (default True; costs a copy of both and
-            one more host sync per step).
+            optimizer-state value (default True; costs one read pass per
+            step, no host sync; a non-fused optimizer's parameters and state
+            are copied before every step either way, see 6).
         microbatches: None, or k >= 1: gradient accumulation (see step 2-3;
             ``jaxstable.train.make_train_step(microbatches=k)`` does the
             same). One check, clip, skip decision, count and scaler update
@@ -358,7 +383,8 @@ class TrainStep:
         self.restore_buffers_on_skip = bool(restore_buffers_on_skip)
         self.check_update = _check_bool("check_update", check_update)
         self.microbatches = _check_microbatches(microbatches)
-        self._undo = _StepUndo()
+        self._guarded = _GuardedStep()
+        self._buffer_copy = _DeviceSelect()
         # Under DDP/FSDP2: the process group's size, the loss share each
         # replica backpropagates and the hook that tells a loss_fn bypassing
         # the wrapper (see `_step`); None / 1 in one process.
@@ -376,47 +402,26 @@ class TrainStep:
     def _scaler_enabled(self) -> bool:
         return self.scaler is not None and self.scaler.is_enabled()
 
-    def _finite(self, grads: list[torch.Tensor]) -> bool:
-        if self._scaler_enabled():
-            try:
-                found = self.scaler._found_inf_per_device(self.optimizer)
-            except AttributeError:  # a GradScaler without the (private) hook
-                found = None
-            if found:
-                return not bool(
-                    sum(f.to(self.device_type) for f in found.values()).item()
-                )
-        return all_finite(grads)
-
-    def _flag_unscaled_overflow(self, grads: list[torch.Tensor]) -> None:
-        """Marks GradScaler's found_inf when the UNSCALED grads are not finite.
-
-        GradScaler tests the scaled gradients, then multiplies them by
-        1/scale. With a scale below 1 that multiply can overflow: finite
-        scaled gradients become inf, GradScaler still steps (params went to
-        [-inf, -inf]) and does not back off. The JAX step tests the unscaled
-        gradients; so does this, and a non-finite one sets found_inf so that
-        `scaler.step` skips and `scaler.update` backs off, exactly as there.
-        Only for scales below 1 (one more pass and host sync): above, a
-        finite scaled gradient times 1/scale <= 1 stays finite.
-        """
+    def _found_inf(self) -> dict[Any, torch.Tensor]:
+        """GradScaler's per-device found_inf recorded by `unscale_` ({} for
+        no enabled scaler, or a GradScaler without the private hook)."""
+        if not self._scaler_enabled():
+            return {}
         try:
-            found = self.scaler._found_inf_per_device(self.optimizer)
+            return self.scaler._found_inf_per_device(self.optimizer) or {}
         except AttributeError:  # a GradScaler without the (private) hook
-            return
-        if found and not all_finite(grads):
-            for flag in found.values():
-                flag.fill_(1.0)
+            return {}
 
-    def _flag_non_finite(self) -> None:
-        """Sets GradScaler's found_inf for this iteration (recorded by
-        `unscale_`), so that `scaler.step` skips and `scaler.update` backs off."""
-        try:
-            found = self.scaler._found_inf_per_device(self.optimizer)
-        except AttributeError:  # a GradScaler without the (private) hook
-            return
-        for flag in found.values():
-            flag.fill_(1.0)
+    def _scale_used(self) -> Any:
+        """The scale of this step as a 0-d tensor (a copy: `update` changes
+        GradScaler's in place), 1.0 without an enabled scaler; no sync
+        (`get_scale()` is an ``.item()``)."""
+        if not self._scaler_enabled():
+            return 1.0
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is None:  # not created yet (or another GradScaler)
+            return float(self.scaler.get_scale())
+        return scale.detach().clone()
 
     def reset(self) -> None:
         """Discards a step that raised half-way, so that `step` can run again.
@@ -432,12 +437,25 @@ class TrainStep:
         self._stage = "ready"
 
     # ------------------------------------------------------------------ step
-    def __call__(self, batch: Any) -> dict[str, Any]:
+    def __call__(self, batch: Any, *, sync: bool = True) -> dict[str, Any]:
         """Same as `step`."""
-        return self.step(batch)
+        return self.step(batch, sync=sync)
 
-    def step(self, batch: Any) -> dict[str, Any]:
+    def step(self, batch: Any, *, sync: bool = True) -> dict[str, Any]:
         """Runs one guarded step; see the class docstring for the order.
+
+        The step itself reads nothing back from the device (one process,
+        no `skip_spikes`): every decision (skip, clip coefficient, scale
+        back-off, buffer restore) is a device tensor. With ``sync=True``
+        (default) the metrics are then read in ONE batched device->host
+        transfer (which also records `skip_state`); with ``sync=False``
+        they stay 0-d tensors and `skip_state` is brought up to date, in one
+        transfer, when it is next read. ``sync`` is torch-only: the JAX
+        step returns device arrays anyway (``jax.device_get`` reads them).
+
+        Args:
+            batch: the batch handed to ``loss_fn(model, batch)``.
+            sync: return python numbers (True) or 0-d tensors (False).
 
         Returns:
             ``{"loss": float (unscaled), "grad_norm": float (pre-clip,
@@ -450,7 +468,8 @@ class TrainStep:
             optimizer is ``torchref.transforms.skip_spikes(optimizer)`` (its
             window sees the pre-clip norm and the loss; a spike skips
             ``optimizer.step()`` and leaves the loss scale to the gradients'
-            flag, as the JAX step does).
+            flag, as the JAX step does). With ``sync=False`` the same keys
+            hold 0-d tensors (float32, bool and int64; ``spike`` a bool).
         """
         if self._stage != "ready":
             raise RuntimeError(
@@ -458,9 +477,10 @@ class TrainStep:
                 "loss_fn called step() re-entrantly, or the previous step raised "
                 "half-way (call .reset() to discard it)"
             )
+        sync = _check_bool("sync", sync)
         self._stage = "forward"
         try:
-            return self._step(batch)
+            metrics = self._step(batch)
         except BaseException:
             # Before backward nothing but the grads (zeroed) and buffers was
             # touched: the step can simply be retried. Later, GradScaler holds
@@ -468,17 +488,33 @@ class TrainStep:
             if self._stage == "forward":
                 self._stage = "ready"
             raise
+        if not sync:
+            return metrics
+        # The one host sync of a step, outside it: the three floats and every
+        # pending (applied, grads_finite) pair in one transfer.
+        keys = ("loss", "grad_norm", "loss_scale", "spike")[
+            : 3 if self.spikes is None else 4
+        ]
+        flags = [t for pair in self._pending for t in pair]
+        values = _to_host([metrics[key] for key in keys] + flags)
+        self._record(values[len(keys) :])
+        state = self._skip_state
+        metrics.update(zip(keys[:3], (float(v) for v in values), strict=False))
+        if self.spikes is not None:
+            metrics["spike"] = bool(values[3])
+        metrics["finite"] = state.last_finite
+        metrics["grads_finite"] = state.last_grads_finite
+        metrics["skipped_total"] = state.skipped_total
+        return metrics
 
     def _step(self, batch: Any) -> dict[str, Any]:
         model, opt, scaler = self.model, self.optimizer, self.scaler
         k = self.microbatches
         parts = [batch] if k is None else _split_batch(batch, k)
         opt.zero_grad(set_to_none=True)
-        saved = None
-        if self.restore_buffers_on_skip:
-            saved = [b.detach().clone() for b in model.buffers()]
-        # The scale USED for this step (read before update changes it).
-        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        buffers = list(model.buffers()) if self.restore_buffers_on_skip else []
+        if buffers:
+            self._buffer_copy.take(buffers)
         losses, auxes = [], []
         rep = self._replicas
         if rep is not None:
@@ -497,6 +533,8 @@ class TrainStep:
             (scaler.scale(share) if scaler is not None else share).backward()
             losses.append(loss.detach().float())
             auxes.append(aux)
+        # The scale USED for this step (copied before update changes it).
+        loss_scale = self._scale_used()
         # Under DDP/FSDP2 the losses are already the global ones (`share`): a
         # non-finite loss on one rank is one on every rank.
         if scaler is not None:
@@ -504,65 +542,74 @@ class TrainStep:
         self._stage = "check"
         params = self._params()
         grads = [p.grad for p in params if p.grad is not None]
-        if loss_scale < 1.0 and self._scaler_enabled():
-            self._flag_unscaled_overflow(grads)
-        # A non-finite loss is a non-finite step even when its gradients are
-        # finite (a -inf from log of a dropped activation whose gradient the
-        # mask zeroes): written into GradScaler's flag, so that scaler.step
-        # skips and the scale backs off, as in the JAX step (one host sync).
-        loss_finite = bool(torch.isfinite(torch.stack(losses)).all())
-        if not loss_finite and self._scaler_enabled():
-            self._flag_non_finite()
-        finite = loss_finite and self._finite(grads)
-        if self.clip is not None and finite:
-            grad_norm = self.clip(params)
+        # ONE decision, on the device. A non-finite loss is a non-finite step
+        # even when its gradients are finite (a -inf from log of a dropped
+        # activation whose gradient the mask zeroes). GradScaler's found_inf
+        # tests the SCALED gradients; the norm pass below tests the UNSCALED
+        # ones too (with a scale below 1 the multiply by 1/scale can
+        # overflow after GradScaler's test), so both agree with the JAX step.
+        stacked = torch.stack(losses)
+        finite = torch.isfinite(stacked).all()
+        found = self._found_inf()
+        for flag in found.values():
+            finite = finite & (flag.to(finite.device) == 0)
+        if self.clip is not None:
+            grad_norm, grads_ok = _clip_in_place(
+                grads, self.clip.max_norm, self.clip.eps, apply=finite
+            )
         else:
-            grad_norm = global_norm(grads)
-        loss_value = losses[0] if k is None else torch.stack(losses).mean()
-        spike, spike_values = False, None
+            grad_norm, grads_ok, _ = _norm_and_finite(grads)
+        bad = ~(finite & grads_ok.to(finite.device))
+        # Written into GradScaler's flag (bad covers it), so that update()
+        # backs off exactly when the step is skipped for its loss or grads.
+        for flag in found.values():
+            flag.copy_(bad)
+        loss_value = losses[0] if k is None else stacked.mean()
+        spike, spike_values, refuse = None, None, bad
         if self.spikes is not None:
             # The pre-clip norm and the loss against the window of applied
-            # steps (jaxstable: the step passes value=loss to skip_spikes).
+            # steps (jaxstable: the step passes value=loss to skip_spikes),
+            # on the device too.
             _, spike, spike_values = self.spikes._decision.check(
-                grad_norm, loss_value, finite
+                grad_norm, loss_value, ~bad
             )
+            # A spike is no overflow: found_inf keeps `bad`, the scale goes on.
+            refuse = bad | spike.to(bad.device)
         self._stage = "optimizer step"
-        undo = finite and not spike and self.check_update
-        if undo:
-            self._undo.take(opt)
+        # GradScaler.step would read found_inf on the host (one sync) before
+        # a non-fused optimizer.step(); _GuardedStep skips on the device
+        # instead (a fused optimizer gets found_inf as GradScaler hands it).
+        skipped = self._guarded.run(opt, refuse, self.check_update).to(bad.device)
         if self._scaler_enabled():
-            if not spike:  # GradScaler skips optimizer.step() on inf/NaN
-                scaler.step(opt)
-            scaler.update()  # a spike is no overflow: the scale goes on
-        elif finite and not spike:
-            opt.step()
-        applied = finite and not spike
-        if undo and not self._undo.written_finite():
-            self._undo.restore()
-            applied = False
+            scaler.update()
         if self.spikes is not None:
-            self.spikes._decision.record(spike_values, spike, applied)
-        self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
+            self.spikes._decision.record(spike_values, spike, ~skipped)
         # Buffers go back on a skipped step, and also when the forward wrote
         # a non-finite one on an applied step (a batch-norm running_var of
         # inf from a feature of 1e20, with finite gradients), as the JAX step
         # keeps a non-finite model_state out.
-        if saved is not None and (not applied or not all_finite(list(model.buffers()))):
-            with torch.no_grad():
-                for b, s in zip(model.buffers(), saved, strict=True):
-                    b.copy_(s)
+        if buffers:
+            finite_buffers = _all_finite_t(buffers).to(bad.device)
+            self._buffer_copy.put_back(skipped | ~finite_buffers)
+        if self._skipped_dev is None:
+            self._skipped_dev = torch.tensor(
+                self._skip_state.skipped_total, device=bad.device
+            )
+        self._skipped_dev = self._skipped_dev + skipped
+        applied, grads_finite = ~skipped, ~bad
+        self._pending.append((applied, grads_finite))
         self.steps_done += 1
         self._stage = "ready"
         metrics = {
-            "loss": float(loss_value),
-            "grad_norm": float(grad_norm),
-            "loss_scale": loss_scale,
+            "loss": loss_value,
+            "grad_norm": grad_norm.to(torch.float32),
+            "loss_scale": torch.as_tensor(loss_scale, dtype=torch.float32),
             "finite": applied,
-            "grads_finite": bool(finite),
-            "skipped_total": int(self.skip_state.skipped_total),
+            "grads_finite": grads_finite,
+            "skipped_total": self._skipped_dev,
         }
         if self.spikes is not None:
-            metrics["spike"] = bool(spike)
+            metrics["spike"] = spike
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics

@@ -1,15 +1,20 @@
 """Gradient guards for PyTorch optimizers, mirroring `jaxstable.transforms`.
 
-Clipping goes through `torch.nn.utils.get_total_norm` and
-`torch.nn.utils.clip_grads_with_norm_` (the two halves of `clip_grad_norm_`);
+Clipping goes through `torch.nn.utils.get_total_norm` and the coefficient
+of `torch.nn.utils.clip_grads_with_norm_` (the two halves of
+`clip_grad_norm_`);
 skipping wraps any `torch.optim.Optimizer` so that a non-finite step leaves
 the parameters AND the optimizer state (Adam moments, step count) untouched,
 as `torch.amp.GradScaler.step` does. Finite gradients can still give a
 non-finite step (Adam's float16 second moment underflowing to 0, ``eps=0``),
 and torch cannot tell before `optimizer.step()` has written it: with
-``check_update`` the wrappers copy the parameters and the optimizer state
-before the step, check what the step wrote, and copy them back when it is
-non-finite (`_StepUndo`).
+``check_update`` the wrappers check what the step wrote and select the
+values before it back when it is non-finite. Every decision is a device
+tensor (issue 24): a fused optimizer takes it as GradScaler's ``found_inf``,
+any other steps on a flat copy that `torch.where` selects back
+(`_GuardedStep`); the counters read the flags when they are read
+(`_DeferredRecords`). An optimizer that needs a closure (LBFGS) decides on
+the host (`_StepUndo`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.nn.utils import get_total_norm
 
 from _stablecore.checks import check_bool as _core_check_bool
 from torchref._src.loss_scale import _tensors, all_finite
@@ -40,16 +45,7 @@ __all__ = [
     "stable_optimizer",
 ]
 
-# clip_grads_with_norm_ hard-codes this eps (coef = max_norm/(norm + 1e-6)).
-_TORCH_CLIP_EPS = 1e-6
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-# As in jaxstable.transforms: a float32 sum of squares overflows once the
-# norm passes 2**64 = 1.8e19; the norm is then recomputed with every element
-# times 2**-90 (exact), and a clip of such gradients is done in that domain.
-_NORM_SCALE = 2.0**-90
-_NORM_UNSCALE = 2.0**90
 
 
 def _norm_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -83,23 +79,79 @@ def _total_norm(ts: list[torch.Tensor]) -> torch.Tensor:
     return get_total_norm(per_leaf)
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
 
 
-def _norms(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(norm, scaled_norm)``; ``scaled_norm`` is None unless the plain sum
-    of squares overflowed while the tensors are finite (then ``norm =
-    scaled_norm * 2**90``). One host sync (is the plain norm finite?), and a
-    second pass over the tensors only when it is not."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a (sharded) DTensor norm: its global value (a
+    collective, no host sync); a plain tensor as is."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def _home(tensors: list[torch.Tensor]) -> torch.device:
+    """Where device-side flags and norms are combined: an accelerator when
+    any tensor is on one (moving a CPU flag there never waits; the reverse
+    is a device->host copy, i.e. a sync)."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return t.device
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _finite_norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(finite, norm64)`` of dense floating tensors, on the device.
+
+    One read pass per (device, dtype) group: `torch._foreach_norm` in float64.
+    The float64 sum of squares of float32 (or narrower) values cannot
+    overflow (3.4e38**2 = 1.2e77 per element), so the float64 norm is finite
+    exactly when every element is: it is the finiteness flag AND the exact
+    norm where the float32 one overflowed. float64/complex128 leaves, whose
+    squares can overflow, add a max-|x| pass for the flag.
+    """
+    home = _home(ts)
+    narrow, wide, flags = [], [], []
+    for (_, dtype), group in _by_device_dtype(ts).items():
+        if dtype.is_complex:
+            group = [torch.view_as_real(t) for t in group]
+            dtype = group[0].dtype
+        if dtype == torch.float64:
+            inf = float("inf")
+            flags += [_local(n).to(home) for n in torch._foreach_norm(group, inf)]
+            wide += [_local(n).to(home) for n in torch._foreach_norm(group, 2)]
+        else:
+            norms = torch._foreach_norm(group, 2, dtype=torch.float64)
+            narrow += [_local(n).to(home) for n in norms]
+    norm64 = torch.linalg.vector_norm(torch.stack(narrow + wide))
+    if not flags:
+        # Leaf norms are at most ~1e43: their float64 squares add up finite.
+        return torch.isfinite(norm64), norm64
+    return torch.isfinite(torch.stack(narrow + flags)).all(), norm64
+
+
+def _norm_and_finite(
+    tensors: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(norm, finite, norm64)``, no host sync: `norm` is `_total_norm`
+    (torch's float32 value, bit for bit) where it is finite; where it
+    overflowed with every element finite it is the float64 norm `norm64`
+    (None for no tensors) cast down; `finite` is a 0-d bool tensor."""
     ts = _norm_inputs(tensors)
     total = _total_norm(ts)
-    if not ts or bool(torch.isfinite(total)):
-        return total, None
-    scaled = _total_norm([t.to(_compute_dtype(t)) * _NORM_SCALE for t in ts])
-    if not bool(torch.isfinite(scaled)):
-        return total, None  # a non-finite element: inf or NaN like torch
-    return scaled.to(torch.float32) * _NORM_UNSCALE, scaled.to(torch.float32)
+    if not ts:
+        return total, torch.ones((), dtype=torch.bool), None
+    finite, norm64 = _finite_norms(ts)
+    total = _local(total).to(norm64.device)
+    # Where torch's norm is not finite the float64 one is the same inf/nan
+    # for a non-finite element, and the true norm where float32 overflowed.
+    return (
+        torch.where(torch.isfinite(total), total, norm64.to(total.dtype)),
+        finite,
+        norm64,
+    )
 
 
 def global_norm(tensors: Any) -> torch.Tensor:
@@ -118,10 +170,11 @@ def global_norm(tensors: Any) -> torch.Tensor:
 
     Deviation from torch, only where torch overflows: when the float32 sum of
     squares overflows (a norm above 1.8e19; torch returns inf for two
-    gradients of 1e20) the norm is recomputed with every element scaled by
-    2**-90, as `jaxstable.transforms.global_norm` does: 1.41e20 there. It is
-    inf only for a non-finite element or a norm above float32's 3.4e38.
-    Costs one host sync (is the plain norm finite?).
+    gradients of 1e20) the norm is the float64 one of a second read pass
+    (`_foreach_norm(dtype=float64)`, which also gives the finiteness flag
+    of the guarded steps), as `jaxstable.transforms.global_norm` rescues it
+    too: 1.41e20 there. It is inf only for a non-finite element or a norm
+    above float32's 3.4e38. No host sync: the choice is a `torch.where`.
 
     Args:
         tensors: a tensor, a module (its parameters), a mapping or a sequence
@@ -140,7 +193,7 @@ def global_norm(tensors: Any) -> torch.Tensor:
         >>> float(global_norm(torch.tensor([1e20, 1e20]))) > 1.4e20
         True
     """
-    return _norms(_tensors(tensors))[0].to(torch.float32)
+    return _norm_and_finite(_tensors(tensors))[0].to(torch.float32)
 
 
 def _grads(parameters: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -154,42 +207,41 @@ def _grads(parameters: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return params, [p.grad for p in params if p.grad is not None]
 
 
-def _apply_clip(
-    params: list[torch.Tensor],
+@torch.no_grad()
+def _clip_in_place(
     grads: list[torch.Tensor],
     max_norm: float,
-    total: torch.Tensor,
     eps: float,
-) -> None:
-    if eps == _TORCH_CLIP_EPS:
-        clip_grads_with_norm_(params, max_norm, total)
-        return
-    # clip_grads_with_norm_ hard-codes eps=1e-6, so another eps applies the
-    # same formula here: coef = min(max_norm / (norm + eps), 1), in the norm's
-    # dtype, multiplied into every grad in place (no `if coef < 1` host sync).
-    with torch.no_grad():
-        coef = torch.clamp(max_norm / (total + eps), max=1.0)
-        for g in grads:
+    tensors_in: list[torch.Tensor] | None = None,
+    apply: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clips `grads` in place, on the device; ``(pre-clip norm, finite)``.
+
+    ``coef = clamp(max_norm / (norm + eps), max=1)`` as `clip_grads_with_norm_`
+    computes it (bit for bit on torch's float32 norm), from the float64 norm
+    where the float32 one overflowed (``max_norm / 1.4e20`` is a normal
+    float32). Where the gradients are not finite, or `apply` (a 0-d bool
+    tensor) is False, the coefficient is 1: the NaN coefficient is never
+    multiplied in, so a later report still names the bad leaves. One
+    `_foreach_mul_` per (device, dtype); no host sync.
+    """
+    norm, finite, norm64 = _norm_and_finite(grads if tensors_in is None else tensors_in)
+    dense = [g for g in grads if (g.is_floating_point() or g.is_complex())]
+    if norm64 is None or not dense:
+        return norm, finite
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    wide = torch.clamp(max_norm / (norm64 + eps), max=1.0).to(coef.dtype)
+    coef = torch.where(torch.isfinite(norm), coef, wide)
+    ok = finite if apply is None else finite & apply.to(finite.device)
+    coef = torch.where(ok, coef, 1.0)
+    for (device, _), group in _by_device_dtype(
+        [g for g in dense if not g.is_sparse]
+    ).items():
+        torch._foreach_mul_(group, coef.to(device))
+    for g in dense:
+        if g.is_sparse:  # no foreach kernel; scaling the values scales the sum
             g.mul_(coef.to(g.device))
-
-
-@torch.no_grad()
-def _apply_scaled_clip(
-    grads: list[torch.Tensor], max_norm: float, scaled_norm: torch.Tensor, eps: float
-) -> None:
-    """The clip when the plain norm overflowed: ``g = (g * 2**-90) * coef_s``
-    with ``coef_s = max_norm / (scaled_norm + eps * 2**-90)`` (the true
-    coefficient is ``coef_s * 2**-90``), in float32 at least, as the JAX
-    twin computes it. Nothing changes when the true coefficient is >= 1."""
-    coef_s = max_norm / (scaled_norm + eps * _NORM_SCALE)
-    if bool(coef_s >= _NORM_UNSCALE):
-        return
-    for g in grads:
-        if not (g.is_floating_point() or g.is_complex()):
-            continue
-        target = g._values() if g.is_sparse else g
-        compute = target.to(_compute_dtype(target))
-        target.copy_((compute * _NORM_SCALE) * coef_s.to(target.device))
+    return norm, finite
 
 
 def clip_by_global_norm(
@@ -199,19 +251,22 @@ def clip_by_global_norm(
 
     Maths: ``norm = global_norm(grads)`` (float32 accumulation, see
     `global_norm`); ``coef = min(max_norm / (norm + eps), 1)``;
-    ``grad *= coef``. With the default ``eps=1e-6`` the norm goes through
-    `get_total_norm` and the scaling through `clip_grads_with_norm_`, so for
-    float32 grads the result equals `clip_grad_norm_` bit for bit. Any other
-    `eps` applies the same formula explicitly (torch hard-codes 1e-6).
+    ``grad *= coef``. The norm goes through `get_total_norm` and the
+    scaling is `clip_grads_with_norm_`'s (the same clamped coefficient and
+    one `_foreach_mul_` per device and dtype, written out so that a
+    non-finite step can select a coefficient of 1 on the device), so for
+    float32 grads and the default ``eps=1e-6`` the result equals
+    `clip_grad_norm_` bit for bit (torch hard-codes that eps).
 
     Deviations from `clip_grad_norm_`, each where torch fails: sparse
     gradients are clipped (torch raises NotImplementedError); when the
-    float32 sum of squares overflows (norm above 1.8e19) the clip is done in
-    a domain scaled by 2**-90, ``(g * 2**-90) * (max_norm / (scaled_norm +
-    eps * 2**-90))``, so finite gradients give a finite update of norm
-    `max_norm` (torch's norm is inf and it multiplies every gradient by 0),
-    as `jaxstable.transforms.clip_by_global_norm` does. One host sync per
-    call (is the norm finite?).
+    float32 sum of squares overflows (norm above 1.8e19) the coefficient
+    comes from the float64 norm (``max_norm / 1.4e20`` is a normal float32),
+    so finite gradients give a finite update of norm `max_norm` (torch's
+    norm is inf and it multiplies every gradient by 0), as
+    `jaxstable.transforms.clip_by_global_norm` does; non-finite gradients
+    are left as they are (coefficient 1). No host sync: two read passes
+    (torch's float32 norm, a float64 one) and one `_foreach_mul_`.
 
     Args:
         max_norm: largest allowed global norm, > 0.
@@ -237,13 +292,10 @@ def clip_by_global_norm(
         raise ValueError(f"eps must be a number >= 0, got {eps!r}")
 
     def clip(parameters: Any) -> torch.Tensor:
-        params, grads = _grads(parameters)
-        total, scaled = _norms(grads)
-        if scaled is not None:
-            _apply_scaled_clip(grads, max_norm, scaled, float(eps))
-        elif grads:
-            _apply_clip(params, grads, max_norm, total, float(eps))
-        return total.to(torch.float32)
+        _, grads = _grads(parameters)
+        return _clip_in_place(grads, max_norm, float(eps))[0].to(torch.float32)
+
+    clip.max_norm, clip.eps = max_norm, float(eps)  # for the guarded steps
 
     return clip
 
@@ -397,6 +449,196 @@ class _StepUndo:
                     live[k] = copy.deepcopy(v)
 
 
+def _all_finite_t(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`all_finite` as a 0-d bool tensor, with no host sync (see `_finite_norms`)."""
+    ts = _norm_inputs(tensors)
+    if not ts:
+        return torch.ones((), dtype=torch.bool, device=_home(tensors))
+    return _finite_norms(ts)[0]
+
+
+class _DeviceSelect:
+    """Keeps a copy of some tensors and puts it back where a device flag says.
+
+    ``take(tensors)`` copies them into one flat buffer per (device, dtype),
+    allocated once and kept from step to step (one `torch.cat` each);
+    ``put_back(keep_old)`` sets ``t = keep_old ? saved : t`` for every tensor
+    with one `torch.cat`, one `torch.where` and one `torch._foreach_copy_`
+    per group: ~3 ops whatever the number of tensors, and no host sync
+    (`torch.where` selects, so a NaN the step wrote never mixes in; an
+    arithmetic blend ``t*(1-k) + saved*k`` would keep it: NaN * 0 is NaN).
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[Any, torch.Tensor] = {}
+        self._groups: dict[Any, list[torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def take(self, tensors: list[torch.Tensor]) -> None:
+        self._groups = _by_device_dtype([t.detach() for t in tensors])
+        for key, group in self._groups.items():
+            n = sum(t.numel() for t in group)
+            buf = self._flat.get(key)
+            if buf is None or buf.numel() != n:
+                buf = torch.empty(n, dtype=key[1], device=key[0])
+                self._flat[key] = buf
+            torch.cat([t.reshape(-1) for t in group], out=buf)
+
+    @torch.no_grad()
+    def put_back(self, keep_old: torch.Tensor) -> None:
+        for key, group in self._groups.items():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            torch.where(keep_old.to(key[0]), self._flat[key], flat, out=flat)
+            parts = flat.split([t.numel() for t in group])
+            torch._foreach_copy_(
+                group, [v.view(t.shape) for v, t in zip(parts, group, strict=True)]
+            )
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` skips on the device from a ``found_inf``
+    attribute, as `GradScaler.step` hands it to fused Adam/AdamW/SGD."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and (
+        "grad_scaler" not in inspect.signature(optimizer.step).parameters
+    )
+
+
+class _GuardedStep:
+    """``optimizer.step()`` that leaves parameters and state as they were
+    where a device flag says, with no host sync in the common case.
+
+    ``run(optimizer, bad_grads, check_update) -> skipped`` (0-d bool tensor):
+
+    - An optimizer that takes GradScaler's ``found_inf`` (``fused=True``
+      Adam/AdamW/SGD) is handed ``bad_grads`` as float32 ``found_inf``: it
+      skips on the device, step count included (GradScaler's own path).
+    - Any other optimizer steps unconditionally on a copy taken just before
+      (`_DeviceSelect`), and the copy is selected back where ``bad_grads``.
+    - With `check_update`, the parameters and state the step wrote are
+      checked (one read pass, `_all_finite_t`) and selected back too when
+      not finite: the invariant "no step writes a non-finite value".
+
+    The host decides only what it cannot do on the device, once: state the
+    step created (Adam's first step; entries must be removed, not selected),
+    a python value in the state that changed, or a state tensor the step
+    replaced: then ONE ``bool(keep_old)`` sync. Steady-state steps of the
+    torch optimizers do none of these. On a GPU, a non-fused optimizer whose
+    state keeps CPU tensors (Adam's ``step`` with ``capturable=False``) gets
+    the flag copied to the CPU: a sync; ``fused=True`` or ``capturable=True``
+    avoids it.
+    """
+
+    def __init__(self) -> None:
+        self._select = _DeviceSelect()
+
+    @torch.no_grad()
+    def run(
+        self,
+        optimizer: torch.optim.Optimizer,
+        bad_grads: torch.Tensor,
+        check_update: bool,
+    ) -> torch.Tensor:
+        fused = _takes_found_inf(optimizer)
+        if fused and not check_update:
+            _fused_step(optimizer, bad_grads)
+            return bad_grads
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(_is_dtensor(p) for p in params) and not check_update:
+            # Sharded (FSDP2) parameters: no flat copy of DTensors; the
+            # (global) flag is read on the host, one sync per step.
+            if not bool(bad_grads):
+                optimizer.step()
+            return bad_grads
+        if any(_is_dtensor(p) for p in params):
+            # Each rank would check its own shard only and could decide
+            # differently from the others; DTensor has no _foreach_copy_.
+            raise NotImplementedError(
+                "check_update does not support sharded (DTensor / FSDP2) "
+                "parameters: build the step with check_update=False (the "
+                "gradient check stays global through GradScaler's found_inf)"
+            )
+        before = {p: _snapshot_layout(optimizer.state.get(p)) for p in params}
+        tensors = params + [
+            v
+            for p in params
+            if before[p] is not None
+            for v in before[p].values()
+            if isinstance(v, torch.Tensor)
+        ]
+        self._select.take(tensors)
+        if fused:
+            _fused_step(optimizer, bad_grads)
+        else:
+            optimizer.step()
+        keep_old = bad_grads
+        if check_update:
+            written = params + [
+                v
+                for p in params
+                for v in optimizer.state.get(p, {}).values()
+                if isinstance(v, torch.Tensor)
+            ]
+            keep_old = bad_grads | ~_all_finite_t(written)
+        self._select.put_back(keep_old)
+        changed = [
+            p for p in params if not _same_layout(optimizer.state.get(p), before[p])
+        ]
+        if changed and bool(keep_old):  # the one host decision (see above)
+            for p in changed:
+                if before[p] is None:
+                    optimizer.state.pop(p, None)
+                else:
+                    optimizer.state[p] = {
+                        k: copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v
+                        for k, v in before[p].items()
+                    }
+        return keep_old
+
+
+def _fused_step(optimizer: torch.optim.Optimizer, bad_grads: torch.Tensor) -> None:
+    """GradScaler's hand-over to a fused optimizer: gradients already
+    unscaled (``grad_scale`` None) and the skip flag as float32 ``found_inf``."""
+    optimizer.grad_scale = None
+    optimizer.found_inf = bad_grads.to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
+        del optimizer.found_inf
+
+
+def _snapshot_layout(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One parameter's state entries: tensors by object, python values by a
+    copy (None when it has no state yet)."""
+    if not state:
+        return None
+    return {
+        k: v if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+        for k, v in state.items()
+    }
+
+
+def _same_layout(state: dict[str, Any] | None, before: dict[str, Any] | None) -> bool:
+    """Whether the step left the entries as `_snapshot_layout` saw them: no
+    entry added or removed, no tensor replaced, no python value changed."""
+    if not state or before is None:
+        return not state and before is None
+    if state.keys() != before.keys():
+        return False
+    for k, v in state.items():
+        old = before[k]
+        if isinstance(v, torch.Tensor) or isinstance(old, torch.Tensor):
+            if v is not old:
+                return False
+        else:
+            try:
+                if not bool(old == v):
+                    return False
+            except Exception:  # not comparable: treat as changed
+                return False
+    return True
+
+
 def _foreach_copy_by_device(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """`torch._foreach_copy_` per device: one list mixing devices (Adam keeps
     its ``step`` tensors on the CPU beside CUDA moments) takes torch's
@@ -466,7 +708,57 @@ def _check_max_consecutive(max_consecutive: Any) -> int | None:
     return max_consecutive
 
 
-class SkipNonFinite:
+class _DeferredRecords:
+    """`skip_state` whose per-step records wait on the device.
+
+    A guarded step leaves ``(applied, grads_finite)`` as 0-d bool tensors in
+    ``_pending`` instead of reading them (a host sync per step); reading
+    `skip_state` moves every pending pair to the host in ONE transfer and
+    records them in order. `TrainStep.step` returns its python metrics
+    through the same single transfer.
+    """
+
+    _skip_state: SkipNonFiniteState
+    _pending: list[tuple[Any, Any]]
+    max_consecutive: int | None
+
+    @property
+    def skip_state(self) -> SkipNonFiniteState:
+        """The counters, with every pending step recorded (one transfer)."""
+        if self._pending:
+            self._record(_to_host([t for pair in self._pending for t in pair]))
+        return self._skip_state
+
+    @skip_state.setter
+    def skip_state(self, state: SkipNonFiniteState) -> None:
+        self._pending = []
+        self._skip_state = state
+        self._skipped_dev: torch.Tensor | None = None  # TrainStep's count
+
+    def _record(self, flags: list[Any]) -> None:
+        """Records the pending pairs from their host values (in order)."""
+        pending, self._pending = self._pending, []
+        for i in range(len(pending)):
+            self._skip_state.record(
+                bool(flags[2 * i]),
+                self.max_consecutive,
+                grads_finite=bool(flags[2 * i + 1]),
+            )
+
+
+def _to_host(values: list[Any]) -> list[Any]:
+    """Python numbers of 0-d tensors (and python numbers) in ONE
+    device->host transfer: stacked in float64 on their home device (exact
+    for float32 values, bools and counts below 2**53), then `.tolist()`."""
+    ts = [v for v in values if isinstance(v, torch.Tensor)]
+    if not ts:
+        return list(values)
+    home = _home(ts)
+    host = iter(torch.stack([t.to(home, torch.float64) for t in ts]).tolist())
+    return [next(host) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+class SkipNonFinite(_DeferredRecords):
     """An optimizer wrapper whose `step()` is skipped on non-finite grads.
 
     Made by `skip_non_finite`. `param_groups`, `state`, `zero_grad`,
@@ -495,7 +787,8 @@ class SkipNonFinite:
         self.max_consecutive = _check_max_consecutive(max_consecutive)
         self.check_update = _check_bool("check_update", check_update)
         self.skip_state = SkipNonFiniteState()
-        self._undo = _StepUndo()
+        self._undo = _StepUndo()  # the closure path (LBFGS) decides on the host
+        self._guarded = _GuardedStep()
         self._needs_closure = _needs_closure(optimizer)
 
     @property
@@ -525,34 +818,30 @@ class SkipNonFinite:
         """Whether steps are checked and skipped (StableOptimizer may not)."""
         return True
 
-    def _check(self, grads_finite: bool | None) -> bool:
-        """The gradients' flag: the caller's when given, else `all_finite`."""
+    def _check(self, grads_finite: Any) -> torch.Tensor:
+        """The gradients' flag (0-d bool tensor, no host sync): the
+        caller's when given (a bool or a tensor), else `all_finite` on the
+        device; StableOptimizer also clips here."""
+        grads = self.grads()
+        home = _home(grads)
         if not self._guards():
-            return True
+            return torch.ones((), dtype=torch.bool, device=home)
         if grads_finite is not None:
-            return bool(grads_finite)
-        return all_finite(self.grads())
+            return torch.as_tensor(grads_finite, device=home).to(torch.bool)
+        return _all_finite_t(grads)
 
     def _prepare(self, finite: bool) -> None:
-        """Runs between the check and the step (StableOptimizer clips here)."""
+        """Runs between the check and a closure step (StableOptimizer records
+        `grad_norm` here)."""
 
-    def _apply(self, grads_ok: bool) -> bool:
-        """``optimizer.step()`` if `grads_ok`, undone if it wrote a non-finite
-        value (with `check_update`); whether the step was applied."""
+    def _apply(self, grads_ok: torch.Tensor) -> torch.Tensor:
+        """``optimizer.step()`` where `grads_ok`, selected back where it
+        wrote a non-finite value (with `check_update`); whether the step
+        was applied, as a 0-d bool tensor (see `_GuardedStep`)."""
         if not self._guards():
             self.optimizer.step()
-            return True
-        if not grads_ok:
-            return False
-        if not self.check_update:
-            self.optimizer.step()
-            return True
-        self._undo.take(self.optimizer)
-        self.optimizer.step()
-        if self._undo.written_finite():
-            return True
-        self._undo.restore()
-        return False
+            return grads_ok
+        return ~self._guarded.run(self.optimizer, ~grads_ok, self.check_update)
 
     def step(
         self,
@@ -571,8 +860,9 @@ class SkipNonFinite:
                 gradients or loss, or when it wrote a non-finite value (with
                 `check_update`; the copy is taken even without it, since the
                 optimizer acts on its evaluations before any check can).
-            grads_finite: a finiteness flag already computed by the caller;
-                REUSED when given (no second check), else `all_finite(grads)`.
+            grads_finite: a finiteness flag already computed by the caller
+                (a bool or a 0-d bool tensor); REUSED when given (no second
+                check), else `all_finite(grads)` on the device.
 
         Returns:
             The closure's loss (or None); None on a skipped step.
@@ -584,9 +874,8 @@ class SkipNonFinite:
             with torch.enable_grad():
                 loss = closure()
         finite = self._check(grads_finite)
-        self._prepare(finite)
         applied = self._apply(finite)
-        self.skip_state.record(applied, self.max_consecutive, grads_finite=finite)
+        self._pending.append((applied, finite))  # read when skip_state is
         return loss
 
     def _closure_step(self, closure: Callable[[], Any] | None, grads_finite: Any):
@@ -652,9 +941,16 @@ def skip_non_finite(
     a step whose gradients were finite but which wrote a non-finite
     parameter or state value (float16 Adam: ``(1 - b2) * g**2`` underflows
     to 0 and ``eps = 1e-8`` is 0 in float16, so ``m / 0``) is undone and
-    counted the same way (``skip_state.non_finite_updates``). That costs a
-    copy of the parameters and the optimizer state before each step and one
-    more host sync.
+    counted the same way (``skip_state.non_finite_updates``).
+
+    No host sync in the step (issue 24): the flag stays a device tensor; a
+    fused optimizer (``fused=True`` Adam/AdamW/SGD) gets it as GradScaler's
+    ``found_inf`` and skips itself; any other one steps on a flat copy of
+    its parameters and state taken just before, which a `torch.where`
+    selects back (so `check_update=False` saves the check, not the copy,
+    unless the optimizer is fused). The step that creates the optimizer
+    state (the first) decides on the host once. `skip_state` is brought up
+    to date when read, in one transfer for all steps since.
 
     Args:
         optimizer: any `torch.optim.Optimizer`.
@@ -738,14 +1034,29 @@ class StableOptimizer(SkipNonFinite):
     def _guards(self) -> bool:
         return self.skip
 
-    def _prepare(self, finite: bool) -> None:
-        """Clips when finite and `max_grad_norm` is set; records `grad_norm`."""
-        if self.clip is not None and finite:
-            self.grad_norm = self.clip(self._params())
+    def _check(self, grads_finite: Any) -> torch.Tensor:
+        """One pass gives the norm AND the flag: clips where finite (and
+        `max_grad_norm` is set), records `grad_norm`; no host sync. On a
+        non-finite step the norm is reported (inf/nan) but not multiplied
+        into the grads, so a later report still names the bad leaves."""
+        grads = self.grads()
+        given = None
+        if grads_finite is not None:
+            given = torch.as_tensor(grads_finite, device=_home(grads)).to(torch.bool)
+        if self.clip is not None:
+            norm, finite = _clip_in_place(
+                grads, self.clip.max_norm, self.clip.eps, apply=given
+            )
         else:
-            # Non-finite: the norm is reported (inf/nan) but not multiplied
-            # into the grads, so a later report still names the bad leaves.
-            self.grad_norm = global_norm(self.grads())
+            norm, finite, _ = _norm_and_finite(grads)
+        self.grad_norm = norm.to(torch.float32)
+        if not self.skip:
+            return torch.ones((), dtype=torch.bool, device=finite.device)
+        return finite if given is None else given
+
+    def _prepare(self, finite: bool) -> None:
+        """The closure path (no clip there): records `grad_norm`."""
+        self.grad_norm = global_norm(self.grads())
 
 
 def stable_optimizer(

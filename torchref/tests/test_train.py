@@ -11,6 +11,7 @@ import torch
 
 from torchref import loss_scale as ls
 from torchref import train
+from torchref.transforms import skip_spikes
 
 
 def _mlp(seed=0):
@@ -741,3 +742,119 @@ def test_fit_extras_are_validated(kwargs, match):
         train.fit(_guarded(), _batches(1), progress=False, on_step=3)
     with pytest.raises(TypeError, match="time_steps must be True or False"):
         train.fit(_guarded(), _batches(1), progress=False, time_steps=1)
+
+
+def _syncs_outside_optimizer(fn):
+    """`aten::_local_scalar_dense` events (.item(), bool(t), float(t)) of
+    one call, leaving out those inside ``Optimizer.step`` (Adam reads its
+    CPU ``step`` counter; on a GPU that is no device->host sync)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    out = 0
+    for e in prof.events():
+        if e.name != "aten::_local_scalar_dense":
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("Optimizer.step"):
+            parent = parent.cpu_parent
+        out += parent is None
+    return out
+
+
+@pytest.mark.parametrize(
+    ("opt", "check_update", "kw"),
+    [
+        ("sgd", True, {}),
+        ("adam", True, {}),
+        ("adam", False, {}),
+        ("adam_fused", True, {}),
+        ("adam", True, {"scaler": None, "microbatches": 2}),
+        ("adam_spikes", True, {}),
+    ],
+)
+def test_trainstep_makes_no_host_sync(opt, check_update, kw):
+    # Issue 24: the skip decision, clip, scale back-off, buffer restore,
+    # spike window and counters stay on the device: no .item() or
+    # bool(tensor) inside one step, applied or skipped (a NaN batch), once
+    # the optimizer state exists. The old step made 7-9 per call
+    # (GradScaler.step's found_inf read, the loss and grads checks, the
+    # norm, the update check, float metrics).
+    model = _bn_net()
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        "adam_fused": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
+        "adam_spikes": lambda ps: skip_spikes(
+            torch.optim.Adam(ps, lr=1e-3), window=4, min_history=1
+        ),
+    }[opt]
+    step = train.TrainStep(
+        model,
+        make(model.parameters()),
+        _bn_loss,
+        max_grad_norm=1.0,
+        check_update=check_update,
+        **({"scaler": ls.DynamicLossScale(2.0**8)} | kw),
+    )
+    x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    step(x)  # creates the optimizer state (that first step may sync once)
+    nan = torch.full_like(x, math.nan)
+    # The default step(batch) first: python metrics through one transfer
+    # (a .tolist(), no _local_scalar_dense); then tensor metrics.
+    runs = ((x, True, True), (nan, False, False), (x, True, False))
+    for batch, applied, sync in runs:
+        before = [p.detach().clone() for p in model.parameters()]
+        out = {}
+
+        def run(b=batch, o=out, s=sync):
+            o.update(step(b) if s else step(b, sync=False))
+
+        assert _syncs_outside_optimizer(run) == 0
+        assert isinstance(out["finite"], bool if sync else torch.Tensor)
+        assert bool(out["finite"]) is applied
+        moved = any(
+            not torch.equal(p, q)
+            for p, q in zip(model.parameters(), before, strict=True)
+        )
+        assert moved is applied
+    assert int(out["skipped_total"]) == 1 and bool(out["grads_finite"])
+    s = step.skip_state  # the two tensor steps, recorded in order on reading
+    assert (s.skipped_total, s.consecutive, s.last_finite) == (1, 0, True)
+    if step.spike_state is not None:  # the NaN step never entered the window
+        assert (step.spike_state.norm_count, step.spike_state.spikes_total) == (3, 0)
+
+
+def test_tensor_metrics_equal_the_python_ones():
+    # step(sync=False) returns the very values step() reads in its one
+    # transfer, and skip_state, read once at the end, counts the same steps
+    # in the same order (a NaN batch, one inf pixel, then a batch of 1e20
+    # that batch norm absorbs but whose running_var overflows: applied, its
+    # buffers restored).
+    x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    inf = x.clone()
+    inf[0, 0, 0, 0] = math.inf
+    batches = [x, torch.full_like(x, math.nan), inf, x * 1e20, x]
+    got = {}
+    for sync in (True, False):
+        model = _bn_net()
+        step = train.TrainStep(
+            model,
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            _bn_loss,
+            max_grad_norm=1.0,
+            scaler=ls.DynamicLossScale(2.0**15),
+            max_consecutive=1,
+        )
+        rows = [step(b, sync=sync) for b in batches]
+        if not sync:
+            assert all(isinstance(v, torch.Tensor) for r in rows for v in r.values())
+            rows = [{k: v.item() for k, v in r.items()} for r in rows]
+        got[sync] = (rows, step.skip_state, list(model.parameters()))
+    (rows, state, params), (t_rows, t_state, t_params) = got[True], got[False]
+    assert [r["finite"] for r in rows] == [True, False, False, True, True]
+    assert repr(rows) == repr(t_rows) and state == t_state  # nan == nan, types
+    assert state.skipped_total == 2 and state.exceeded is False
+    for p, q in zip(params, t_params, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

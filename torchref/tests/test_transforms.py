@@ -208,15 +208,21 @@ def test_wrapper_state_dict_round_trip():
 
 def test_update_check_reuses_its_copy_buffers_from_step_to_step():
     # The copy of params and Adam state taken before each step is written
-    # into buffers allocated once, not a new set per step.
+    # into one flat buffer per (device, dtype), allocated once, not a new
+    # set per step.
     model = torch.nn.Linear(4, 3)
     opt = tr.stable_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    seen = []
     for _ in range(5):
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         opt.step()
-    # 2 params + exp_avg, exp_avg_sq (and step) of each
-    assert len(opt._undo._buffers) == 2 + 2 * 3
+        seen.append(dict(opt._guarded._select._flat))
+    # float32: weight 12 + bias 3, exp_avg and exp_avg_sq of each, 2 steps
+    (buf,) = seen[-1].values()
+    assert buf.numel() == 15 + 2 * 15 + 2
+    assert all(s == seen[1] for s in seen[1:])  # the same tensor objects
+    assert all(next(iter(s.values())) is buf for s in seen[1:])
     assert opt.skip_state.skipped_total == 0
 
 
@@ -376,3 +382,44 @@ def test_lbfgs_refused_with_a_clip_and_by_train_step():
     model = torch.nn.Linear(2, 1)
     with pytest.raises(TypeError, match=r"TrainStep cannot drive LBFGS.*step\(closure"):
         train.TrainStep(model, torch.optim.LBFGS(model.parameters()), lambda m, b: 0)
+
+
+@pytest.mark.parametrize("wrap", ["skip_non_finite", "stable_optimizer", "skip_spikes"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_guarded_wrappers_make_no_host_sync(wrap, fused):
+    # Issue 24: the check, the clip, the spike window and the skip stay on
+    # the device (a fused Adam gets GradScaler's found_inf, any other a
+    # torch.where select); skip_state reads the pending flags when it is
+    # read, in one transfer. The old wrappers made 2-3 per step (all_finite,
+    # the norm's overflow test, the update check), skip_spikes more.
+    from torchref.tests.test_train import _syncs_outside_optimizer
+
+    model = torch.nn.Linear(4, 3)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused or None)
+    opt = {
+        "skip_non_finite": lambda: tr.skip_non_finite(adam),
+        "stable_optimizer": lambda: tr.stable_optimizer(adam, max_grad_norm=1.0),
+        "skip_spikes": lambda: tr.skip_spikes(adam, window=4, min_history=1),
+    }[wrap]()
+
+    def set_grads(value):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, value)
+
+    set_grads(1.0)
+    opt.step()  # creates Adam's state (the one host decision)
+    for value, applied in ((1.0, True), (math.nan, False), (math.inf, False)):
+        set_grads(value)
+        before = [p.detach().clone() for p in model.parameters()]
+        state = [t.clone() for s in opt.state.values() for t in s.values()]
+        assert _syncs_outside_optimizer(opt.step) == 0
+        after = [t for s in opt.state.values() for t in s.values()]
+        unchanged = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                [*model.parameters(), *after], [*before, *state], strict=True
+            )
+        )
+        assert unchanged is not applied
+    s = opt.skip_state  # the three pending steps, recorded in order
+    assert (s.skipped_total, s.consecutive, s.last_finite) == (2, 2, False)
