@@ -250,8 +250,10 @@ class TrainStep(_DeferredRecords):
     `torchref.distributed` reads the global loss and the used-parameter
     counts to name a bad parameter), sharded FSDP2 parameters (one read of
     the flag; no flat copy of DTensors) and the first step (Adam creates
-    its state: one read of the flag). `skip_spikes`' window and counters
-    are device tensors too.
+    its state: one read of the flag), and a non-fused optimizer with step
+    hooks (one read per step: it is not stepped when skipped, as under
+    GradScaler, so that its hooks never see a skipped step).
+    `skip_spikes`' window and counters are device tensors too.
 
     Under DDP or FSDP2 (a process group of N ranks) the step also
     all-reduces the ranks' losses before the backward: ``loss`` is the
@@ -597,7 +599,7 @@ class TrainStep(_DeferredRecords):
             )
         self._skipped_dev = self._skipped_dev + skipped
         applied, grads_finite = ~skipped, ~bad
-        self._pending.append((applied, grads_finite))
+        self._push(applied, grads_finite)
         self.steps_done += 1
         self._stage = "ready"
         metrics = {

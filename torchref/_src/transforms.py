@@ -521,8 +521,12 @@ class _GuardedStep:
     The host decides only what it cannot do on the device, once: state the
     step created (Adam's first step; entries must be removed, not selected),
     a python value in the state that changed, or a state tensor the step
-    replaced: then ONE ``bool(keep_old)`` sync. Steady-state steps of the
-    torch optimizers do none of these. On a GPU, a non-fused optimizer whose
+    replaced: then ONE ``bool(keep_old)`` sync (a fused optimizer's first
+    step comes this way too). Steady-state steps of the torch optimizers do
+    none of these. A non-fused optimizer with step hooks reads the
+    gradients' flag on the host and is not stepped when it is set (its
+    hooks would see the values before the select; GradScaler calls no
+    step()). On a GPU, a non-fused optimizer whose
     state keeps CPU tensors (Adam's ``step`` with ``capturable=False``) gets
     the flag copied to the CPU: a sync; ``fused=True`` or ``capturable=True``
     avoids it.
@@ -539,10 +543,20 @@ class _GuardedStep:
         check_update: bool,
     ) -> torch.Tensor:
         fused = _takes_found_inf(optimizer)
-        if fused and not check_update:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        # A fused step that creates state (the first) goes the select way:
+        # fused SGD's skipped first step leaves its momentum buffers as
+        # torch.empty_like made them (uninitialised; 3.5e35 seen), which
+        # GradScaler's own skip keeps too.
+        if fused and not check_update and not _creates_state(optimizer, params):
             _fused_step(optimizer, bad_grads)
             return bad_grads
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not fused and _has_step_hooks(optimizer) and bool(bad_grads):
+            # GradScaler calls no step() on a skip, so the optimizer's step
+            # hooks (an EMA update, a logger) never see one; here a post hook
+            # would read the values before they are selected back. With
+            # hooks, the gradients' flag is read on the host (one sync).
+            return bad_grads
         if any(_is_dtensor(p) for p in params) and not check_update:
             # Sharded (FSDP2) parameters: no flat copy of DTensors; the
             # (global) flag is read on the host, one sync per step.
@@ -593,6 +607,23 @@ class _GuardedStep:
                         for k, v in before[p].items()
                     }
         return keep_old
+
+
+def _creates_state(optimizer: torch.optim.Optimizer, params: list) -> bool:
+    """Whether a step creates state: a parameter with a gradient and none."""
+    return any(p.grad is not None and not optimizer.state.get(p) for p in params)
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` runs step pre/post hooks (its own or global)."""
+    from torch.optim import optimizer as _optim
+
+    return bool(
+        getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        or getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or _optim._global_optimizer_pre_hooks
+        or _optim._global_optimizer_post_hooks
+    )
 
 
 def _fused_step(optimizer: torch.optim.Optimizer, bad_grads: torch.Tensor) -> None:
@@ -708,14 +739,21 @@ def _check_max_consecutive(max_consecutive: Any) -> int | None:
     return max_consecutive
 
 
+# Pending steps kept on the device at most: a loop that never reads
+# skip_state records them every 4096 steps (one transfer) instead of holding
+# two 0-d device tensors per step for ever (a 512-byte CUDA block each).
+_MAX_PENDING = 4096
+
+
 class _DeferredRecords:
     """`skip_state` whose per-step records wait on the device.
 
     A guarded step leaves ``(applied, grads_finite)`` as 0-d bool tensors in
     ``_pending`` instead of reading them (a host sync per step); reading
     `skip_state` moves every pending pair to the host in ONE transfer and
-    records them in order. `TrainStep.step` returns its python metrics
-    through the same single transfer.
+    records them in order, as does every 4096th pending step (`_push`).
+    `TrainStep.step` returns its python metrics through the same single
+    transfer.
     """
 
     _skip_state: SkipNonFiniteState
@@ -734,6 +772,12 @@ class _DeferredRecords:
         self._pending = []
         self._skip_state = state
         self._skipped_dev: torch.Tensor | None = None  # TrainStep's count
+
+    def _push(self, applied: torch.Tensor, grads_finite: torch.Tensor) -> None:
+        """Leaves one step's flags pending (recorded once `_MAX_PENDING` wait)."""
+        self._pending.append((applied, grads_finite))
+        if len(self._pending) >= _MAX_PENDING:
+            _ = self.skip_state
 
     def _record(self, flags: list[Any]) -> None:
         """Records the pending pairs from their host values (in order)."""
@@ -865,7 +909,7 @@ class SkipNonFinite(_DeferredRecords):
                 check), else `all_finite(grads)` on the device.
 
         Returns:
-            The closure's loss (or None); None on a skipped step.
+            The closure's loss (or None), a skipped step's as well.
         """
         if self._needs_closure:
             return self._closure_step(closure, grads_finite)
@@ -875,7 +919,7 @@ class SkipNonFinite(_DeferredRecords):
                 loss = closure()
         finite = self._check(grads_finite)
         applied = self._apply(finite)
-        self._pending.append((applied, finite))  # read when skip_state is
+        self._push(applied, finite)  # read when skip_state is
         return loss
 
     def _closure_step(self, closure: Callable[[], Any] | None, grads_finite: Any):
@@ -949,8 +993,13 @@ def skip_non_finite(
     its parameters and state taken just before, which a `torch.where`
     selects back (so `check_update=False` saves the check, not the copy,
     unless the optimizer is fused). The step that creates the optimizer
-    state (the first) decides on the host once. `skip_state` is brought up
-    to date when read, in one transfer for all steps since.
+    state (the first) decides on the host once, a fused one included (its
+    skipped first step would keep uninitialised momentum buffers). An
+    optimizer with step pre/post hooks (``register_step_post_hook``, an
+    EMA) is not stepped on non-finite gradients, as under GradScaler: that
+    flag is read on the host (one sync per step). `skip_state` is brought
+    up to date when read, in one transfer for all steps since (and every
+    4096 steps when it is never read).
 
     Args:
         optimizer: any `torch.optim.Optimizer`.

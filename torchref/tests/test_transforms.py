@@ -423,3 +423,79 @@ def test_guarded_wrappers_make_no_host_sync(wrap, fused):
         assert unchanged is not applied
     s = opt.skip_state  # the three pending steps, recorded in order
     assert (s.skipped_total, s.consecutive, s.last_finite) == (2, 2, False)
+
+
+@pytest.mark.parametrize("check_update", [False, True])
+def test_skipped_first_step_of_fused_sgd_leaves_no_momentum_buffer(check_update):
+    # Fused SGD's first step allocates its momentum buffers with empty_like
+    # and fills them in the kernel; with found_inf set the kernel returns
+    # first, so GradScaler's own skip leaves uninitialised memory (seen:
+    # 3.5e35) that the next step reads as momentum. The guard must leave no
+    # state, as a skipped non-fused step does.
+    w, ref = (torch.nn.Parameter(torch.ones(3)) for _ in range(2))
+    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)
+    opt = tr.skip_non_finite(sgd, check_update=check_update)
+    w.grad = torch.tensor([1.0, math.nan, 1.0])
+    opt.step()
+    assert not sgd.state.get(w)
+    assert opt.skip_state.skipped_total == 1
+    plain = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        w.grad, ref.grad = torch.full((3,), 2.0), torch.full((3,), 2.0)
+        opt.step()
+        plain.step()
+    torch.testing.assert_close(w, ref)
+    torch.testing.assert_close(
+        sgd.state[w]["momentum_buffer"], plain.state[ref]["momentum_buffer"]
+    )
+
+
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_step_hooks_do_not_run_on_a_skipped_step(kind):
+    # GradScaler does not call optimizer.step() on a skipped step, so its
+    # hooks (an EMA update, a logger) never see it. The device select runs
+    # the step and selects back afterwards: a post hook would copy the NaN
+    # parameters the step wrote before they are selected back.
+    w = torch.nn.Parameter(torch.ones(2))
+    sgd = torch.optim.SGD([w], lr=0.1)
+    seen = []
+    register = getattr(sgd, f"register_step_{kind}_hook")
+    register(lambda o, args, kwargs: seen.append(w.detach().clone()))
+    opt = tr.skip_non_finite(sgd)
+    w.grad = torch.tensor([1.0, math.nan])
+    opt.step()
+    assert seen == [] and w.tolist() == [1.0, 1.0]
+    w.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    assert len(seen) == 1 and torch.isfinite(seen[0]).all()
+    assert opt.skip_state.skipped_total == 1
+
+
+@pytest.mark.parametrize("wrap", ["skip_non_finite", "train_step"])
+def test_pending_flags_stay_bounded_when_skip_state_is_never_read(wrap, monkeypatch):
+    # Each step leaves two 0-d device flags until skip_state is read: a loop
+    # that never reads it (step(sync=False), a plain skip_non_finite loop)
+    # must not keep every step's flags (a GPU block each).
+    from torchref._src import transforms as _tr
+    from torchref.train import TrainStep
+
+    monkeypatch.setattr(_tr, "_MAX_PENDING", 4, raising=False)
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrap == "train_step":
+        step = TrainStep(model, sgd, lambda m, x: m(x).sum())
+        run = lambda x: step(x, sync=False)  # noqa: E731
+    else:
+        step = tr.skip_non_finite(sgd)
+
+        def run(x):
+            model.zero_grad()
+            model(x).sum().backward()
+            step.step()
+
+    for i in range(11):
+        run(torch.full((1, 2), math.nan if i in (3, 9, 10) else 1.0))
+        assert len(step._pending) <= 4
+    s = step.skip_state
+    assert (s.skipped_total, s.consecutive, s.last_finite) == (3, 2, False)
+    assert s.non_finite_updates == 0
