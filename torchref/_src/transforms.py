@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.nn.utils import get_total_norm
+from torch.optim import optimizer as _torch_optimizer
 
 from _stablecore.checks import check_bool as _core_check_bool
 from torchref._src.loss_scale import _tensors, all_finite
@@ -534,6 +535,9 @@ class _GuardedStep:
 
     def __init__(self) -> None:
         self._select = _DeviceSelect()
+        # (optimizer, number of params) whose stateless params stay so (a
+        # fused SGD without momentum): its fused steps skip the copy.
+        self._stateless: tuple[int, int] | None = None
 
     @torch.no_grad()
     def run(
@@ -548,7 +552,14 @@ class _GuardedStep:
         # fused SGD's skipped first step leaves its momentum buffers as
         # torch.empty_like made them (uninitialised; 3.5e35 seen), which
         # GradScaler's own skip keeps too.
-        if fused and not check_update and not _creates_state(optimizer, params):
+        if (
+            fused
+            and not check_update
+            and (
+                self._stateless == (id(optimizer), len(params))
+                or not _creates_state(optimizer, params)
+            )
+        ):
             _fused_step(optimizer, bad_grads)
             return bad_grads
         if not fused and _has_step_hooks(optimizer) and bool(bad_grads):
@@ -597,6 +608,8 @@ class _GuardedStep:
         changed = [
             p for p in params if not _same_layout(optimizer.state.get(p), before[p])
         ]
+        if fused and not changed:
+            self._stateless = (id(optimizer), len(params))
         if changed and bool(keep_old):  # the one host decision (see above)
             for p in changed:
                 if before[p] is None:
@@ -616,13 +629,11 @@ def _creates_state(optimizer: torch.optim.Optimizer, params: list) -> bool:
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` runs step pre/post hooks (its own or global)."""
-    from torch.optim import optimizer as _optim
-
     return bool(
         getattr(optimizer, "_optimizer_step_pre_hooks", None)
         or getattr(optimizer, "_optimizer_step_post_hooks", None)
-        or _optim._global_optimizer_pre_hooks
-        or _optim._global_optimizer_post_hooks
+        or _torch_optimizer._global_optimizer_pre_hooks
+        or _torch_optimizer._global_optimizer_post_hooks
     )
 
 

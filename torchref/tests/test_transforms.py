@@ -450,7 +450,7 @@ def test_skipped_first_step_of_fused_sgd_leaves_no_momentum_buffer(check_update)
     )
 
 
-@pytest.mark.parametrize("kind", ["pre", "post"])
+@pytest.mark.parametrize("kind", ["pre", "post", "global_post"])
 def test_step_hooks_do_not_run_on_a_skipped_step(kind):
     # GradScaler does not call optimizer.step() on a skipped step, so its
     # hooks (an EMA update, a logger) never see it. The device select runs
@@ -459,14 +459,20 @@ def test_step_hooks_do_not_run_on_a_skipped_step(kind):
     w = torch.nn.Parameter(torch.ones(2))
     sgd = torch.optim.SGD([w], lr=0.1)
     seen = []
-    register = getattr(sgd, f"register_step_{kind}_hook")
-    register(lambda o, args, kwargs: seen.append(w.detach().clone()))
+    if kind == "global_post":
+        from torch.optim.optimizer import register_optimizer_step_post_hook as register
+    else:
+        register = getattr(sgd, f"register_step_{kind}_hook")
+    handle = register(lambda o, args, kwargs: seen.append(w.detach().clone()))
     opt = tr.skip_non_finite(sgd)
-    w.grad = torch.tensor([1.0, math.nan])
-    opt.step()
-    assert seen == [] and w.tolist() == [1.0, 1.0]
-    w.grad = torch.tensor([1.0, 1.0])
-    opt.step()
+    try:
+        w.grad = torch.tensor([1.0, math.nan])
+        opt.step()
+        assert seen == [] and w.tolist() == [1.0, 1.0]
+        w.grad = torch.tensor([1.0, 1.0])
+        opt.step()
+    finally:
+        handle.remove()
     assert len(seen) == 1 and torch.isfinite(seen[0]).all()
     assert opt.skip_state.skipped_total == 1
 
@@ -499,3 +505,20 @@ def test_pending_flags_stay_bounded_when_skip_state_is_never_read(wrap, monkeypa
     s = step.skip_state
     assert (s.skipped_total, s.consecutive, s.last_finite) == (3, 2, False)
     assert s.non_finite_updates == 0
+
+
+def test_fused_sgd_without_momentum_takes_no_copy_after_its_first_step():
+    # SGD without momentum has no state at all: after the first step shows
+    # that, its fused steps hand found_inf over and copy nothing.
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = tr.skip_non_finite(
+        torch.optim.SGD([w], lr=0.5, fused=True), check_update=False
+    )
+    takes = []
+    take = opt._guarded._select.take
+    opt._guarded._select.take = lambda ts: takes.append(len(ts)) or take(ts)
+    for g in (1.0, math.nan, 1.0, math.inf):
+        w.grad = torch.full((3,), g)
+        opt.step()
+    assert takes == [1] and w.tolist() == [0.0] * 3
+    assert opt.skip_state.skipped_total == 2
