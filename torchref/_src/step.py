@@ -470,7 +470,9 @@ class TrainStep(_DeferredRecords):
             optimizer is ``torchref.transforms.skip_spikes(optimizer)`` (its
             window sees the pre-clip norm and the loss; a spike skips
             ``optimizer.step()`` and leaves the loss scale to the gradients'
-            flag, as the JAX step does). With ``sync=False`` the same keys
+            flag, as the JAX step does; `skip_state` counts it as the JAX
+            step's inner guard does: ``last_grads_finite`` False, no
+            ``non_finite_updates``). With ``sync=False`` the same keys
             hold 0-d tensors (float32, bool and int64; ``spike`` a bool).
         """
         if self._stage != "ready":
@@ -494,18 +496,18 @@ class TrainStep(_DeferredRecords):
             return metrics
         # The one host sync of a step, outside it: the three floats and every
         # pending (applied, grads_finite) pair in one transfer.
-        keys = ("loss", "grad_norm", "loss_scale", "spike")[
-            : 3 if self.spikes is None else 4
+        keys = ("loss", "grad_norm", "loss_scale", "grads_finite", "spike")[
+            : 4 if self.spikes is None else 5
         ]
         flags = [t for pair in self._pending for t in pair]
         values = _to_host([metrics[key] for key in keys] + flags)
         self._record(values[len(keys) :])
         state = self._skip_state
         metrics.update(zip(keys[:3], (float(v) for v in values), strict=False))
+        metrics["grads_finite"] = bool(values[3])
         if self.spikes is not None:
-            metrics["spike"] = bool(values[3])
+            metrics["spike"] = bool(values[4])
         metrics["finite"] = state.last_finite
-        metrics["grads_finite"] = state.last_grads_finite
         metrics["skipped_total"] = state.skipped_total
         return metrics
 
@@ -599,7 +601,13 @@ class TrainStep(_DeferredRecords):
             )
         self._skipped_dev = self._skipped_dev + skipped
         applied, grads_finite = ~skipped, ~bad
-        self._push(applied, grads_finite)
+        # skip_state records a spike as the JAX step's inner guard does
+        # (grads_finite & ~spike: no non-finite update); the metric keeps
+        # the gradients' own flag.
+        recorded = (
+            grads_finite if spike is None else grads_finite & ~spike.to(bad.device)
+        )
+        self._push(applied, recorded)
         self.steps_done += 1
         self._stage = "ready"
         metrics = {
