@@ -608,8 +608,11 @@ class _GuardedStep:
         changed = [
             p for p in params if not _same_layout(optimizer.state.get(p), before[p])
         ]
-        if fused and not changed:
-            self._stateless = (id(optimizer), len(params))
+        if fused and not check_update:
+            # The fused steps to come copy nothing: no copy kept for them.
+            self._select = _DeviceSelect()
+            if not changed:
+                self._stateless = (id(optimizer), len(params))
         if changed and bool(keep_old):  # the one host decision (see above)
             for p in changed:
                 if before[p] is None:

@@ -507,18 +507,25 @@ def test_pending_flags_stay_bounded_when_skip_state_is_never_read(wrap, monkeypa
     assert s.non_finite_updates == 0
 
 
-def test_fused_sgd_without_momentum_takes_no_copy_after_its_first_step():
-    # SGD without momentum has no state at all: after the first step shows
-    # that, its fused steps hand found_inf over and copy nothing.
-    w = torch.nn.Parameter(torch.ones(3))
-    opt = tr.skip_non_finite(
-        torch.optim.SGD([w], lr=0.5, fused=True), check_update=False
-    )
+@pytest.mark.parametrize("make", ["sgd", "adam"])
+def test_fused_steps_copy_nothing_after_the_first(make, monkeypatch):
+    # The first step (it may create state) goes the select way; then a
+    # fused optimizer gets found_inf and nothing is copied or kept: SGD
+    # without momentum has no state at all, Adam has its state by then.
+    from torchref._src import transforms as _tr
+
     takes = []
-    take = opt._guarded._select.take
-    opt._guarded._select.take = lambda ts: takes.append(len(ts)) or take(ts)
+    take = _tr._DeviceSelect.take
+    monkeypatch.setattr(
+        _tr._DeviceSelect, "take", lambda s, ts: takes.append(len(ts)) or take(s, ts)
+    )
+    w = torch.nn.Parameter(torch.ones(3))
+    make = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[make]
+    opt = tr.skip_non_finite(make([w], lr=0.5, fused=True), check_update=False)
     for g in (1.0, math.nan, 1.0, math.inf):
         w.grad = torch.full((3,), g)
+        before = w.detach().clone()
         opt.step()
-    assert takes == [1] and w.tolist() == [0.0] * 3
+        assert torch.equal(w, before) is (not math.isfinite(g))
+    assert takes == [1] and opt._guarded._select._flat == {}
     assert opt.skip_state.skipped_total == 2
