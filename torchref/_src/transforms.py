@@ -120,8 +120,11 @@ def _finite_norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             group = [torch.view_as_real(t) for t in group]
             dtype = group[0].dtype
         if dtype == torch.float64:
-            inf = float("inf")
-            flags += [_local(n).to(home) for n in torch._foreach_norm(group, inf)]
+            # torch's inf-norm of a zero-size tensor raises: it is finite.
+            nonempty = [t for t in group if t.numel()]
+            if nonempty:
+                norms = torch._foreach_norm(nonempty, float("inf"))
+                flags += [_local(n).to(home) for n in norms]
             wide += [_local(n).to(home) for n in torch._foreach_norm(group, 2)]
         else:
             norms = torch._foreach_norm(group, 2, dtype=torch.float64)

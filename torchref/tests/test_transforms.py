@@ -529,3 +529,27 @@ def test_fused_steps_copy_nothing_after_the_first(make, monkeypatch):
         assert torch.equal(w, before) is (not math.isfinite(g))
     assert takes == [1] and opt._guarded._select._flat == {}
     assert opt.skip_state.skipped_total == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128, torch.float32])
+def test_zero_size_wide_leaves_in_norm_clip_and_skip(dtype):
+    # A zero-size float64/complex128 leaf (an empty bias, a pruned head) has
+    # norm 0 and is finite: its max-|x| finiteness pass must not fail
+    # (torch's inf-norm of an empty tensor raises).
+    w, empty = (
+        torch.nn.Parameter(torch.ones(4, dtype=dtype)),
+        torch.nn.Parameter(torch.zeros(0, 3, dtype=dtype)),
+    )
+    w.grad, empty.grad = (
+        torch.full((4,), 2.0, dtype=dtype),
+        torch.zeros(0, 3, dtype=dtype),
+    )
+    assert float(tr.global_norm([w.grad, empty.grad])) == 4.0
+    assert float(tr.global_norm([empty.grad])) == 0.0
+    assert float(tr.clip_by_global_norm(1.0)([w, empty])) == 4.0
+    opt = tr.skip_non_finite(torch.optim.Adam([w, empty], lr=0.1))
+    opt.step()
+    w.grad = torch.full((4,), math.nan, dtype=dtype)
+    before = w.detach().clone()
+    opt.step()
+    assert torch.equal(w, before) and opt.skip_state.skipped_total == 1
