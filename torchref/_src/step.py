@@ -277,7 +277,9 @@ class TrainStep(_DeferredRecords):
         max_consecutive: sets ``skip_state.exceeded`` (see `skip_non_finite`).
         clip_eps: eps of the clip formula (torch's 1e-6 by default).
         restore_buffers_on_skip: restore buffers on skipped steps and when
-            the step left a non-finite buffer.
+            the step left a non-finite buffer (also buffers the forward
+            assigned anew, ``self.buf = ...``; a ValueError when such a
+            buffer changed shape and must be restored).
         check_update: undo a step that wrote a non-finite parameter or
             optimizer-state value (default True; costs one read pass per
             step, no host sync; a non-fused optimizer's parameters and state
@@ -593,8 +595,22 @@ class TrainStep(_DeferredRecords):
         # inf from a feature of 1e20, with finite gradients), as the JAX step
         # keeps a non-finite model_state out.
         if buffers:
-            finite_buffers = _all_finite_t(buffers).to(bad.device)
-            self._buffer_copy.put_back(skipped | ~finite_buffers)
+            # The buffers the model holds NOW: a forward may assign new ones
+            # (``self.mean = 0.9 * self.mean + ...``) instead of writing in
+            # place, and the snapshot's tensors would then be left behind.
+            now = list(model.buffers())
+            same = len(now) == len(buffers) and all(
+                a is b for a, b in zip(now, buffers, strict=True)
+            )
+            keep_old = skipped | ~_all_finite_t(now).to(bad.device)
+            if same or self._buffer_copy.retarget(now):
+                self._buffer_copy.put_back(keep_old)
+            elif bool(keep_old):  # a host read only for such a module
+                raise ValueError(
+                    "the forward replaced model buffers by ones of other shapes, "
+                    "dtypes or number: the skipped step cannot restore them; "
+                    "build the TrainStep with restore_buffers_on_skip=False"
+                )
         if self._skipped_dev is None:
             self._skipped_dev = torch.tensor(
                 self._skip_state.skipped_total, device=bad.device

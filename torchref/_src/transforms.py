@@ -488,6 +488,17 @@ class _DeviceSelect:
                 self._flat[key] = buf
             torch.cat([t.reshape(-1) for t in group], out=buf)
 
+    def retarget(self, tensors: list[torch.Tensor]) -> bool:
+        """Puts the copy back into `tensors` instead of the ones taken (a
+        module that assigned new buffers); False (nothing changed) when
+        their shapes or dtypes do not match those taken one for one."""
+        groups = _by_device_dtype([t.detach() for t in tensors])
+        shapes = {k: [t.shape for t in g] for k, g in groups.items()}
+        if shapes != {k: [t.shape for t in g] for k, g in self._groups.items()}:
+            return False
+        self._groups = groups
+        return True
+
     @torch.no_grad()
     def put_back(self, keep_old: torch.Tensor) -> None:
         for key, group in self._groups.items():
