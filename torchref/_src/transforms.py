@@ -605,10 +605,20 @@ class _GuardedStep:
             if isinstance(v, torch.Tensor)
         ]
         self._select.take(tensors)
+        storage = [p.data_ptr() for p in params]
         if fused:
             _fused_step(optimizer, bad_grads)
         else:
             optimizer.step()
+        if any(p.data_ptr() != s for p, s in zip(params, storage, strict=True)):
+            # A step that assigned ``p.data`` (new storage): the copy goes
+            # back into what the parameters hold now.
+            now = [p.detach() for p in params] + tensors[len(params) :]
+            if not self._select.retarget(now):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() changed a parameter's shape "
+                    "or dtype: the guard cannot select the old values back"
+                )
         keep_old = bad_grads
         if check_update:
             written = params + [

@@ -553,3 +553,32 @@ def test_zero_size_wide_leaves_in_norm_clip_and_skip(dtype):
     before = w.detach().clone()
     opt.step()
     assert torch.equal(w, before) and opt.skip_state.skipped_total == 1
+
+
+class _AssignsData(torch.optim.Optimizer):
+    """Old-style SGD that assigns ``p.data`` (new storage) instead of
+    writing in place."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = p.data - group["lr"] * p.grad
+
+
+@pytest.mark.parametrize("check_update", [False, True])
+def test_a_step_that_assigns_param_data_is_selected_back(check_update):
+    # The select writes the copy back into the storage it took; a step that
+    # gave the parameter new storage must be selected back there.
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = tr.skip_non_finite(_AssignsData([w], lr=0.5), check_update=check_update)
+    w.grad = torch.tensor([1.0, math.nan])
+    opt.step()
+    assert w.tolist() == [1.0, 1.0] and opt.skip_state.skipped_total == 1
+    w.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    assert w.tolist() == [0.5, 0.5]
