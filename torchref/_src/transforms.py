@@ -1035,7 +1035,8 @@ def skip_non_finite(
     skipped first step would keep uninitialised momentum buffers). An
     optimizer with step pre/post hooks (``register_step_post_hook``, an
     EMA) is not stepped on non-finite gradients, as under GradScaler: that
-    flag is read on the host (one sync per step). `skip_state` is brought
+    flag is read on the host (one sync per step); a step undone by
+    `check_update` did run, so its post hooks saw what it wrote. `skip_state` is brought
     up to date when read, in one transfer for all steps since (and every
     4096 steps when it is never read).
 
