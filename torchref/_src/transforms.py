@@ -537,8 +537,8 @@ class _GuardedStep:
     step created (Adam's first step; entries must be removed, not selected),
     a python value in the state that changed, or a state tensor the step
     replaced: then ONE ``bool(keep_old)`` sync (a fused optimizer's first
-    step comes this way too). Steady-state steps of the torch optimizers do
-    none of these. A non-fused optimizer with step hooks reads the
+    step too, whose state a skip must remove). Steady-state steps of the
+    torch optimizers do none of these. A non-fused optimizer with step hooks reads the
     gradients' flag on the host and is not stepped when it is set (its
     hooks would see the values before the select; GradScaler calls no
     step()). On a GPU, a non-fused optimizer whose
@@ -549,9 +549,6 @@ class _GuardedStep:
 
     def __init__(self) -> None:
         self._select = _DeviceSelect()
-        # (optimizer, number of params) whose stateless params stay so (a
-        # fused SGD without momentum): its fused steps skip the copy.
-        self._stateless: tuple[int, int] | None = None
 
     @torch.no_grad()
     def run(
@@ -562,19 +559,18 @@ class _GuardedStep:
     ) -> torch.Tensor:
         fused = _takes_found_inf(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        # A fused step that creates state (the first) goes the select way:
-        # fused SGD's skipped first step leaves its momentum buffers as
-        # torch.empty_like made them (uninitialised; 3.5e35 seen), which
-        # GradScaler's own skip keeps too.
-        if (
-            fused
-            and not check_update
-            and (
-                self._stateless == (id(optimizer), len(params))
-                or not _creates_state(optimizer, params)
-            )
-        ):
+        if fused and not check_update:
+            fresh = [
+                p for p in params if p.grad is not None and not optimizer.state.get(p)
+            ]
             _fused_step(optimizer, bad_grads)
+            # State a skipped step created goes (one host read, first step
+            # only): fused SGD's momentum buffers are torch.empty_like ones
+            # its kernel fills, so a skip (GradScaler's too) would leave
+            # uninitialised memory (3.5e35 seen) as the next step's momentum.
+            if any(optimizer.state.get(p) for p in fresh) and bool(bad_grads):
+                for p in fresh:
+                    optimizer.state.pop(p, None)
             return bad_grads
         if not fused and _has_step_hooks(optimizer) and bool(bad_grads):
             # GradScaler calls no step() on a skip, so the optimizer's step
@@ -632,11 +628,6 @@ class _GuardedStep:
         changed = [
             p for p in params if not _same_layout(optimizer.state.get(p), before[p])
         ]
-        if fused and not check_update:
-            # The fused steps to come copy nothing: no copy kept for them.
-            self._select = _DeviceSelect()
-            if not changed:
-                self._stateless = (id(optimizer), len(params))
         if changed and bool(keep_old):  # the one host decision (see above)
             for p in changed:
                 if before[p] is None:
@@ -647,11 +638,6 @@ class _GuardedStep:
                         for k, v in before[p].items()
                     }
         return keep_old
-
-
-def _creates_state(optimizer: torch.optim.Optimizer, params: list) -> bool:
-    """Whether a step creates state: a parameter with a gradient and none."""
-    return any(p.grad is not None and not optimizer.state.get(p) for p in params)
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:

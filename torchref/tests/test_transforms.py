@@ -425,16 +425,22 @@ def test_guarded_wrappers_make_no_host_sync(wrap, fused):
     assert (s.skipped_total, s.consecutive, s.last_finite) == (2, 2, False)
 
 
+@pytest.mark.parametrize("later", [False, True])
 @pytest.mark.parametrize("check_update", [False, True])
-def test_skipped_first_step_of_fused_sgd_leaves_no_momentum_buffer(check_update):
+def test_skipped_first_step_of_fused_sgd_leaves_no_momentum_buffer(check_update, later):
     # Fused SGD's first step allocates its momentum buffers with empty_like
     # and fills them in the kernel; with found_inf set the kernel returns
     # first, so GradScaler's own skip leaves uninitialised memory (seen:
     # 3.5e35) that the next step reads as momentum. The guard must leave no
-    # state, as a skipped non-fused step does.
+    # state, as a skipped non-fused step does. later: momentum switched on
+    # after steps without (a momentum warm-up).
     w, ref = (torch.nn.Parameter(torch.ones(3)) for _ in range(2))
-    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)
+    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.0 if later else 0.9, fused=True)
     opt = tr.skip_non_finite(sgd, check_update=check_update)
+    if later:
+        w.grad = torch.zeros(3)  # lr * 0: w stays 1
+        opt.step()
+        sgd.param_groups[0]["momentum"] = 0.9
     w.grad = torch.tensor([1.0, math.nan, 1.0])
     opt.step()
     assert not sgd.state.get(w)
@@ -508,10 +514,9 @@ def test_pending_flags_stay_bounded_when_skip_state_is_never_read(wrap, monkeypa
 
 
 @pytest.mark.parametrize("make", ["sgd", "adam"])
-def test_fused_steps_copy_nothing_after_the_first(make, monkeypatch):
-    # The first step (it may create state) goes the select way; then a
-    # fused optimizer gets found_inf and nothing is copied or kept: SGD
-    # without momentum has no state at all, Adam has its state by then.
+def test_fused_steps_copy_nothing(make, monkeypatch):
+    # A fused optimizer gets found_inf and nothing is copied or kept, its
+    # first step included (whose state a skip removes without a copy).
     from torchref._src import transforms as _tr
 
     takes = []
@@ -527,7 +532,7 @@ def test_fused_steps_copy_nothing_after_the_first(make, monkeypatch):
         before = w.detach().clone()
         opt.step()
         assert torch.equal(w, before) is (not math.isfinite(g))
-    assert takes == [1] and opt._guarded._select._flat == {}
+    assert takes == [] and opt._guarded._select._flat == {}
     assert opt.skip_state.skipped_total == 2
 
 
