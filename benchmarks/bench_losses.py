@@ -158,7 +158,9 @@ def to_markdown(results, device) -> str:
         "",
         f"Device: **{device['cpu']}**, {device['cores']} cores visible; "
         f"jax {device['jax']} ({device['backend']}), torch {device['torch']} "
-        f"({device['torch_threads']} threads), Python {device['python']}.",
+        f"({device['torch_threads']} threads), Python {device['python']}; "
+        f"load average (1 min) {device['load_before']:.1f} before the run, "
+        f"{device['load_after']:.1f} after.",
         "Timing interleaved (each rep runs every variant once, random order; "
         "OMP_WAIT_POLICY=PASSIVE); medians of `reps` "
         "calls; ratios from this one run. Temp = XLA compiled temporary bytes.",
@@ -202,11 +204,14 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "python": platform.python_version(),
+        # other jobs on the machine slow the variants unevenly: say how busy
+        "load_before": os.getloadavg()[0],
     }
     results = [
         bench_shape(name, lead, c, frac, args.reps or reps)
         for name, (lead, c, frac, reps) in SHAPES.items()
     ]
+    device["load_after"] = os.getloadavg()[0]
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"device": device, "results": results}
     for r in payload["results"]:

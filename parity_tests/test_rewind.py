@@ -67,12 +67,27 @@ def _jax_batches(idx):
     return [(jnp.asarray(x[i]), jnp.asarray(y[i])) for i in idx]
 
 
-@pytest.mark.parametrize("skip", [0, 2])
-def test_jax_rewound_run_equals_a_run_without_the_batches(jax_parts, skip):
+def _rewind_to(where, tmp_path):
+    """fit's arguments that make the rewind go back to the in-memory snapshot
+    or to the checkpoint on disk: checkpoint_every=4 writes the state after 4
+    steps, the same point as rollback_every=4."""
+    if where == "memory":
+        return {}
+    return dict(rollback_to="disk", checkpoint_dir=tmp_path, checkpoint_every=4)
+
+
+# (rewind_skip, where the rewind restores from)
+REWINDS = [(0, "memory"), (2, "memory"), (2, "disk")]
+
+
+@pytest.mark.parametrize("skip, where", REWINDS)
+def test_jax_rewound_run_equals_a_run_without_the_batches(
+    jax_parts, skip, where, tmp_path
+):
     state, step = jax_parts
     out, hist = jtrain.fit(
         state, step, _jax_batches(range(N)), nan_policy="rewind",
-        rewind_skip=skip, **KW,
+        rewind_skip=skip, **_rewind_to(where, tmp_path), **KW,
     )  # fmt: skip
     rewound = [h for h in hist if h.get("rewound")]
     assert len(rewound) == 1
@@ -123,14 +138,15 @@ def _torch_state(step):
     return [t.clone() for t in step.model.parameters()], sd["optimizer"]["state"]
 
 
-@pytest.mark.parametrize("skip", [0, 2])
-def test_torch_rewound_run_equals_a_run_without_the_batches(skip):
+@pytest.mark.parametrize("skip, where", REWINDS)
+def test_torch_rewound_run_equals_a_run_without_the_batches(skip, where, tmp_path):
     model = _torch_model()
     ref_model = copy.deepcopy(model)
     step = _torch_step(model)
     hist = ttrain.fit(
-        step, _torch_batches(range(N)), nan_policy="rewind", rewind_skip=skip, **KW
-    )
+        step, _torch_batches(range(N)), nan_policy="rewind", rewind_skip=skip,
+        **_rewind_to(where, tmp_path), **KW,
+    )  # fmt: skip
     rewound = [h for h in hist if h.get("rewound")]
     assert [(h["step"], h["rewind_to"], h["batches_skipped"]) for h in rewound] == [
         (SPIKE_AT, 4, SPIKE_AT + 1 - 4 + skip)

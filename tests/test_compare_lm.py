@@ -179,3 +179,33 @@ def test_the_cli_defaults_to_bfloat16_and_refuses_bad_sizes():
         TASK.get_config(width=30)
     with pytest.raises(ValueError, match="z_loss must be a finite number >= 0"):
         TASK.get_config(z_loss=-1.0)
+    with pytest.raises(ValueError, match=r"spike_min_history \(9\) must be <="):
+        TASK.get_config(spike_window=8, spike_min_history=9)
+    with pytest.raises(ValueError, match="spike_guard must be a bool"):
+        TASK.get_config(spike_guard=1)
+
+
+@pytest.mark.parametrize("fw", ["jax", "torch"])
+def test_the_stable_recipe_guards_spikes_outermost_and_naive_does_not(fw):
+    """The stable step's optimizer is skip_spikes(stable optimizer) with the
+    config's window (the JAX step passes it the loss only when it is the
+    outermost state); the naive run has no guard."""
+    from examples.harness import jax_runner, torch_runner
+    from jaxstable import transforms as jtx
+
+    cfg = QUICK.replace(precision="bfloat16")
+    weights = TASK.initial_weights(cfg)
+    parts = getattr(TASK, f"{fw}_parts")
+    assert parts(cfg.replace(mode="naive"), weights).spike_guard is None
+    stable = parts(cfg, weights)
+    if fw == "jax":
+        _, state = jax_runner.stable_step(cfg, stable)
+        spikes = state.opt_state
+        assert isinstance(spikes, jtx.SkipSpikesState)
+        assert isinstance(spikes.inner_state, jtx.SkipNonFiniteState)
+        assert spikes.log_norms.shape == (cfg.spike_window,)
+    else:
+        step, _ = torch_runner.stable_step(cfg, stable)
+        assert step.spike_state.log_norms.shape == (cfg.spike_window,)
+    off = parts(cfg.replace(spike_guard=False), weights)
+    assert off.spike_guard is None

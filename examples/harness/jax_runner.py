@@ -202,7 +202,8 @@ def stable_step(config, parts):
     `jaxstable.train.make_train_step` over the task's loss with the jmp
     policy of ``config.precision``; the optimizer wrapped in
     `stable_optimizer` (clip at ``config.max_grad_norm``, skip non-finite
-    updates); a `DynamicLossScale` for float16.
+    updates), inside the task's ``spike_guard`` if it has one; a
+    `DynamicLossScale` for float16.
     """
     from jaxstable import train, transforms
     from jaxstable.loss_scale import DynamicLossScale, NoOpLossScale
@@ -210,6 +211,8 @@ def stable_step(config, parts):
     tx = transforms.stable_optimizer(
         _tx(config, parts), max_grad_norm=config.max_grad_norm
     )
+    if parts.spike_guard is not None:  # outermost: the pre-clip norm, the loss
+        tx = parts.spike_guard(tx)
     # float16 only: its smallest subnormal is 6e-8, where small gradients of a
     # mean over thousands of pixels vanish; bfloat16 reaches 1e-38 like float32
     scale = DynamicLossScale() if config.precision == "float16" else NoOpLossScale()

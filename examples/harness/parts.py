@@ -191,6 +191,10 @@ class JaxParts:
       eval_params: optional, ``eval_params(params, opt_state) -> params``:
         what the run is evaluated with, e.g. a weight EMA that ``optimizer``
         keeps in its state (detection); None: the params themselves.
+      spike_guard: optional, stable runs: ``spike_guard(tx) -> tx`` wraps
+        the `stable_optimizer` outermost, e.g. ``functools.partial(
+        jaxstable.transforms.skip_spikes, window=64)`` (outermost, it sees
+        the pre-clip norm and the train step passes it the loss).
     """
 
     params: Any
@@ -201,6 +205,7 @@ class JaxParts:
     has_aux: bool = False
     optimizer: Any = None
     eval_params: Callable[[Any, Any], Any] | None = None
+    spike_guard: Callable[[Any], Any] | None = None
 
 
 @dataclasses.dataclass
@@ -232,6 +237,10 @@ class TorchParts:
         config (the twin of `JaxParts.optimizer`); the harness calls
         ``scheduler.step()`` after every step that was applied (a skipped
         step leaves the schedule where it was, as on the JAX side).
+      spike_guard: optional, stable runs: ``spike_guard(optimizer) ->
+        optimizer`` wraps the plain optimizer before `TrainStep` gets it,
+        e.g. ``functools.partial(torchref.transforms.skip_spikes,
+        window=64)`` (the twin of `JaxParts.spike_guard`).
       ddp: set by the harness on a DDP rank (`examples.harness.ddp`), never
         by a task: the `DistributedDataParallel` wrapper of ``model``. The
         stable `torchref.train.TrainStep` drives it, so that it gets the
@@ -245,4 +254,5 @@ class TorchParts:
     evaluate: Callable[[Any, Any], dict[str, float]]
     probe: Callable[[Any, Any], str] | None = None
     optimizer: Callable[[Any], tuple[Any, Any]] | None = None
+    spike_guard: Callable[[Any], Any] | None = None
     ddp: Any = None

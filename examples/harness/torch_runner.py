@@ -187,7 +187,8 @@ def stable_step(config, parts):
 
     Autocast to ``config.precision`` for a low-precision run, the real
     ``GradScaler`` (`DynamicLossScale`) for float16, ``clip_grad_norm_`` at
-    ``config.max_grad_norm`` and a skipped update on non-finite gradients.
+    ``config.max_grad_norm`` and a skipped update on non-finite gradients;
+    the task's ``spike_guard`` (a spike is skipped the same way) if it has one.
     On a DDP rank it drives ``parts.ddp`` (the library's data-parallel
     step: global loss, loss / N summed, one device's float16 headroom).
     """
@@ -197,6 +198,8 @@ def stable_step(config, parts):
     low = config.precision != "float32"
     model = parts.model
     optimizer, scheduler = _optimizer(config, parts, model)
+    if parts.spike_guard is not None:
+        optimizer = parts.spike_guard(optimizer)
     step = train.TrainStep(
         model if parts.ddp is None else parts.ddp,
         optimizer,

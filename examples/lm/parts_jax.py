@@ -6,7 +6,9 @@
 dtype itself; the stable one gets them cast by the harness's jmp policy. The
 optimizer is the twin of `parts_torch.optimizer`: Adam (b1, b2, eps; optax's
 bias corrections are torch's), decoupled decay on the >= 2-d weights, the
-schedule of `schedule.lr_at` (:func:`jax_schedule`).
+schedule of `schedule.lr_at` (:func:`jax_schedule`). The stable runs'
+spike guard is `jaxstable.transforms.skip_spikes` with the options of
+`parts_torch.spike_guard_options`, outermost around the stable optimizer.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from examples.harness.config import jax_dtype
 from examples.harness.parts import JaxParts
 from examples.lm import convert, loss_jax, metric, model_jax, probe
 from examples.lm.config import Config
-from examples.lm.parts_torch import build_model
-from jaxstable import diagnostics
+from examples.lm.parts_torch import build_model, spike_guard_options
+from jaxstable import diagnostics, transforms
 
 
 def jax_schedule(config: Config):
@@ -124,6 +126,7 @@ def jax_parts(config: Config, weights) -> JaxParts:
             {k: float(np.asarray(v)) for k, v in aux.items()}, config
         )
 
+    spikes = spike_guard_options(config)
     return JaxParts(
         params=params,
         model_state=None,
@@ -132,4 +135,7 @@ def jax_parts(config: Config, weights) -> JaxParts:
         probe=probe_fn if config.mode == "naive" else None,
         has_aux=True,
         optimizer=jax_optimizer(config),
+        spike_guard=None
+        if spikes is None
+        else functools.partial(transforms.skip_spikes, **spikes),
     )

@@ -10,7 +10,8 @@ task (see `examples.harness.parts.TorchParts`). The two modes:
 * ``stable``: the same model with QK-norm (``config.qk_norm``), the float32
   `losses.softmax_cross_entropy` plus ``config.z_loss`` (`loss_torch.stable_loss`)
   and the harness's guards: clip at ``max_grad_norm``, skip non-finite steps,
-  a loss scale for float16.
+  a loss scale for float16; and, with ``config.spike_guard``, the spike
+  guard `torchref.transforms.skip_spikes` (:func:`spike_guard_options`).
 
 Both modes use the same optimizer: AdamW (decay only on the >= 2-d
 weights) with the warm-up and cosine of `schedule.lr_at`. The losses
@@ -20,6 +21,7 @@ return the check points of `probe.CHECKS` as ``aux``: `fit` logs them.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ from examples.harness.config import torch_dtype
 from examples.harness.parts import TorchParts
 from examples.lm import loss_torch, metric, model_torch, probe, schedule
 from examples.lm.config import Config
-from torchref import diagnostics
+from torchref import diagnostics, transforms
 
 
 def uses_qk_norm(config: Config) -> bool:
@@ -40,6 +42,25 @@ def uses_qk_norm(config: Config) -> bool:
         (False, True)
     """
     return config.mode == "stable" and config.qk_norm
+
+
+def spike_guard_options(config: Config) -> dict[str, Any] | None:
+    """The ``skip_spikes`` options of the run (both frameworks), or None: the
+    stable runs when ``config.spike_guard``; the naive run never has it.
+
+    Example:
+        >>> spike_guard_options(Config())
+        {'window': 64, 'min_history': 8, 'threshold': 6.0}
+        >>> spike_guard_options(Config(mode="naive")) is None
+        True
+    """
+    if config.mode != "stable" or not config.spike_guard:
+        return None
+    return {
+        "window": config.spike_window,
+        "min_history": config.spike_min_history,
+        "threshold": config.spike_threshold,
+    }
 
 
 def build_model(config: Config, state_dict=None, *, qk_norm=None, dtype=None):
@@ -159,6 +180,7 @@ def torch_parts(config: Config, weights) -> TorchParts:
             _, aux = loss_torch.naive_loss(logits, batch["targets"], stats)
         return probe.cause_note({k: float(v) for k, v in aux.items()}, config)
 
+    spikes = spike_guard_options(config)
     return TorchParts(
         model=model,
         loss_fn=loss_fn,
@@ -166,4 +188,7 @@ def torch_parts(config: Config, weights) -> TorchParts:
         evaluate=lambda m, heldout: _evaluate(m, heldout, config),
         probe=probe_fn if config.mode == "naive" else None,
         optimizer=optimizer(config),
+        spike_guard=None
+        if spikes is None
+        else functools.partial(transforms.skip_spikes, **spikes),
     )

@@ -59,8 +59,10 @@ def run_checks(records: list[dict[str, Any]], config) -> dict[str, Any]:
     past ``config.attention_logit_limit``, or None), ``entropy_collapse_step``
     (first below ``config.entropy_floor``), ``entropy_min_after_warmup``,
     ``entropy_final``, ``log_z_min`` / ``log_z_max`` (of the batch mean),
-    ``log_z_abs_max`` (one position's), ``spike_step``. Non-finite values
-    are left out of the extremes (None when there is none).
+    ``log_z_abs_max`` (one position's), ``spike_step``, ``spike_skips``
+    (the steps the spike guard skipped: `fit`'s ``skip_reason`` "spike";
+    0 for a run without the guard). Non-finite values are left out of the
+    extremes (None when there is none).
 
     Example:
         >>> from examples.lm.config import Config
@@ -93,6 +95,7 @@ def run_checks(records: list[dict[str, Any]], config) -> dict[str, Any]:
         "log_z_max": max(finite(log_z), default=None),
         "log_z_abs_max": max(finite(_series(records, "log_z_abs_max")), default=None),
         "spike_step": spike_step(_series(records, "ce")),
+        "spike_skips": [r["step"] for r in records if r.get("skip_reason") == "spike"],
     }
 
 
@@ -165,8 +168,8 @@ def _table(rows) -> list[str]:
     out = [
         "| run | failure seen | max attention logit (step 0 -> peak @ step) | "
         "> limit @ | entropy < floor @ | min entropy after warm-up | mean log Z "
-        "range | CE spike @ | held-out bpb | vs float32 |",
-        "|---" * 10 + "|",
+        "range | CE spike @ | spike skips | held-out bpb | vs float32 |",
+        "|---" * 11 + "|",
     ]
     for r in rows:
         c = r["checks"]
@@ -177,7 +180,8 @@ def _table(rows) -> list[str]:
             f"{_step(c['entropy_collapse_step'])} | "
             f"{_g(c['entropy_min_after_warmup'], '.2f')} | "
             f"{_g(c['log_z_min'], '.2f')} .. {_g(c['log_z_max'], '.2f')} | "
-            f"{_step(c['spike_step'])} | {_g(r['bits_per_byte'], '.3f')} | "
+            f"{_step(c['spike_step'])} | {len(c['spike_skips'])} | "
+            f"{_g(r['bits_per_byte'], '.3f')} | "
             f"{_g(r['vs_float32'], '+.1%')} |"
         )
     return out
@@ -193,7 +197,7 @@ def _sentence(r: dict[str, Any], config) -> str:
             f"{config.attention_logit_limit:g}), the lowest head's attention "
             f"entropy stayed at or above {_g(c['entropy_min_after_warmup'], '.2f')} "
             f"nats after warm-up, the mean log Z within {_g(c['log_z_min'], '.2f')}"
-            f"..{_g(c['log_z_max'], '.2f')}."
+            f"..{_g(c['log_z_max'], '.2f')}." + _skips(c["spike_skips"])
         )
     text = f"- {name}: **{r['failure']}**."
     if c["attn_logit_over_limit_step"] is not None:
@@ -224,7 +228,14 @@ def _sentence(r: dict[str, Any], config) -> str:
         text += f"{SPIKE_WINDOW} steps' minimum) at step {c['spike_step']}."
     if r["vs_float32"] is not None:
         text += f" Held-out bits per byte {r['vs_float32']:+.1%} vs its float32 run."
-    return text
+    return text + _skips(c["spike_skips"])
+
+
+def _skips(steps: list[int]) -> str:
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+    return f" The spike guard skipped {len(steps)} step(s): {shown}."
 
 
 def diagnose(runs: list) -> dict[str, Any]:

@@ -37,7 +37,8 @@ def check_config(c: Config) -> None:
         ValueError: width must be a multiple of n_heads (4), got 10
     """
     for name, minimum in (("seq_len", 2), ("n_layers", 1), ("n_heads", 1),
-                          ("warmup_steps", 1)):  # fmt: skip
+                          ("warmup_steps", 1), ("spike_window", 1),
+                          ("spike_min_history", 1)):  # fmt: skip
         check_int(name, getattr(c, name), minimum)
     if c.width % c.n_heads:
         raise ValueError(
@@ -53,9 +54,16 @@ def check_config(c: Config) -> None:
         or not (0 <= c.z_loss < float("inf"))
     ):
         raise ValueError(f"z_loss must be a finite number >= 0, got {c.z_loss!r}")
-    if not isinstance(c.qk_norm, bool):
-        raise ValueError(f"qk_norm must be a bool, got {c.qk_norm!r}")
-    for name in ("attention_logit_limit", "entropy_floor", "log_z_limit"):
+    for name in ("qk_norm", "spike_guard"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(c, name)!r}")
+    if c.spike_min_history > c.spike_window:
+        raise ValueError(
+            f"spike_min_history ({c.spike_min_history}) must be <= spike_window "
+            f"({c.spike_window})"
+        )
+    for name in ("attention_logit_limit", "entropy_floor", "log_z_limit",
+                 "spike_threshold"):  # fmt: skip
         check_positive(name, getattr(c, name))
 
 
@@ -73,6 +81,12 @@ def describe(c: Config) -> str:
         f"weight decay ({c.weight_decay:g}); the stable runs add "
         + ("QK-norm" if c.qk_norm else "no QK-norm")
         + (f" and z-loss {c.z_loss:g}" if c.z_loss else " (z-loss 0)")
+        + (
+            f", and skip loss spikes (skip_spikes: window {c.spike_window}, from "
+            f"{c.spike_min_history} steps, {c.spike_threshold:g} robust sigmas)"
+            if c.spike_guard
+            else ", no spike guard"
+        )
     )
 
 

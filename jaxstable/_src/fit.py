@@ -477,6 +477,11 @@ def _run(
         if action == "rollback":
             rec["rolled_back"] = True
         elif action == "rewind":
+            if not in_memory:
+                # An async save still in flight (the checkpoint of this very
+                # step's period) is not on disk yet, but the restore waits for
+                # it: wait here too, or the record names the one before it.
+                mgr.wait()
             at = policy.snapshot_at if in_memory else mgr.latest_step()
             rec.update(policy.rewind_record(index, at))
         location = None

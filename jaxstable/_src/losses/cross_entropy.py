@@ -87,22 +87,50 @@ def _select_max(a, b):
 # Long rows (classification, C = 1000) take a two-stage path: the one-stage
 # reductions above run serially along the whole row, which made fwd+bwd of
 # 4096x1000 bf16 3.4x slower than the naive optax path (30 ms vs 9 ms; now
-# ~10 ms). Measured on XLA:CPU 0.10, 2 cores, reductions timed alone:
+# below optax's time, benchmarks/results/bench_losses_cpu.md). Measured on
+# XLA:CPU 0.10, 2 cores, reductions timed alone:
 # - row max: a plain `jnp.max` over chunks of the row in the logits' own
 #   dtype is a vectorised library reduction (0.5 ms vs 8 ms for the
 #   bit-pattern max); the few chunk maxima are then combined by a select
 #   reducer, which the library fusion does not take, so the library output
 #   stops there instead of swallowing the broadcast of the row max;
-# - sum: the variadic `a - (-b)` reduce over chunks of 20 classes, then over
-#   the C / 20 partial sums, takes ~4.5 ms instead of ~17 ms (chunks of 4..20
-#   are all fast; 25 or more are as slow as the whole row).
-# A remainder that does not fill a chunk is sliced off and joins the second
-# stage: padding to a multiple of the chunk instead made XLA store a float32
-# copy of the logits (C = 1009) and ran 2.5x slower (C = 1000, chunks of 16).
+# - sum: the variadic `a - (-b)` reduce into n lane sums, then over the
+#   lanes; see `_sum_pieces`.
 # Rows of <= 32 classes (segmentation, C = 19) keep the one-stage forms,
 # fastest there (8.1 ms fwd+bwd for 8x128x128x19; two-stage forms 13-16 ms).
 _LONG_ROW = 32
 _SUM_CHUNK = 20
+_SUM_LANES = 8
+
+
+def _sum_pieces(n_classes: int) -> list[tuple[int, int]]:
+    """[(k, n), ...]: a long row's sum takes pieces of k * n classes one
+    after the other along the row, then the few classes left over (< 8).
+
+    Class j * n + i of a piece adds to lane sum i (a reduce over the k axis
+    of the piece seen as (k, n)), then the n lane sums are added. XLA:CPU
+    (0.10, LLVM IR of the fusion) vectorises such a reduce across its n
+    outputs, <8 x float> loads of 8 neighbouring classes, only when LLVM
+    unrolls the k-loop (k <= 20; 25 or more stay a scalar loop, 4096x1000:
+    21 ms instead of 2) and n is a multiple of 8 (n = 7, 9, 10 or 15 ran as
+    scalar code: C = 150 in n = 7 chunks of 20 took 14 ms of the 17 ms
+    fwd+bwd; 8 lanes of 18 take ~2). So n is the smallest multiple of 8
+    with k <= 20; what is left (< n) makes a second piece of 8 lanes
+    (C = 1000: 17 x 56, then 6 x 8: a left-over of 48 summed in one scalar
+    loop took 1.6 ms of ~7). Lanes of neighbouring classes, not chunks of
+    them: 4096x1000 fwd+bwd 5.1 ms instead of 6.2 (contiguous loads).
+    Only where the lane sums (up to 3 float32 outputs, 96 bytes a row at
+    n = 8) stay within 3/8 of a float32 copy of the row (C >= 64); shorter
+    rows take n = C // 20 lanes of 20 (1..3, scalar).
+    """
+    if n_classes < 8 * _SUM_LANES:
+        return [(_SUM_CHUNK, n_classes // _SUM_CHUNK)]
+    lanes = _SUM_LANES * -(-n_classes // (_SUM_LANES * _SUM_CHUNK))
+    pieces = [(n_classes // lanes, lanes)]
+    rest = n_classes % lanes
+    if rest >= _SUM_LANES:
+        pieces.append((rest // _SUM_LANES, _SUM_LANES))
+    return pieces
 
 
 def _split_last(x, chunk: int):
@@ -164,21 +192,31 @@ def _row_sums(summands, logits, weights):
         operands = summands(logits, classes, weights)
         inits = (jnp.zeros((), operands[0].dtype),) * len(operands)
         return jax.lax.reduce(operands, inits, _sum_reducer, (last,))
-    # The remainder's summands are built from a slice of the logits, not
-    # sliced from whole-row summands: XLA stores a summand read by two
-    # fusions (a float32 copy of the logits, seen at C = 1009).
-    parts = [_split_last(v, _SUM_CHUNK) for v in (logits, classes)]
-    w_parts = (None, None) if weights is None else _split_last(weights, _SUM_CHUNK)
-    head_ops = summands(parts[0][0], parts[1][0], w_parts[0])
-    inits = (jnp.zeros((), head_ops[0].dtype),) * len(head_ops)
-    partial = jax.lax.reduce(head_ops, inits, _sum_reducer, (last + 1,))
-    if parts[0][1].shape[-1]:
-        tail_ops = summands(parts[0][1], parts[1][1], w_parts[1])
-        partial = tuple(
-            jnp.concatenate([p, t], axis=-1)
-            for p, t in zip(partial, tail_ops, strict=True)
+
+    # Each piece's summands are built from a slice of the logits, not sliced
+    # from whole-row summands: XLA stores a summand read by two fusions (a
+    # float32 copy of the logits, seen at C = 1009). Padding the row to whole
+    # pieces instead also stored one (C = 1009) and ran 2.5x slower.
+    def piece_sums(start, stop, shape):
+        sliced = (v if v is None else v[..., start:stop] for v in vs)
+        ops = summands(
+            *(v if v is None else v.reshape(*v.shape[:-1], *shape) for v in sliced)
         )
-    return jax.lax.reduce(partial, inits, _sum_reducer, (last,))
+        inits = (jnp.zeros((), ops[0].dtype),) * len(ops)
+        for _ in shape:  # the k axis into lane sums, then the lanes
+            ops = jax.lax.reduce(ops, inits, _sum_reducer, (last,))
+        return ops
+
+    vs = (logits, classes, weights)
+    sums, start = None, 0
+    for k, lanes in _sum_pieces(n_classes):
+        piece = piece_sums(start, start + k * lanes, (k, lanes))
+        sums = piece if sums is None else tuple(map(jnp.add, sums, piece))
+        start += k * lanes
+    if start < n_classes:  # the few classes left over, one stage
+        rest = piece_sums(start, n_classes, (n_classes - start,))
+        sums = tuple(map(jnp.add, sums, rest))
+    return sums
 
 
 def _ce_stats(logits, safe_labels, weights):
@@ -218,6 +256,28 @@ def _check_z_loss(z_loss) -> float:
     if not (np.isfinite(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
     return float(z_loss)
+
+
+def _to_bfloat16(x):
+    """`x.astype(bfloat16)` for float32 `x`, bit for bit, as integer ops.
+
+    XLA:CPU (0.10) converts a vector of float32 to bfloat16 but then stores
+    the bfloat16 lanes one by one (LLVM IR of the backward fusion: 8
+    `extractelement` + scalar `store bfloat` per vector); as uint16 the
+    store is one vector, which took the exp + convert of 4096x1000 from
+    3.7 ms to 2.3 ms. Round to nearest even: add 0x7FFF plus the lowest kept
+    bit, keep the top 16 bits (a carry out of the mantissa rounds up to the
+    next exponent, and past the largest finite value to +-inf, as
+    IEEE rounding does). NaN becomes XLA's quiet NaN of the same sign
+    (0x7FC0 / 0xFFC0). Equal to XLA's convert on 16.8 M random bit patterns,
+    every rounding boundary and the specials, subnormals included
+    (jaxstable/tests/test_losses.py::test_ce_bfloat16_rounding_is_xla_convert).
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    quiet_nan = ((bits >> 16) & 0x8000) | 0x7FC0
+    out = jnp.where(jnp.isnan(x), quiet_nan, rounded).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -280,7 +340,10 @@ def _ce_rows_bwd(ignore_index, smoothing, z_loss, res, g):
     if smoothing:
         per_class = 1.0 if weights is None else w
         grad = grad - (g * (smoothing / n_classes))[..., None] * per_class
-    grad = grad.astype(logits.dtype)
+    if logits.dtype == jnp.bfloat16 and grad.dtype == jnp.float32:
+        grad = _to_bfloat16(grad)
+    else:
+        grad = grad.astype(logits.dtype)
 
     d_weights = None
     if weights is not None:

@@ -4,9 +4,9 @@
 ``softmax_cross_entropy(hidden @ kernel, labels)`` but computes the logits
 one vocabulary block at a time (a `lax.fori_loop` over column blocks of the
 kernel), keeping per token only a running max, a running sum of
-exponentials, the label's logit and (for smoothing) the logits' sum. Its
-gradient is written by hand (`jax.custom_vjp`): the float32 logits of a
-block exist only inside one loop iteration.
+exponentials and (for smoothing) the logits' sum; the label's logit is
+gathered once. Its gradient is written by hand (`jax.custom_vjp`): the
+float32 logits of a block exist only inside one loop iteration.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from jaxstable._src.losses.cross_entropy import _bad_label_message, _check_z_los
 __all__ = ["linear_cross_entropy"]
 
 _F32 = jnp.float32
-# Elements of one float32 block of logits [tokens, block]: 2**20 = 4 MiB,
+# Elements of one float32 block of logits [tokens, block]: 2**19 = 2 MiB,
 # small next to [tokens, vocab] (4096 tokens x 128k vocab x 4 bytes = 2 GiB).
-# Measured on XLA:CPU, 1024 tokens x 256 features x 32k vocab, float32
-# fwd+bwd: blocks of 1024 / 2048 / 4096 columns hold 8 / 16 / 32 MiB of
-# temporaries (naive: 141 MiB) at about the same speed (within the noise
-# of the loaded 2-core machine).
-_BLOCK_ELEMENTS = 2**20
+# Measured on XLA:CPU, 1024 tokens x 256 features, fwd+bwd: blocks of 512 /
+# 1024 columns hold 3.5 / 6 MiB of temporaries in float32 (naive: 141 MiB at
+# 32k vocab) and 21 / 24 MiB in bfloat16 (naive 238; 16 of them the [D, V]
+# gradient, see `_bits`), at about the same speed at 32k and 128k (within
+# the noise of the 2-core machine at a load of 5 to 7).
+_BLOCK_ELEMENTS = 2**19
 # A floor for many tokens: a block keeps at least this many columns so that
 # its matmul stays wide (a choice, not a measured optimum).
 _MIN_BLOCK = 128
@@ -48,15 +49,38 @@ def _block_size(n_tokens: int, vocab: int) -> int:
     return target
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array as its uint16 bits (others as they are).
+
+    XLA:CPU computes in float32 what it has no bf16/fp16 kernel for: it
+    converts the operand of a 16-bit dot or dynamic-update-slice to float32
+    WHOLE. In the block loops that meant a float32 copy of the kernel hoisted
+    out of the loop (128 MiB for 256 x 128k) and a float32 round trip of the
+    whole [D, V] gradient in every iteration (its time grows as V^2). Sliced
+    and updated as uint16 (a move, bit for bit), only one block at a time is
+    ever converted.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _unbits(x: jax.Array, dtype) -> jax.Array:
+    """Inverse of `_bits` for an array of `dtype`."""
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def _for_blocks(fn, kernel, block, carry):
     """``carry = fn(start, kernel[:, start:start + width], carry)`` over the
     vocabulary's blocks: a fori_loop over the full ones, then the tail."""
     vocab = kernel.shape[1]
     n_full = vocab // block
+    bits = _bits(kernel)  # sliced as bits: see `_bits`
 
     def body(j, c):
         start = j * block
-        return fn(start, jax.lax.dynamic_slice_in_dim(kernel, start, block, 1), c)
+        cols = jax.lax.dynamic_slice_in_dim(bits, start, block, 1)
+        return fn(start, _unbits(cols, kernel.dtype), c)
 
     carry = jax.lax.fori_loop(0, n_full, body, carry)
     if vocab % block:
@@ -70,23 +94,34 @@ def _stats(hidden, kernel, labels, block, smoothing):
     n = hidden.shape[0]
 
     def fn(start, cols, c):
-        m, s, x_y, x_sum = c
+        m, s, x_sum = c
         logits = jnp.dot(hidden, cols, preferred_element_type=_F32)
-        ids = start + jnp.arange(cols.shape[1])
         m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
         # exp(-inf - -inf) is NaN: while every logit so far is -inf, s stays 0
         rescale = jnp.where(m == m_new, 1.0, jnp.exp(m - m_new))
         s = s * rescale + jnp.sum(jnp.exp(logits - m_new[:, None]), axis=-1)
-        hit = ids[None, :] == labels[:, None]
-        x_y = x_y + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
         if smoothing:
             x_sum = x_sum + jnp.sum(logits, axis=-1)
-        return m_new, s, x_y, x_sum
+        return m_new, s, x_sum
 
     zeros = jnp.zeros((n,), _F32)
-    init = (jnp.full((n,), -jnp.inf, _F32), zeros, zeros, zeros)
-    m, s, x_y, x_sum = _for_blocks(fn, kernel, block, init)
-    return m + jnp.log(s), x_y, x_sum
+    init = (jnp.full((n,), -jnp.inf, _F32), zeros, zeros)
+    m, s, x_sum = _for_blocks(fn, kernel, block, init)
+    return m + jnp.log(s), _label_logits(hidden, kernel, labels), x_sum
+
+
+def _label_logits(hidden, kernel, labels):
+    """``hidden[n] @ kernel[:, labels[n]]`` in float32 (products of the
+    inputs, exact for 16-bit floats, summed in float32 as the dot does), 0
+    for a label outside [0, V) (masked later). Gathered once rather than
+    picked out of every block: the pick materialised a second [N, block]
+    float32 buffer in each iteration (4 MiB of the temporaries)."""
+    vocab = kernel.shape[1]
+    ok = (labels >= 0) & (labels < vocab)
+    cols = jnp.take(_bits(kernel), jnp.where(ok, labels, 0), axis=1)
+    cols = _unbits(cols, kernel.dtype).astype(_F32)  # [D, N]
+    x_y = jnp.sum(hidden.astype(_F32) * cols.T, axis=-1)
+    return jnp.where(ok, x_y, 0.0)
 
 
 def _masks(labels, vocab, ignore_index):
@@ -114,7 +149,8 @@ def _token_losses(lse, x_y, x_sum, vocab, valid, bad, smoothing, z_loss):
 
 
 def _grads(hidden, kernel, labels, valid, bad, lse, g, block, smoothing, z_loss):
-    """``(d hidden, d kernel)`` of ``sum_n g_n loss_n``, block by block."""
+    """``(d hidden, d kernel)`` of ``sum_n g_n loss_n``, block by block
+    (``d kernel`` as `_bits`)."""
     n, d = hidden.shape
     vocab = kernel.shape[1]
     g = jnp.where(bad, jnp.nan, jnp.where(valid, g, 0.0))
@@ -136,14 +172,15 @@ def _grads(hidden, kernel, labels, valid, bad, lse, g, block, smoothing, z_loss)
         d_cols = jnp.dot(
             hidden.T, d_logits.astype(hidden.dtype), preferred_element_type=_F32
         )
+        # written as bits (see `_bits`): in place, one block converted
         d_kernel = jax.lax.dynamic_update_slice_in_dim(
-            d_kernel, d_cols.astype(d_kernel.dtype), start, axis=1
+            d_kernel, _bits(d_cols.astype(kernel.dtype)), start, axis=1
         )
         return d_hidden, d_kernel
 
-    init = (jnp.zeros((n, d), _F32), jnp.zeros(kernel.shape, kernel.dtype))
+    init = (jnp.zeros((n, d), _F32), _bits(jnp.zeros(kernel.shape, kernel.dtype)))
     d_hidden, d_kernel = _for_blocks(fn, kernel, block, init)
-    return d_hidden.astype(hidden.dtype), d_kernel
+    return d_hidden.astype(hidden.dtype), d_kernel  # d_kernel as `_bits`
 
 
 def _rows_impl(hidden, kernel, labels, ignore_index, smoothing, z_loss, block):
@@ -178,44 +215,10 @@ def _rows_bwd(ignore_index, smoothing, z_loss, block, res, g):
         hidden, kernel, labels, valid, bad, lse, g.astype(_F32), block,
         smoothing, z_loss,
     )  # fmt: skip
-    return d_hidden, d_kernel, _no_label_grad(labels)
+    return d_hidden, _unbits(d_kernel, kernel.dtype), _no_label_grad(labels)
 
 
 _rows.defvjp(_rows_fwd, _rows_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _total(hidden, kernel, labels, ignore_index, smoothing, z_loss, block):
-    """Sum of the per-token losses. Its gradient is computed with the value
-    (a scalar cotangent only scales it), so the logits are computed twice
-    (statistics, then gradients), not three times."""
-    out = _rows_impl(hidden, kernel, labels, ignore_index, smoothing, z_loss, block)
-    return jnp.sum(out[0])
-
-
-def _total_fwd(hidden, kernel, labels, ignore_index, smoothing, z_loss, block):
-    losses, lse = _rows_impl(
-        hidden, kernel, labels, ignore_index, smoothing, z_loss, block
-    )
-    valid, bad = _masks(labels, kernel.shape[1], ignore_index)
-    ones = jnp.ones(labels.shape, _F32)
-    grads = _grads(
-        hidden, kernel, labels, valid, bad, lse, ones, block, smoothing, z_loss
-    )
-    return jnp.sum(losses), (grads, labels)
-
-
-def _total_bwd(ignore_index, smoothing, z_loss, block, res, g):
-    (d_hidden, d_kernel), labels = res
-    g = g.astype(_F32)
-    return (
-        (d_hidden.astype(_F32) * g).astype(d_hidden.dtype),
-        (d_kernel.astype(_F32) * g).astype(d_kernel.dtype),
-        _no_label_grad(labels),
-    )
-
-
-_total.defvjp(_total_fwd, _total_bwd)
 
 
 def _check_inputs(hidden, kernel, labels, label_smoothing, block_size):
@@ -280,13 +283,12 @@ def linear_cross_entropy(
     are the largest buffers of a training step (4096 tokens x 128k vocab:
     2 GiB each). Here they are computed ``block_size`` vocabulary columns at
     a time, twice: a first pass keeps per token a running max and sum of
-    exponentials (the logsumexp), the label's logit and, with smoothing, the
-    logits' sum; a second pass recomputes each block's logits and adds its
-    share of both gradients (``d hidden += d_logits @ kernel_block.T``,
-    ``d kernel_block = hidden.T @ d_logits``). For "mean" and "sum" the
-    second pass runs in the forward (a scalar cotangent only scales the
-    result), for "none" in the backward; a call that is not differentiated
-    runs the first pass only. Products accumulate in float32
+    exponentials (the logsumexp) and, with smoothing, the logits' sum (the
+    label's logit is gathered once); the backward recomputes each block's
+    logits and adds its share of both gradients (``d hidden += d_logits @
+    kernel_block.T``, ``d kernel_block = hidden.T @ d_logits``), scaled by
+    the cotangent as it goes; a call that is not differentiated runs the
+    first pass only. Products accumulate in float32
     (``preferred_element_type``) from bf16/fp16 inputs; gradients are
     returned in the inputs' dtypes.
 
@@ -308,7 +310,7 @@ def linear_cross_entropy(
       z_loss: PaLM's ``z`` (static, finite, >= 0).
       reduction: "mean", "sum" or "none" (per-token losses ``hidden.shape[:-1]``).
       block_size: vocabulary columns per block (int >= 1); None picks about
-        ``2**20 / N`` (a 4 MiB float32 block), at least 128.
+        ``2**19 / N`` (a 2 MiB float32 block), at least 128.
 
     Returns:
       float32 scalar, or per-token float32 losses for "none". A label
@@ -349,7 +351,9 @@ def linear_cross_entropy(
     args = (ignore_index, smoothing, z, int(block))
     if reduction == "none":
         return _rows(h, kernel, lab, *args).reshape(lead)
-    total = _total(h, kernel, lab, *args)
+    # the sum's cotangent reaches _rows' backward per token: one gradient
+    # pass, scaled as it goes (no [D, V] gradient kept to rescale)
+    total = jnp.sum(_rows(h, kernel, lab, *args))
     if reduction == "sum":
         return total
     count = jnp.sum(_masks(lab, vocab, ignore_index)[0], dtype=_F32)

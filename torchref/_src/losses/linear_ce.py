@@ -17,9 +17,9 @@ from torchref._src.losses.cross_entropy import _bad_label_message, _check_z_loss
 
 __all__ = ["linear_cross_entropy"]
 
-# As in jaxstable: about 2**20 float32 logits (4 MiB) per block, at least
+# As in jaxstable: about 2**19 float32 logits (2 MiB) per block, at least
 # 128 vocabulary rows (thinner matmuls run well below speed).
-_BLOCK_ELEMENTS = 2**20
+_BLOCK_ELEMENTS = 2**19
 _MIN_BLOCK = 128
 
 
@@ -50,19 +50,27 @@ def _stats(h32, weight, labels, block, smoothing):
     n = h32.shape[0]
     kw = {"device": h32.device, "dtype": h32.dtype}
     m = torch.full((n,), float("-inf"), **kw)
-    s, x_y, x_sum = torch.zeros(n, **kw), torch.zeros(n, **kw), torch.zeros(n, **kw)
+    s, x_sum = torch.zeros(n, **kw), torch.zeros(n, **kw)
     for start, stop in _blocks(weight.shape[0], block):
         logits = _logits(h32, weight, start, stop)
+        if smoothing:
+            x_sum = x_sum + logits.sum(dim=1)
         m_new = torch.maximum(m, logits.amax(dim=1))
         # exp(-inf - -inf) is NaN: while every logit so far is -inf, s stays 0
         rescale = torch.where(m == m_new, 1.0, torch.exp(m - m_new))
-        s = s * rescale + torch.exp(logits - m_new[:, None]).sum(dim=1)
-        hit = torch.arange(start, stop, device=h32.device)[None, :] == labels[:, None]
-        x_y = x_y + torch.where(hit, logits, 0.0).sum(dim=1)
-        if smoothing:
-            x_sum = x_sum + logits.sum(dim=1)
+        # in place: one [N, block] float32 buffer per block, no more
+        s = s * rescale + logits.sub_(m_new[:, None]).exp_().sum(dim=1)
         m = m_new
-    return m + torch.log(s), x_y, x_sum
+    return m + torch.log(s), _label_logits(h32, weight, labels), x_sum
+
+
+def _label_logits(h32, weight, labels):
+    """``h32[n] @ weight[labels[n]]`` (float32 products, summed in float32),
+    0 for a label outside [0, V): gathered once instead of picked out of
+    every block (as jaxstable's `_label_logits`)."""
+    ok = (labels >= 0) & (labels < weight.shape[0])
+    rows = weight[torch.where(ok, labels, 0)].to(h32.dtype)
+    return torch.where(ok, (h32 * rows).sum(dim=1), 0.0)
 
 
 def _masks(labels, vocab, ignore_index):
@@ -87,20 +95,25 @@ def _token_losses(lse, x_y, x_sum, vocab, valid, bad, smoothing, z_loss):
 
 
 def _grads(hidden, h32, weight, labels, valid, bad, lse, g, block, smoothing, z_loss):
-    """``(d hidden, d weight)`` of ``sum_n g_n loss_n``, block by block."""
+    """``(d hidden, d weight)`` of ``sum_n g_n loss_n``, block by block; one
+    [N, block] float32 buffer live at a time (the ops on it are in place)."""
     vocab = weight.shape[0]
     g = torch.where(bad, float("nan"), torch.where(valid, g, 0.0))
     coef = g * (1.0 + 2.0 * z_loss * lse) if z_loss else g
+    # the label's term, added by scatter (x + -v is x - v bit for bit; rows
+    # whose label is in another block add -0.0, which changes nothing)
+    minus = -((1.0 - smoothing) * g)
     d_hidden = torch.zeros_like(h32)
     d_weight = torch.empty_like(weight)
     for start, stop in _blocks(vocab, block):
-        logits = _logits(h32, weight, start, stop)
         # d loss_n / d x_c = p_c (1 + 2 z lse) - (1 - s) [c == y] - s / V
-        d_logits = torch.exp(logits - lse[:, None]) * coef[:, None]
-        hit = torch.arange(start, stop, device=h32.device)[None, :] == labels[:, None]
-        d_logits = d_logits - torch.where(hit, ((1.0 - smoothing) * g)[:, None], 0.0)
+        d_logits = _logits(h32, weight, start, stop)
+        d_logits.sub_(lse[:, None]).exp_().mul_(coef[:, None])
+        inside = (labels >= start) & (labels < stop)
+        col = torch.where(inside, labels - start, 0)[:, None]
+        d_logits.scatter_add_(1, col, torch.where(inside, minus, -0.0)[:, None])
         if smoothing:
-            d_logits = d_logits - (smoothing / vocab) * g[:, None]
+            d_logits.sub_((smoothing / vocab) * g[:, None])
         d_hidden += d_logits @ weight[start:stop].to(h32.dtype)
         d_weight[start:stop] = (d_logits.T @ h32).to(weight.dtype)
     return d_hidden.to(hidden.dtype), d_weight
@@ -129,39 +142,6 @@ class _Rows(torch.autograd.Function):
             g.to(lse.dtype), block, smoothing, z_loss,
         )  # fmt: skip
         return dh, dw, None, None, None, None, None
-
-
-class _Total(torch.autograd.Function):
-    """Sum of the per-token losses; its gradient is computed with the value
-    when one is needed (a scalar cotangent only scales it)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, smoothing, z_loss, block):
-        h32 = hidden.to(_acc(hidden))
-        vocab = weight.shape[0]
-        valid, bad = _masks(labels, vocab, ignore_index)
-        lse, x_y, x_sum = _stats(h32, weight, labels, block, smoothing)
-        losses = _token_losses(lse, x_y, x_sum, vocab, valid, bad, smoothing, z_loss)
-        if any(ctx.needs_input_grad[:2]):
-            ones = torch.ones_like(lse)
-            ctx.save_for_backward(
-                *_grads(
-                    hidden, h32, weight, labels, valid, bad, lse, ones, block,
-                    smoothing, z_loss,
-                )
-            )  # fmt: skip
-        return losses.sum()
-
-    @staticmethod
-    def backward(ctx, g):
-        dh, dw = ctx.saved_tensors
-        acc = _acc(dh)
-        g = g.to(acc)
-        return (
-            (dh.to(acc) * g).to(dh.dtype),
-            (dw.to(acc) * g).to(dw.dtype),
-            None, None, None, None, None,
-        )  # fmt: skip
 
 
 def _check_inputs(hidden, weight, labels, label_smoothing, block_size):
@@ -228,8 +208,8 @@ def linear_cross_entropy(
     ``(V, D)``: the logits are computed ``block_size`` vocabulary rows at a
     time, in float32 from bf16/fp16 inputs (each block of the weight is
     upcast; ``hidden`` once, a ``[N, D]`` copy), never ``[N, V]`` at once.
-    For "mean" and "sum" the gradients are computed in the forward when
-    ``hidden`` or ``weight`` requires grad; for "none" in the backward.
+    The gradients are computed in the backward, for every reduction (the
+    cotangent scales each block as it goes: no saved gradient to rescale).
     Ignored tokens add 0; "mean" divides by the number of counted tokens
     (0.0 with a zero gradient when there is none).
 
@@ -243,7 +223,7 @@ def linear_cross_entropy(
         z_loss: PaLM's ``z`` (finite, >= 0).
         reduction: "mean", "sum" or "none" (per-token losses).
         block_size: vocabulary rows per block (int >= 1); None picks about
-            ``2**20 / N``, at least 128.
+            ``2**19 / N``, at least 128.
 
     Returns:
         float32 scalar, or per-token float32 losses for "none" (float64 for
@@ -280,7 +260,10 @@ def linear_cross_entropy(
     args = (ignore_index, smoothing, z, int(block))
     if reduction == "none":
         return _Rows.apply(h, weight, lab, *args).reshape(lead)
-    total = _Total.apply(h, weight, lab, *args)
+    # the sum's cotangent reaches _Rows' backward as one value per token:
+    # the gradient pass runs once, scaled as it goes (no saved [V, D]
+    # gradient to rescale afterwards)
+    total = _Rows.apply(h, weight, lab, *args).sum()
     if reduction == "sum":
         return total
     count = _masks(lab, vocab, ignore_index)[0].sum().to(total.dtype)
