@@ -1,6 +1,7 @@
 """The framework-free parts of checkpoints: the error a damaged checkpoint
-gives and the mismatch report of `load_checkpoint` (the same texts in
-`jaxstable.train` and `torchref.train`)."""
+gives, the mismatch report of `load_checkpoint` (the same texts in
+`jaxstable.train` and `torchref.train`) and the fsyncs that make a finished
+checkpoint survive a power loss."""
 
 from __future__ import annotations
 
@@ -38,3 +39,29 @@ def check_manager_options(max_to_keep: Any, best_metric: Any, best_mode: Any) ->
         raise TypeError(f"best_metric must be None or a str, got {best_metric!r}")
     if best_mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+
+
+def fsync_dir(folder: str) -> None:
+    """fsync a directory, so that a rename or a new entry in it is durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file and directory under `root`, and `root`'s parent.
+
+    orbax renames a complete directory but does not fsync it: after a power
+    loss the rename could survive while file contents did not.
+    """
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+    fsync_dir(os.path.dirname(root))

@@ -10,6 +10,8 @@ host transfer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,6 +194,11 @@ def test_storm_of_scaled_batches_in_both_frameworks():
     assert int(m["skipped_total"]) == tm["skipped_total"] == 6
     assert int(jtx.find_spike_state(state.opt_state).spikes_total) == 4
     assert ttx.find_spike_state(topt).spikes_total == 4
+    # A spike is no non-finite update: the skip counters agree field by field.
+    jskip = jtx.find_skip_state(state.opt_state)
+    assert {
+        k: getattr(jskip, k).item() for k in dataclasses.asdict(tstep.skip_state)
+    } == dataclasses.asdict(tstep.skip_state)
 
 
 def test_jax_step_has_no_conditional_and_no_transfer():

@@ -41,6 +41,7 @@ from flax import serialization
 
 from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
 from _stablecore.checkpoint import check_manager_options as _check_manager_options
+from _stablecore.checkpoint import fsync_tree as _fsync_tree
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
@@ -496,31 +497,6 @@ def load_checkpoint(path: str | os.PathLike, target: Any) -> Any:
     else:
         loaded = _read(path)
     return _restore_onto(path, loaded, target)
-
-
-def _fsync_tree(root: str) -> None:
-    """fsync every file and directory under `root`, and `root`'s parent.
-
-    orbax renames a complete directory but does not fsync it: after a power
-    loss the rename could survive while file contents did not.
-    """
-    for folder, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(folder)
-    _fsync_dir(os.path.dirname(root))
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- a run's checkpoints -------------------------------------------------------

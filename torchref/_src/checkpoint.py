@@ -51,6 +51,7 @@ import torch
 
 from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
 from _stablecore.checkpoint import check_manager_options as _check_manager_options
+from _stablecore.checkpoint import fsync_dir as _fsync_dir
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
@@ -1090,14 +1091,6 @@ def _save_dcp(
         raise RuntimeError(
             f"rank 0 could not finish the sharded checkpoint {path!r}: {told[0]}"
         )
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dcp_header(path: Any) -> tuple[dict, bytes]:

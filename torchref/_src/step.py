@@ -250,8 +250,10 @@ class TrainStep(_DeferredRecords):
     `torchref.distributed` reads the global loss and the used-parameter
     counts to name a bad parameter), sharded FSDP2 parameters (one read of
     the flag; no flat copy of DTensors) and the first step (Adam creates
-    its state: one read of the flag). `skip_spikes`' window and counters
-    are device tensors too.
+    its state: one read of the flag), and a non-fused optimizer with step
+    hooks (one read per step: it is not stepped when skipped, as under
+    GradScaler, so that its hooks never see a skipped step).
+    `skip_spikes`' window and counters are device tensors too.
 
     Under DDP or FSDP2 (a process group of N ranks) the step also
     all-reduces the ranks' losses before the backward: ``loss`` is the
@@ -275,7 +277,9 @@ class TrainStep(_DeferredRecords):
         max_consecutive: sets ``skip_state.exceeded`` (see `skip_non_finite`).
         clip_eps: eps of the clip formula (torch's 1e-6 by default).
         restore_buffers_on_skip: restore buffers on skipped steps and when
-            the step left a non-finite buffer.
+            the step left a non-finite buffer (also buffers the forward
+            assigned anew, ``self.buf = ...``; a ValueError when such a
+            buffer changed shape and must be restored).
         check_update: undo a step that wrote a non-finite parameter or
             optimizer-state value (default True; costs one read pass per
             step, no host sync; a non-fused optimizer's parameters and state
@@ -468,7 +472,9 @@ class TrainStep(_DeferredRecords):
             optimizer is ``torchref.transforms.skip_spikes(optimizer)`` (its
             window sees the pre-clip norm and the loss; a spike skips
             ``optimizer.step()`` and leaves the loss scale to the gradients'
-            flag, as the JAX step does). With ``sync=False`` the same keys
+            flag, as the JAX step does; `skip_state` counts it as the JAX
+            step's inner guard does: ``last_grads_finite`` False, no
+            ``non_finite_updates``). With ``sync=False`` the same keys
             hold 0-d tensors (float32, bool and int64; ``spike`` a bool).
         """
         if self._stage != "ready":
@@ -492,18 +498,18 @@ class TrainStep(_DeferredRecords):
             return metrics
         # The one host sync of a step, outside it: the three floats and every
         # pending (applied, grads_finite) pair in one transfer.
-        keys = ("loss", "grad_norm", "loss_scale", "spike")[
-            : 3 if self.spikes is None else 4
+        keys = ("loss", "grad_norm", "loss_scale", "grads_finite", "spike")[
+            : 4 if self.spikes is None else 5
         ]
         flags = [t for pair in self._pending for t in pair]
         values = _to_host([metrics[key] for key in keys] + flags)
         self._record(values[len(keys) :])
         state = self._skip_state
         metrics.update(zip(keys[:3], (float(v) for v in values), strict=False))
+        metrics["grads_finite"] = bool(values[3])
         if self.spikes is not None:
-            metrics["spike"] = bool(values[3])
+            metrics["spike"] = bool(values[4])
         metrics["finite"] = state.last_finite
-        metrics["grads_finite"] = state.last_grads_finite
         metrics["skipped_total"] = state.skipped_total
         return metrics
 
@@ -589,15 +595,35 @@ class TrainStep(_DeferredRecords):
         # inf from a feature of 1e20, with finite gradients), as the JAX step
         # keeps a non-finite model_state out.
         if buffers:
-            finite_buffers = _all_finite_t(buffers).to(bad.device)
-            self._buffer_copy.put_back(skipped | ~finite_buffers)
+            # The buffers the model holds NOW: a forward may assign new ones
+            # (``self.mean = 0.9 * self.mean + ...``) instead of writing in
+            # place, and the snapshot's tensors would then be left behind.
+            now = list(model.buffers())
+            same = len(now) == len(buffers) and all(
+                a is b for a, b in zip(now, buffers, strict=True)
+            )
+            keep_old = skipped | ~_all_finite_t(now).to(bad.device)
+            if same or self._buffer_copy.retarget(now):
+                self._buffer_copy.put_back(keep_old)
+            elif bool(keep_old):  # a host read only for such a module
+                raise ValueError(
+                    "the forward replaced model buffers by ones of other shapes, "
+                    "dtypes or number: the skipped step cannot restore them; "
+                    "build the TrainStep with restore_buffers_on_skip=False"
+                )
         if self._skipped_dev is None:
             self._skipped_dev = torch.tensor(
                 self._skip_state.skipped_total, device=bad.device
             )
         self._skipped_dev = self._skipped_dev + skipped
         applied, grads_finite = ~skipped, ~bad
-        self._pending.append((applied, grads_finite))
+        # skip_state records a spike as the JAX step's inner guard does
+        # (grads_finite & ~spike: no non-finite update); the metric keeps
+        # the gradients' own flag.
+        recorded = (
+            grads_finite if spike is None else grads_finite & ~spike.to(bad.device)
+        )
+        self._push(applied, recorded)
         self.steps_done += 1
         self._stage = "ready"
         metrics = {

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.nn.utils import get_total_norm
+from torch.optim import optimizer as _torch_optimizer
 
 from _stablecore.checks import check_bool as _core_check_bool
 from torchref._src.loss_scale import _tensors, all_finite
@@ -119,8 +120,11 @@ def _finite_norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             group = [torch.view_as_real(t) for t in group]
             dtype = group[0].dtype
         if dtype == torch.float64:
-            inf = float("inf")
-            flags += [_local(n).to(home) for n in torch._foreach_norm(group, inf)]
+            # torch's inf-norm of a zero-size tensor raises: it is finite.
+            nonempty = [t for t in group if t.numel()]
+            if nonempty:
+                norms = torch._foreach_norm(nonempty, float("inf"))
+                flags += [_local(n).to(home) for n in norms]
             wide += [_local(n).to(home) for n in torch._foreach_norm(group, 2)]
         else:
             norms = torch._foreach_norm(group, 2, dtype=torch.float64)
@@ -484,6 +488,17 @@ class _DeviceSelect:
                 self._flat[key] = buf
             torch.cat([t.reshape(-1) for t in group], out=buf)
 
+    def retarget(self, tensors: list[torch.Tensor]) -> bool:
+        """Puts the copy back into `tensors` instead of the ones taken (a
+        module that assigned new buffers); False (nothing changed) when
+        their shapes or dtypes do not match those taken one for one."""
+        groups = _by_device_dtype([t.detach() for t in tensors])
+        shapes = {k: [t.shape for t in g] for k, g in groups.items()}
+        if shapes != {k: [t.shape for t in g] for k, g in self._groups.items()}:
+            return False
+        self._groups = groups
+        return True
+
     @torch.no_grad()
     def put_back(self, keep_old: torch.Tensor) -> None:
         for key, group in self._groups.items():
@@ -521,8 +536,12 @@ class _GuardedStep:
     The host decides only what it cannot do on the device, once: state the
     step created (Adam's first step; entries must be removed, not selected),
     a python value in the state that changed, or a state tensor the step
-    replaced: then ONE ``bool(keep_old)`` sync. Steady-state steps of the
-    torch optimizers do none of these. On a GPU, a non-fused optimizer whose
+    replaced: then ONE ``bool(keep_old)`` sync (a fused optimizer's first
+    step too, whose state a skip must remove). Steady-state steps of the
+    torch optimizers do none of these. A non-fused optimizer with step hooks reads the
+    gradients' flag on the host and is not stepped when it is set (its
+    hooks would see the values before the select; GradScaler calls no
+    step()). On a GPU, a non-fused optimizer whose
     state keeps CPU tensors (Adam's ``step`` with ``capturable=False``) gets
     the flag copied to the CPU: a sync; ``fused=True`` or ``capturable=True``
     avoids it.
@@ -539,10 +558,26 @@ class _GuardedStep:
         check_update: bool,
     ) -> torch.Tensor:
         fused = _takes_found_inf(optimizer)
-        if fused and not check_update:
-            _fused_step(optimizer, bad_grads)
-            return bad_grads
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        if fused and not check_update:
+            fresh = [
+                p for p in params if p.grad is not None and not optimizer.state.get(p)
+            ]
+            _fused_step(optimizer, bad_grads)
+            # State a skipped step created goes (one host read, first step
+            # only): fused SGD's momentum buffers are torch.empty_like ones
+            # its kernel fills, so a skip (GradScaler's too) would leave
+            # uninitialised memory (3.5e35 seen) as the next step's momentum.
+            if any(optimizer.state.get(p) for p in fresh) and bool(bad_grads):
+                for p in fresh:
+                    optimizer.state.pop(p, None)
+            return bad_grads
+        if not fused and _has_step_hooks(optimizer) and bool(bad_grads):
+            # GradScaler calls no step() on a skip, so the optimizer's step
+            # hooks (an EMA update, a logger) never see one; here a post hook
+            # would read the values before they are selected back. With
+            # hooks, the gradients' flag is read on the host (one sync).
+            return bad_grads
         if any(_is_dtensor(p) for p in params) and not check_update:
             # Sharded (FSDP2) parameters: no flat copy of DTensors; the
             # (global) flag is read on the host, one sync per step.
@@ -566,10 +601,20 @@ class _GuardedStep:
             if isinstance(v, torch.Tensor)
         ]
         self._select.take(tensors)
+        storage = [p.data_ptr() for p in params]
         if fused:
             _fused_step(optimizer, bad_grads)
         else:
             optimizer.step()
+        if any(p.data_ptr() != s for p, s in zip(params, storage, strict=True)):
+            # A step that assigned ``p.data`` (new storage): the copy goes
+            # back into what the parameters hold now.
+            now = [p.detach() for p in params] + tensors[len(params) :]
+            if not self._select.retarget(now):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() changed a parameter's shape "
+                    "or dtype: the guard cannot select the old values back"
+                )
         keep_old = bad_grads
         if check_update:
             written = params + [
@@ -593,6 +638,16 @@ class _GuardedStep:
                         for k, v in before[p].items()
                     }
         return keep_old
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` runs step pre/post hooks (its own or global)."""
+    return bool(
+        getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        or getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or _torch_optimizer._global_optimizer_pre_hooks
+        or _torch_optimizer._global_optimizer_post_hooks
+    )
 
 
 def _fused_step(optimizer: torch.optim.Optimizer, bad_grads: torch.Tensor) -> None:
@@ -708,14 +763,21 @@ def _check_max_consecutive(max_consecutive: Any) -> int | None:
     return max_consecutive
 
 
+# Pending steps kept on the device at most: a loop that never reads
+# skip_state records them every 4096 steps (one transfer) instead of holding
+# two 0-d device tensors per step for ever (a 512-byte CUDA block each).
+_MAX_PENDING = 4096
+
+
 class _DeferredRecords:
     """`skip_state` whose per-step records wait on the device.
 
     A guarded step leaves ``(applied, grads_finite)`` as 0-d bool tensors in
     ``_pending`` instead of reading them (a host sync per step); reading
     `skip_state` moves every pending pair to the host in ONE transfer and
-    records them in order. `TrainStep.step` returns its python metrics
-    through the same single transfer.
+    records them in order, as does every 4096th pending step (`_push`).
+    `TrainStep.step` returns its python metrics through the same single
+    transfer.
     """
 
     _skip_state: SkipNonFiniteState
@@ -734,6 +796,12 @@ class _DeferredRecords:
         self._pending = []
         self._skip_state = state
         self._skipped_dev: torch.Tensor | None = None  # TrainStep's count
+
+    def _push(self, applied: torch.Tensor, grads_finite: torch.Tensor) -> None:
+        """Leaves one step's flags pending (recorded once `_MAX_PENDING` wait)."""
+        self._pending.append((applied, grads_finite))
+        if len(self._pending) >= _MAX_PENDING:
+            _ = self.skip_state
 
     def _record(self, flags: list[Any]) -> None:
         """Records the pending pairs from their host values (in order)."""
@@ -865,7 +933,7 @@ class SkipNonFinite(_DeferredRecords):
                 check), else `all_finite(grads)` on the device.
 
         Returns:
-            The closure's loss (or None); None on a skipped step.
+            The closure's loss (or None), a skipped step's as well.
         """
         if self._needs_closure:
             return self._closure_step(closure, grads_finite)
@@ -875,7 +943,7 @@ class SkipNonFinite(_DeferredRecords):
                 loss = closure()
         finite = self._check(grads_finite)
         applied = self._apply(finite)
-        self._pending.append((applied, finite))  # read when skip_state is
+        self._push(applied, finite)  # read when skip_state is
         return loss
 
     def _closure_step(self, closure: Callable[[], Any] | None, grads_finite: Any):
@@ -949,8 +1017,14 @@ def skip_non_finite(
     its parameters and state taken just before, which a `torch.where`
     selects back (so `check_update=False` saves the check, not the copy,
     unless the optimizer is fused). The step that creates the optimizer
-    state (the first) decides on the host once. `skip_state` is brought up
-    to date when read, in one transfer for all steps since.
+    state (the first) decides on the host once, a fused one included (its
+    skipped first step would keep uninitialised momentum buffers). An
+    optimizer with step pre/post hooks (``register_step_post_hook``, an
+    EMA) is not stepped on non-finite gradients, as under GradScaler: that
+    flag is read on the host (one sync per step); a step undone by
+    `check_update` did run, so its post hooks saw what it wrote. `skip_state` is brought
+    up to date when read, in one transfer for all steps since (and every
+    4096 steps when it is never read).
 
     Args:
         optimizer: any `torch.optim.Optimizer`.

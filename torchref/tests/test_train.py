@@ -179,6 +179,47 @@ def test_batch_norm_buffers_restored_on_skip(restore):
         assert int(after[bn[2]]) == int(before[bn[2]]) + 1
 
 
+class _AssignsBuffer(torch.nn.Module):
+    """A running mean kept by assignment (``self.buf = ...``), not in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+        self.register_buffer("mean", torch.zeros(2))
+        self.grow = False
+
+    def forward(self, x):
+        if self.grow:  # a queue of every batch seen, reassigned
+            self.mean = torch.cat([self.mean, x.detach().mean(0)])
+        else:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return self.lin(x.clamp(-1, 1))
+
+
+@pytest.mark.parametrize("bad", ["nan_batch", "huge_batch", "grown"])
+def test_buffers_the_forward_reassigned_are_restored_too(bad):
+    # A forward that assigns a new buffer tensor leaves the snapshot's
+    # tensors behind: the restore (and the finiteness check) must act on
+    # the buffers the model holds after the step. nan_batch: a skipped
+    # step; huge_batch: finite gradients (lr=0) but a mean of inf.
+    torch.manual_seed(0)
+    model = _AssignsBuffer()
+    model.grow = bad == "grown"
+    step = train.TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), lambda m, x: m(x).mean()
+    )
+    step(torch.ones(4, 2))  # applied: a grown buffer is kept
+    before = model.mean.clone()
+    x = torch.full((4, 2), 3e38 if bad == "huge_batch" else math.nan)
+    if bad == "grown":  # skipped: the old values fit no more
+        with pytest.raises(ValueError, match="restore_buffers_on_skip=False"):
+            step(x)
+        return
+    m = step(x)
+    assert m["finite"] is (bad == "huge_batch")
+    assert torch.equal(model.mean, before)
+
+
 def test_autocast_bf16_on_cpu():
     model = _mlp()
     seen = []

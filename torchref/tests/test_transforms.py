@@ -423,3 +423,167 @@ def test_guarded_wrappers_make_no_host_sync(wrap, fused):
         assert unchanged is not applied
     s = opt.skip_state  # the three pending steps, recorded in order
     assert (s.skipped_total, s.consecutive, s.last_finite) == (2, 2, False)
+
+
+@pytest.mark.parametrize("later", [False, True])
+@pytest.mark.parametrize("check_update", [False, True])
+def test_skipped_first_step_of_fused_sgd_leaves_no_momentum_buffer(check_update, later):
+    # Fused SGD's first step allocates its momentum buffers with empty_like
+    # and fills them in the kernel; with found_inf set the kernel returns
+    # first, so GradScaler's own skip leaves uninitialised memory (seen:
+    # 3.5e35) that the next step reads as momentum. The guard must leave no
+    # state, as a skipped non-fused step does. later: momentum switched on
+    # after steps without (a momentum warm-up).
+    w, ref = (torch.nn.Parameter(torch.ones(3)) for _ in range(2))
+    sgd = torch.optim.SGD([w], lr=0.1, momentum=0.0 if later else 0.9, fused=True)
+    opt = tr.skip_non_finite(sgd, check_update=check_update)
+    if later:
+        w.grad = torch.zeros(3)  # lr * 0: w stays 1
+        opt.step()
+        sgd.param_groups[0]["momentum"] = 0.9
+    w.grad = torch.tensor([1.0, math.nan, 1.0])
+    opt.step()
+    assert not sgd.state.get(w)
+    assert opt.skip_state.skipped_total == 1
+    plain = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        w.grad, ref.grad = torch.full((3,), 2.0), torch.full((3,), 2.0)
+        opt.step()
+        plain.step()
+    torch.testing.assert_close(w, ref)
+    torch.testing.assert_close(
+        sgd.state[w]["momentum_buffer"], plain.state[ref]["momentum_buffer"]
+    )
+
+
+@pytest.mark.parametrize("kind", ["pre", "post", "global_post"])
+def test_step_hooks_do_not_run_on_a_skipped_step(kind):
+    # GradScaler does not call optimizer.step() on a skipped step, so its
+    # hooks (an EMA update, a logger) never see it. The device select runs
+    # the step and selects back afterwards: a post hook would copy the NaN
+    # parameters the step wrote before they are selected back.
+    w = torch.nn.Parameter(torch.ones(2))
+    sgd = torch.optim.SGD([w], lr=0.1)
+    seen = []
+    if kind == "global_post":
+        from torch.optim.optimizer import register_optimizer_step_post_hook as register
+    else:
+        register = getattr(sgd, f"register_step_{kind}_hook")
+    handle = register(lambda o, args, kwargs: seen.append(w.detach().clone()))
+    opt = tr.skip_non_finite(sgd)
+    try:
+        w.grad = torch.tensor([1.0, math.nan])
+        opt.step()
+        assert seen == [] and w.tolist() == [1.0, 1.0]
+        w.grad = torch.tensor([1.0, 1.0])
+        opt.step()
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and torch.isfinite(seen[0]).all()
+    assert opt.skip_state.skipped_total == 1
+
+
+@pytest.mark.parametrize("wrap", ["skip_non_finite", "train_step"])
+def test_pending_flags_stay_bounded_when_skip_state_is_never_read(wrap, monkeypatch):
+    # Each step leaves two 0-d device flags until skip_state is read: a loop
+    # that never reads it (step(sync=False), a plain skip_non_finite loop)
+    # must not keep every step's flags (a GPU block each).
+    from torchref._src import transforms as _tr
+    from torchref.train import TrainStep
+
+    monkeypatch.setattr(_tr, "_MAX_PENDING", 4, raising=False)
+    model = torch.nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrap == "train_step":
+        step = TrainStep(model, sgd, lambda m, x: m(x).sum())
+        run = lambda x: step(x, sync=False)  # noqa: E731
+    else:
+        step = tr.skip_non_finite(sgd)
+
+        def run(x):
+            model.zero_grad()
+            model(x).sum().backward()
+            step.step()
+
+    for i in range(11):
+        run(torch.full((1, 2), math.nan if i in (3, 9, 10) else 1.0))
+        assert len(step._pending) <= 4
+    s = step.skip_state
+    assert (s.skipped_total, s.consecutive, s.last_finite) == (3, 2, False)
+    assert s.non_finite_updates == 0
+
+
+@pytest.mark.parametrize("make", ["sgd", "adam"])
+def test_fused_steps_copy_nothing(make, monkeypatch):
+    # A fused optimizer gets found_inf and nothing is copied or kept, its
+    # first step included (whose state a skip removes without a copy).
+    from torchref._src import transforms as _tr
+
+    takes = []
+    take = _tr._DeviceSelect.take
+    monkeypatch.setattr(
+        _tr._DeviceSelect, "take", lambda s, ts: takes.append(len(ts)) or take(s, ts)
+    )
+    w = torch.nn.Parameter(torch.ones(3))
+    make = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[make]
+    opt = tr.skip_non_finite(make([w], lr=0.5, fused=True), check_update=False)
+    for g in (1.0, math.nan, 1.0, math.inf):
+        w.grad = torch.full((3,), g)
+        before = w.detach().clone()
+        opt.step()
+        assert torch.equal(w, before) is (not math.isfinite(g))
+    assert takes == [] and opt._guarded._select._flat == {}
+    assert opt.skip_state.skipped_total == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128, torch.float32])
+def test_zero_size_wide_leaves_in_norm_clip_and_skip(dtype):
+    # A zero-size float64/complex128 leaf (an empty bias, a pruned head) has
+    # norm 0 and is finite: its max-|x| finiteness pass must not fail
+    # (torch's inf-norm of an empty tensor raises).
+    w, empty = (
+        torch.nn.Parameter(torch.ones(4, dtype=dtype)),
+        torch.nn.Parameter(torch.zeros(0, 3, dtype=dtype)),
+    )
+    w.grad, empty.grad = (
+        torch.full((4,), 2.0, dtype=dtype),
+        torch.zeros(0, 3, dtype=dtype),
+    )
+    assert float(tr.global_norm([w.grad, empty.grad])) == 4.0
+    assert float(tr.global_norm([empty.grad])) == 0.0
+    assert float(tr.clip_by_global_norm(1.0)([w, empty])) == 4.0
+    opt = tr.skip_non_finite(torch.optim.Adam([w, empty], lr=0.1))
+    opt.step()
+    w.grad = torch.full((4,), math.nan, dtype=dtype)
+    before = w.detach().clone()
+    opt.step()
+    assert torch.equal(w, before) and opt.skip_state.skipped_total == 1
+
+
+class _AssignsData(torch.optim.Optimizer):
+    """Old-style SGD that assigns ``p.data`` (new storage) instead of
+    writing in place."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = p.data - group["lr"] * p.grad
+
+
+@pytest.mark.parametrize("check_update", [False, True])
+def test_a_step_that_assigns_param_data_is_selected_back(check_update):
+    # The select writes the copy back into the storage it took; a step that
+    # gave the parameter new storage must be selected back there.
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = tr.skip_non_finite(_AssignsData([w], lr=0.5), check_update=check_update)
+    w.grad = torch.tensor([1.0, math.nan])
+    opt.step()
+    assert w.tolist() == [1.0, 1.0] and opt.skip_state.skipped_total == 1
+    w.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    assert w.tolist() == [0.5, 0.5]
