@@ -58,40 +58,32 @@ def _runs(out: str) -> None:
         for fw in ("jax", "torch")
         for n in (1, 2)
     }
-    runs["contrastive"] = _contrastive_runs()
-    runs["fp16"] = _fp16_runs()
+    # contrastive float32: InfoNCE over the global batch, every rank's
+    # captions negatives.
+    runs["contrastive"] = _torch_runs_in_1_and_2("examples.contrastive.task")
+    # detection float16, 3 steps: at the default scale 2**16 one device skips
+    # steps 0 and 2; a rank backpropagating its own mean (2x its share)
+    # skipped step 1 too.
+    runs["fp16"] = _torch_runs_in_1_and_2(
+        "examples.detection.task", steps=3, precision="float16"
+    )
     runs["jax_losses"] = test_global_loss.jax_global_losses()
     with open(out, "wb") as f:
         pickle.dump(runs, f)
 
 
-def _contrastive_runs() -> dict:
-    """torch's contrastive stable float32 run in 1 and in 2 DDP processes:
-    InfoNCE over the global batch, every rank's captions negatives."""
-    from examples.contrastive.task import TASK
+def _torch_runs_in_1_and_2(task_module: str, **overrides) -> dict:
+    """A torch stable run of `task_module`'s quick config in 1 and in 2 DDP
+    processes, from the same weights and batches."""
+    import importlib
 
-    config = TASK.get_config(**TASK.quick)
-    args = dict(weights=TASK.initial_weights(config),
-                batches=TASK.train_batches(config),
-                heldout=TASK.heldout_set(config), progress=False)  # fmt: skip
+    task = importlib.import_module(task_module).TASK
+    config = task.get_config(**{**task.quick, **overrides})
+    args = dict(weights=task.initial_weights(config),
+                batches=task.train_batches(config),
+                heldout=task.heldout_set(config), progress=False)  # fmt: skip
     return {
-        n: harness.train_and_evaluate(TASK, "torch", config.replace(devices=n), **args)
-        for n in (1, 2)
-    }
-
-
-def _fp16_runs() -> dict:
-    """torch's detection stable float16 run (3 steps) in 1 and in 2 DDP
-    processes: at the default scale 2**16 one device skips steps 0 and 2; a
-    rank backpropagating its own mean (2x its share) skipped step 1 too."""
-    from examples.detection.task import TASK
-
-    config = TASK.get_config(**{**TASK.quick, "steps": 3, "precision": "float16"})
-    args = dict(weights=TASK.initial_weights(config),
-                batches=TASK.train_batches(config),
-                heldout=TASK.heldout_set(config), progress=False)  # fmt: skip
-    return {
-        n: harness.train_and_evaluate(TASK, "torch", config.replace(devices=n), **args)
+        n: harness.train_and_evaluate(task, "torch", config.replace(devices=n), **args)
         for n in (1, 2)
     }
 
