@@ -29,7 +29,9 @@ $(STAMP): pyproject.toml Makefile
 # 1066 tests on 2026-11-23: 12m44s (14m13s for .ci/run with the venv);
 # 1586 tests on 2026-11-24 with the session's persistent compilation cache:
 # 8m59s on a quiet machine; a fresh clone, venv included: 10m51s (9m52s of
-# tests). CI runs ~1.3-1.5x slower: trim before adding.
+# tests). 1638 tests, fresh clone, venv included, evening of 2026-11-24:
+# 10m56s (9m54s of tests, 18m38s CPU). CI ran the 1586 in 618 s: trim
+# before adding.
 TEST_WORKERS ?= 2
 
 test: venv
