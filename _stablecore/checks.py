@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -71,3 +72,47 @@ def check_microbatches(microbatches: Any, int_types: Any = int) -> Any:
             f"micro-batches the batch is split into), got {microbatches}"
         )
     return microbatches
+
+
+def _spike_int(name: str, value: Any, low: int, int_types: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int_types):
+        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value}")
+    return int(value)
+
+
+def _spike_float(
+    name: str, value: Any, low: float, strict: bool, real_types: Any
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, real_types):
+        raise TypeError(f"{name} must be a finite float, got {value!r}")
+    value = float(value)
+    bad = not math.isfinite(value) or (value <= low if strict else value < low)
+    if bad:
+        op = ">" if strict else ">="
+        raise ValueError(f"{name} must be a finite float {op} {low}, got {value}")
+    return value
+
+
+def check_spike_args(
+    window: Any,
+    min_history: Any,
+    threshold: Any,
+    min_ratio: Any,
+    int_types: Any = int,
+    real_types: Any = (int, float),
+) -> tuple[int, int, float, float]:
+    """`skip_spikes`' options, validated and converted (`int_types` /
+    `real_types`: what counts as an int / a float; jaxstable adds numpy's)."""
+    window = _spike_int("window", window, 1, int_types)
+    min_history = _spike_int("min_history", min_history, 1, int_types)
+    if min_history > window:
+        raise ValueError(
+            f"min_history ({min_history}) must be <= window ({window}): the "
+            "window holds at most `window` values, so spikes would never be "
+            "checked"
+        )
+    threshold = _spike_float("threshold", threshold, 0.0, True, real_types)
+    min_ratio = _spike_float("min_ratio", min_ratio, 1.0, False, real_types)
+    return window, min_history, threshold, min_ratio

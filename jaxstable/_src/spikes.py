@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _stablecore.checks import check_spike_args
 from jaxstable._src.transforms import (
     SkipNonFiniteState,
     _check_optimizer,
@@ -117,40 +118,6 @@ def _applied(inner_state: Any) -> jax.Array:
     return inner_state.inner_state.last_finite
 
 
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}")
-    return int(value)
-
-
-def _check_positive(name: str, value: Any, low: float, strict: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
-        raise TypeError(f"{name} must be a finite float, got {value!r}")
-    value = float(value)
-    bad = not np.isfinite(value) or (value <= low if strict else value < low)
-    if bad:
-        op = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite float {op} {low}, got {value}")
-    return value
-
-
-def _check_spike_args(window, min_history, threshold, min_ratio):
-    """Validates `skip_spikes`' options (same texts in torchref)."""
-    window = _check_int("window", window, 1)
-    min_history = _check_int("min_history", min_history, 1)
-    if min_history > window:
-        raise ValueError(
-            f"min_history ({min_history}) must be <= window ({window}): the "
-            "window holds at most `window` values, so spikes would never be "
-            "checked"
-        )
-    threshold = _check_positive("threshold", threshold, 0.0, True)
-    min_ratio = _check_positive("min_ratio", min_ratio, 1.0, False)
-    return window, min_history, threshold, min_ratio
-
-
 def skip_spikes(
     inner: optax.GradientTransformation,
     *,
@@ -233,8 +200,13 @@ def skip_spikes(
       (1, 2)
     """
     _check_optimizer(inner, "skip_spikes")
-    window, min_history, threshold, min_ratio = _check_spike_args(
-        window, min_history, threshold, min_ratio
+    window, min_history, threshold, min_ratio = check_spike_args(
+        window,
+        min_history,
+        threshold,
+        min_ratio,
+        int_types=(int, np.integer),
+        real_types=(int, float, np.integer, np.floating),
     )
     inner = optax.with_extra_args_support(inner)
     wrapped = skip_non_finite(inner)
