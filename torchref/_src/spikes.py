@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
+from _stablecore.checks import check_spike_args
 from torchref._src.transforms import (
     SkipNonFinite,
     SkipNonFiniteState,
     _check_optimizer,
+    _OptimizerView,
     global_norm,
     skip_non_finite,
 )
@@ -159,48 +161,13 @@ class SkipSpikesState:
         self.last_finite = bool(saved["last_finite"])
 
 
-# Same checks and texts as jaxstable.transforms.skip_spikes.
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value}")
-    return int(value)
-
-
-def _check_positive(name: str, value: Any, low: float, strict: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a finite float, got {value!r}")
-    value = float(value)
-    bad = not math.isfinite(value) or (value <= low if strict else value < low)
-    if bad:
-        op = ">" if strict else ">="
-        raise ValueError(f"{name} must be a finite float {op} {low}, got {value}")
-    return value
-
-
-def _check_spike_args(window, min_history, threshold, min_ratio):
-    """Validates `skip_spikes`' options (same texts in torchref)."""
-    window = _check_int("window", window, 1)
-    min_history = _check_int("min_history", min_history, 1)
-    if min_history > window:
-        raise ValueError(
-            f"min_history ({min_history}) must be <= window ({window}): the "
-            "window holds at most `window` values, so spikes would never be "
-            "checked"
-        )
-    threshold = _check_positive("threshold", threshold, 0.0, True)
-    min_ratio = _check_positive("min_ratio", min_ratio, 1.0, False)
-    return window, min_history, threshold, min_ratio
-
-
 class _Decision:
     """The spike test and the window update, shared by `SkipSpikes` and
     `torchref.train.TrainStep`."""
 
     def __init__(self, window, min_history, threshold, min_ratio):
         self.window, self.min_history, self.threshold, self.min_ratio = (
-            _check_spike_args(window, min_history, threshold, min_ratio)
+            check_spike_args(window, min_history, threshold, min_ratio)
         )
         self.state = SkipSpikesState(self.window)
 
@@ -252,7 +219,7 @@ class _Decision:
         t["position"] = (t["position"] + grow) % self.window
 
 
-class SkipSpikes:
+class SkipSpikes(_OptimizerView):
     """An optimizer wrapper that skips spikes and non-finite steps.
 
     Made by `skip_spikes`. `optimizer` is the guarded wrapper (a
@@ -287,20 +254,6 @@ class SkipSpikes:
     def skip_state(self) -> SkipNonFiniteState:
         """The guard's skip counters (every skipped step, spikes included)."""
         return self.optimizer.skip_state
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's per-parameter state."""
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's `zero_grad`."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(
         self,

@@ -769,6 +769,28 @@ def _check_max_consecutive(max_consecutive: Any) -> int | None:
 _MAX_PENDING = 4096
 
 
+class _OptimizerView:
+    """What a wrapper passes through from ``self.optimizer`` (the wrapped
+    optimizer): its parameter groups, its state and `zero_grad`, so that LR
+    schedulers and user code treat the wrapper as the optimizer."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's `zero_grad`."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
 class _DeferredRecords:
     """`skip_state` whose per-step records wait on the device.
 
@@ -826,7 +848,7 @@ def _to_host(values: list[Any]) -> list[Any]:
     return [next(host) if isinstance(v, torch.Tensor) else v for v in values]
 
 
-class SkipNonFinite(_DeferredRecords):
+class SkipNonFinite(_OptimizerView, _DeferredRecords):
     """An optimizer wrapper whose `step()` is skipped on non-finite grads.
 
     Made by `skip_non_finite`. `param_groups`, `state`, `zero_grad`,
@@ -858,20 +880,6 @@ class SkipNonFinite(_DeferredRecords):
         self._undo = _StepUndo()  # the closure path (LBFGS) decides on the host
         self._guarded = _GuardedStep()
         self._needs_closure = _needs_closure(optimizer)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's per-parameter state."""
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's `zero_grad`."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients of every parameter that has one."""
@@ -1185,7 +1193,7 @@ def stable_optimizer(
     )
 
 
-class AccumulateGradients:
+class AccumulateGradients(_OptimizerView):
     """An optimizer wrapper that steps once every ``every_k`` calls, guarded.
 
     Made by `accumulate_gradients`. `param_groups` and `state` are the
@@ -1224,16 +1232,6 @@ class AccumulateGradients:
         self.optimizer = optimizer
         self.every_k = every_k
         self.mini_step = 0
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's parameter groups."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's per-parameter state."""
-        return self.optimizer.state
 
     @property
     def skip_state(self) -> SkipNonFiniteState:
