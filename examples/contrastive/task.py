@@ -21,7 +21,7 @@ from examples.contrastive import data
 from examples.contrastive.config import Config
 from examples.contrastive.metric import METRICS
 from examples.harness.config import check_int
-from examples.harness.parts import Task
+from examples.harness.parts import Task, own_part
 
 
 def check_config(c: Config) -> None:
@@ -120,26 +120,6 @@ def heldout_set(config: Config) -> dict[str, np.ndarray]:
     )
 
 
-# The frameworks are imported when a run needs them (`compare.py --help`
-# starts neither).
-def initial_weights(config):
-    from examples.contrastive import parts_torch
-
-    return parts_torch.initial_weights(config)
-
-
-def jax_parts(config, weights):
-    from examples.contrastive import parts_jax
-
-    return parts_jax.jax_parts(config, weights)
-
-
-def torch_parts(config, weights):
-    from examples.contrastive import parts_torch
-
-    return parts_torch.torch_parts(config, weights)
-
-
 TASK = Task(
     name="contrastive",
     help="image-text retrieval (CLIP-style InfoNCE on shape captions; recall@1)",
@@ -162,9 +142,10 @@ TASK = Task(
     describe=describe,
     train_batches=train_batches,
     heldout_set=heldout_set,
-    initial_weights=initial_weights,
-    jax_parts=jax_parts,
-    torch_parts=torch_parts,
+    # imported when a run needs them (`compare.py --help` starts neither)
+    initial_weights=own_part(__package__, "parts_torch.initial_weights"),
+    jax_parts=own_part(__package__, "parts_jax.jax_parts"),
+    torch_parts=own_part(__package__, "parts_torch.torch_parts"),
     check_config=check_config,
     # `compare.py --devices N`: the torch InfoNCE sees every
     # rank's embeddings under DDP (parts_torch); JAX's jitted step is one

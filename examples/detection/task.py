@@ -24,7 +24,7 @@ from examples.detection import data, metric
 from examples.detection import recipe as recipe_lib
 from examples.detection.config import Config
 from examples.harness.config import check_int
-from examples.harness.parts import Task
+from examples.harness.parts import Task, own_part
 
 
 def check_config(c: Config) -> None:
@@ -137,26 +137,6 @@ def degenerate_counts(config: Config) -> tuple[int, int, int]:
     return flat, points, total
 
 
-# The frameworks are imported when a run needs them (`compare.py --help`
-# starts neither).
-def initial_weights(config):
-    from examples.detection import parts_torch
-
-    return parts_torch.initial_weights(config)
-
-
-def jax_parts(config, weights):
-    from examples.detection import parts_jax
-
-    return parts_jax.jax_parts(config, weights)
-
-
-def torch_parts(config, weights):
-    from examples.detection import parts_torch
-
-    return parts_torch.torch_parts(config, weights)
-
-
 TASK = Task(
     name="detection",
     help="object detection (anchor-free detector, focal + CIoU; VOC mAP@0.5)",
@@ -177,9 +157,10 @@ TASK = Task(
     describe=describe,
     train_batches=train_batches,
     heldout_set=heldout_set,
-    initial_weights=initial_weights,
-    jax_parts=jax_parts,
-    torch_parts=torch_parts,
+    # imported when a run needs them (`compare.py --help` starts neither)
+    initial_weights=own_part(__package__, "parts_torch.initial_weights"),
+    jax_parts=own_part(__package__, "parts_jax.jax_parts"),
+    torch_parts=own_part(__package__, "parts_torch.torch_parts"),
     check_config=check_config,
     # `compare.py --devices N`: the torch loss divides by the
     # global box count under DDP (parts_torch); JAX's jitted step is one

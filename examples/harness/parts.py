@@ -13,6 +13,7 @@ a folder and one line in ``compare.py``'s ``TASKS``, no harness code.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,27 @@ import numpy as np
 from examples.harness.config import BaseConfig, make_config
 
 Batch = dict[str, np.ndarray]
+
+
+def own_part(package: str, name: str) -> Callable[..., Any]:
+    """``package.MODULE.FUNCTION`` (``name`` = ``"MODULE.FUNCTION"``), imported
+    at its first call: a task names its framework parts without importing jax
+    or torch (`compare.py --help` starts neither). ``package`` is the task's
+    own (``__package__``), so a task can only reach its own modules.
+
+    Example:
+        >>> f = own_part("examples.lm", "parts_torch.initial_weights")
+        >>> f.__name__
+        'initial_weights'
+    """
+    module, function = name.rsplit(".", 1)
+
+    def call(*args: Any) -> Any:
+        imported = importlib.import_module(f"{package}.{module}")
+        return getattr(imported, function)(*args)
+
+    call.__name__ = call.__qualname__ = function
+    return call
 
 
 @dataclasses.dataclass(frozen=True)

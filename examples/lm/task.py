@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from examples.harness.config import check_int, check_positive
-from examples.harness.parts import Task
+from examples.harness.parts import Task, own_part
 from examples.lm import data, probe
 from examples.lm.config import Config
 from examples.lm.metric import METRICS
@@ -126,26 +126,6 @@ def heldout_set(config: Config) -> dict[str, np.ndarray]:
     )
 
 
-# The frameworks are imported when a run needs them (`compare.py --help`
-# starts neither).
-def initial_weights(config):
-    from examples.lm import parts_torch
-
-    return parts_torch.initial_weights(config)
-
-
-def jax_parts(config, weights):
-    from examples.lm import parts_jax
-
-    return parts_jax.jax_parts(config, weights)
-
-
-def torch_parts(config, weights):
-    from examples.lm import parts_torch
-
-    return parts_torch.torch_parts(config, weights)
-
-
 TASK = Task(
     name="lm",
     help="byte-level language model on Python's stdlib sources (bits per byte)",
@@ -167,9 +147,10 @@ TASK = Task(
     describe=describe,
     train_batches=train_batches,
     heldout_set=heldout_set,
-    initial_weights=initial_weights,
-    jax_parts=jax_parts,
-    torch_parts=torch_parts,
+    # imported when a run needs them (`compare.py --help` starts neither)
+    initial_weights=own_part(__package__, "parts_torch.initial_weights"),
+    jax_parts=own_part(__package__, "parts_jax.jax_parts"),
+    torch_parts=own_part(__package__, "parts_torch.torch_parts"),
     check_config=check_config,
     precision="bfloat16",
     heldout_unit="windows",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from examples.harness.config import check_int, check_positive
-from examples.harness.parts import Task
+from examples.harness.parts import Task, own_part
 from examples.ocr import data, metric
 from examples.ocr.config import Config
 
@@ -90,26 +90,6 @@ def heldout_set(config: Config) -> dict[str, np.ndarray]:
     )
 
 
-# The frameworks are imported when a run needs them (`compare.py --help`
-# starts neither).
-def initial_weights(config):
-    from examples.ocr import parts_torch
-
-    return parts_torch.initial_weights(config)
-
-
-def jax_parts(config, weights):
-    from examples.ocr import parts_jax
-
-    return parts_jax.jax_parts(config, weights)
-
-
-def torch_parts(config, weights):
-    from examples.ocr import parts_torch
-
-    return parts_torch.torch_parts(config, weights)
-
-
 TASK = Task(
     name="ocr",
     help="text detection (DBNet on synthetic documents; hmean, precision, recall)",
@@ -128,9 +108,10 @@ TASK = Task(
     describe=describe,
     train_batches=train_batches,
     heldout_set=heldout_set,
-    initial_weights=initial_weights,
-    jax_parts=jax_parts,
-    torch_parts=torch_parts,
+    # imported when a run needs them (`compare.py --help` starts neither)
+    initial_weights=own_part(__package__, "parts_torch.initial_weights"),
+    jax_parts=own_part(__package__, "parts_jax.jax_parts"),
+    torch_parts=own_part(__package__, "parts_torch.torch_parts"),
     check_config=check_config,
     # `compare.py --devices N`: the torch loss is computed on the
     # global batch under DDP (parts_torch: gathered outputs and maps); JAX's

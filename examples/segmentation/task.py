@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from examples.harness.config import check_int
-from examples.harness.parts import Task
+from examples.harness.parts import Task, own_part
 from examples.segmentation import data, metric
 from examples.segmentation.config import Config
 
@@ -92,26 +92,6 @@ def heldout_set(config: Config) -> dict[str, np.ndarray]:
     )
 
 
-# The frameworks are imported when a run needs them (`compare.py --help`
-# starts neither).
-def initial_weights(config):
-    from examples.segmentation import parts_torch
-
-    return parts_torch.initial_weights(config)
-
-
-def jax_parts(config, weights):
-    from examples.segmentation import parts_jax
-
-    return parts_jax.jax_parts(config, weights)
-
-
-def torch_parts(config, weights):
-    from examples.segmentation import parts_torch
-
-    return parts_torch.torch_parts(config, weights)
-
-
 TASK = Task(
     name="segmentation",
     help="semantic segmentation (U-Net on synthetic scenes, label 255 ignored)",
@@ -132,9 +112,10 @@ TASK = Task(
     describe=describe,
     train_batches=train_batches,
     heldout_set=heldout_set,
-    initial_weights=initial_weights,
-    jax_parts=jax_parts,
-    torch_parts=torch_parts,
+    # imported when a run needs them (`compare.py --help` starts neither)
+    initial_weights=own_part(__package__, "parts_torch.initial_weights"),
+    jax_parts=own_part(__package__, "parts_jax.jax_parts"),
+    torch_parts=own_part(__package__, "parts_torch.torch_parts"),
     check_config=check_config,
     # `compare.py --devices N`: the torch loss is a mean over the global
     # batch under DDP (loss_torch); the JAX side needs nothing
