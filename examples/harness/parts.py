@@ -24,6 +24,18 @@ from examples.harness.config import BaseConfig, make_config
 Batch = dict[str, np.ndarray]
 
 
+class _OwnPart:
+    """A task's function imported at its first call; a module-level class so
+    that a `Task` pickles (the `--devices` torch ranks are spawned with it)."""
+
+    def __init__(self, package: str, module: str, function: str) -> None:
+        self.package, self.module, self.__name__ = package, module, function
+
+    def __call__(self, *args: Any) -> Any:
+        imported = importlib.import_module(f"{self.package}.{self.module}")
+        return getattr(imported, self.__name__)(*args)
+
+
 def own_part(package: str, name: str) -> Callable[..., Any]:
     """``package.MODULE.FUNCTION`` (``name`` = ``"MODULE.FUNCTION"``), imported
     at its first call: a task names its framework parts without importing jax
@@ -31,18 +43,13 @@ def own_part(package: str, name: str) -> Callable[..., Any]:
     own (``__package__``), so a task can only reach its own modules.
 
     Example:
+        >>> import pickle
         >>> f = own_part("examples.lm", "parts_torch.initial_weights")
-        >>> f.__name__
-        'initial_weights'
+        >>> f.__name__, pickle.loads(pickle.dumps(f)).__name__
+        ('initial_weights', 'initial_weights')
     """
     module, function = name.rsplit(".", 1)
-
-    def call(*args: Any) -> Any:
-        imported = importlib.import_module(f"{package}.{module}")
-        return getattr(imported, function)(*args)
-
-    call.__name__ = call.__qualname__ = function
-    return call
+    return _OwnPart(package, module, function)
 
 
 @dataclasses.dataclass(frozen=True)
