@@ -154,8 +154,11 @@ def test_every_kernel_load_and_store_is_masked():
     assert all(masked for _, masked in ops), ops
 
 
-def test_applies_only_where_the_kernel_runs():
+def test_applies_only_where_the_kernel_runs(monkeypatch):
     x = jnp.zeros((4, 19))
+    monkeypatch.setenv("JAXSTABLE_CE_KERNEL", "0")  # the user's off switch
+    assert not ce_kernel_applies(x, interpret=True)
+    monkeypatch.setenv("JAXSTABLE_CE_KERNEL", "1")
     on_gpu = jax.default_backend() == "gpu"
     assert ce_kernel_applies(x) is on_gpu
     assert ce_kernel_applies(x, interpret=True)

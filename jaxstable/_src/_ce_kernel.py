@@ -68,6 +68,7 @@ are unchecked (no GPU lent to the sessions that wrote it).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,9 @@ def ce_kernel_applies(
     True on a GPU backend (or with `interpret`) for float16/bfloat16/float32
     logits with at least one and at most 262,144 classes and fewer than
     2**31 elements, any number of rows (0 included), with or without class
-    weights of shape ``(C,)``.
+    weights of shape ``(C,)``. False whenever the environment variable
+    ``JAXSTABLE_CE_KERNEL`` is ``0`` (read at each call, i.e. when the loss
+    is traced).
 
     Args:
         logits: the logits the loss is called with.
@@ -125,6 +128,8 @@ def ce_kernel_applies(
         >>> ce_kernel_applies(jnp.zeros((4, 19), jnp.int32), interpret=True)
         False
     """
+    if os.environ.get("JAXSTABLE_CE_KERNEL", "1") == "0":
+        return False  # the user's switch: the XLA path everywhere
     if not (interpret or jax.default_backend() == "gpu"):
         return False
     if logits.ndim < 1 or jnp.dtype(logits.dtype) not in map(jnp.dtype, _KERNEL_DTYPES):
