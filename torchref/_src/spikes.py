@@ -240,8 +240,9 @@ class SkipSpikes(_OptimizerView):
     """
 
     def __init__(self, optimizer, window, min_history, threshold, min_ratio):
-        _check_optimizer(optimizer, "skip_spikes")
         self.plain = not isinstance(optimizer, SkipNonFinite)
+        if self.plain:  # a guard (stable_optimizer) is no torch Optimizer
+            _check_optimizer(optimizer, "skip_spikes")
         self.optimizer = skip_non_finite(optimizer) if self.plain else optimizer
         self._decision = _Decision(window, min_history, threshold, min_ratio)
 
