@@ -688,7 +688,9 @@ def accumulate_gradients(
     as torch's GradScaler recipe (``scaler.scale(loss / k).backward()`` k
     times, then one ``scaler.step``) skips it; the next window starts clean.
     So is a window whose float32 sum overflows (two micro-gradients of 3e38),
-    as a non-finite gradient, as torch's sum in ``.grad`` is.
+    as a non-finite gradient, as torch's sum in ``.grad`` is. (torch adds in
+    the gradients' dtype: float16 micro-gradients summing past 65504 are inf
+    there, a skipped window, and finite in this float32 sum.)
     The clip, the skip check and the counters of a guarded ``optimizer``
     (`stable_optimizer`, `skip_non_finite`) act once per window, on the mean.
     An unguarded ``optimizer`` is guarded here the same way (the window is
