@@ -463,8 +463,10 @@ def skip_non_finite(
         )
 
     def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
-        grads_ok = all_finite(updates) if grads_finite is None else grads_finite
-        grads_ok = jnp.asarray(grads_ok, jnp.bool_)
+        if grads_finite is None:
+            grads_ok = all_finite(updates)
+        else:
+            grads_ok = _scalar_flag(grads_finite)
 
         def update(updates, inner_state, params):
             return inner.update(updates, inner_state, params, **extra_args)
@@ -606,6 +608,23 @@ def find_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
         if isinstance(node, SkipNonFiniteState):
             return node
     return None
+
+
+def _scalar_flag(flag: Any) -> jax.Array:
+    """``grads_finite=`` as a boolean scalar, any other shape refused.
+
+    It is broadcast against every update and counter: a flag of shape (1,)
+    (``jnp.isfinite(loss)`` of a loss kept with ``keepdims``) turned scalar
+    parameters and the state's counters into shape (1,), one of shape (n,)
+    skipped element by element. `DynamicLossScale.adjust` refuses the same.
+    """
+    flag = jnp.asarray(flag, jnp.bool_)
+    if flag.ndim != 0:
+        raise ValueError(
+            "grads_finite must be a boolean scalar (one flag for the whole "
+            f"step), got shape {flag.shape}"
+        )
+    return flag
 
 
 def _check_optimizer(optimizer: Any, where: str) -> None:
@@ -761,7 +780,7 @@ def accumulate_gradients(
         # when the micro-gradient is and the addition did not overflow.
         ok = all_finite(added)
         if grads_finite is not None:
-            ok = jnp.logical_and(ok, jnp.asarray(grads_finite, jnp.bool_))
+            ok = jnp.logical_and(ok, _scalar_flag(grads_finite))
         acc = jax.tree_util.tree_map(
             lambda new, old: jnp.where(ok, new, old), added, state.acc
         )
