@@ -1,17 +1,21 @@
-"""What the benchmarks write about the machine they ran on (both scripts)."""
+"""What the benchmarks write about the machine they ran on (every script).
+
+`cpu_name` lives once, in `examples.harness.environment` (the harness
+records it in every ``summary.json``); this module keeps the scripts'
+``from _device import cpu_name`` working when run as
+``python benchmarks/bench_*.py`` (only ``benchmarks/`` on ``sys.path``).
+That module imports neither JAX nor torch.
+"""
 
 from __future__ import annotations
 
-import platform
+import sys
 from pathlib import Path
 
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (or what `platform` knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from examples.harness.environment import cpu_name  # noqa: E402
+
+__all__ = ["cpu_name"]

@@ -11,7 +11,12 @@ at the sizes users train with: Cityscapes crops 8x512x1024x19, ADE20K
 (150 classes), COCO (80), ImageNet classification (1000), a language-model
 vocabulary (32000). Variants:
 
-  ours          jit(value_and_grad(jaxstable.losses.softmax_cross_entropy))
+  ours          jit(value_and_grad(jaxstable.losses.softmax_cross_entropy)):
+                on a GPU the Pallas kernel (jaxstable/_src/_ce_kernel.py)
+                where it applies
+  ours_xla      the same loss by its XLA path, the kernel's fallback (on a
+                CPU, where the kernel never runs, the same program as ours);
+                its value and gradient must match ours (checked each row)
   naive_optax   the same with optax's softmax_cross_entropy_with_integer_labels
                 in the logits' dtype, masked mean
   torch_float   F.cross_entropy(x.float(), y, ignore_index) + backward
@@ -63,6 +68,7 @@ if str(_ROOT) not in sys.path:  # examples/ and the packages, run as a script
     sys.path.insert(0, str(_ROOT))
 
 from jaxstable import losses  # noqa: E402
+from jaxstable._src.losses.cross_entropy import _ce_rows  # noqa: E402
 
 IGNORE = 255
 RESULTS = _ROOT / "benchmarks" / "results"
@@ -117,16 +123,22 @@ def copy_bandwidth(n_bytes: int) -> float:
     return 2 * x.size * 4 / statistics.median(ts)
 
 
-def _jax_ce(naive: bool):
+def _jax_ce(naive: bool, xla: bool = False):
     def ours(x, y):
         return losses.softmax_cross_entropy(x, y, ignore_index=IGNORE)
+
+    def ours_xla(x, y):  # the kernel's fallback: the loss's own XLA rows
+        valid = y != IGNORE
+        per = _ce_rows(x, y, None, IGNORE, 0.0, 0.0)
+        return jnp.sum(per) / jnp.maximum(jnp.sum(valid), 1).astype(per.dtype)
 
     def naive_ce(x, y):
         valid = y != IGNORE
         per = optax.softmax_cross_entropy_with_integer_labels(x, jnp.where(valid, y, 0))
         return jnp.sum(jnp.where(valid, per, 0)) / jnp.maximum(jnp.sum(valid), 1)
 
-    return jax.jit(jax.value_and_grad(naive_ce if naive else ours))
+    fn = naive_ce if naive else ours_xla if xla else ours
+    return jax.jit(jax.value_and_grad(fn))
 
 
 def _jax_peak_bytes(fn, *args) -> int:
@@ -137,7 +149,13 @@ def _jax_peak_bytes(fn, *args) -> int:
 def _ce_case(x32, y, dtype, reps, device, compile_torch, bw) -> dict:
     jx = jnp.asarray(x32).astype(dtype)
     jy = jnp.asarray(y)
-    ours, naive = _jax_ce(False), _jax_ce(True)
+    ours, naive, ours_xla = _jax_ce(False), _jax_ce(True), _jax_ce(False, xla=True)
+    # The kernel computes what its fallback does (bf16/fp16 gradients: a
+    # rounding apart); a wrong kernel must not be timed as a fast one.
+    (v, g), (v_ref, g_ref) = ours(jx, jy), ours_xla(jx, jy)
+    np.testing.assert_allclose(float(v), float(v_ref), rtol=1e-4)
+    g, g_ref = np.asarray(g, np.float32), np.asarray(g_ref, np.float32)
+    np.testing.assert_allclose(g, g_ref, rtol=2e-2, atol=1e-2 * np.abs(g_ref).max())
     tx = torch.tensor(x32).to(device=device, dtype=getattr(torch, dtype))
     if tx.ndim > 2:  # NHWC -> NCHW (class dim 1, torch's convention)
         tx = tx.movedim(-1, 1).contiguous()
@@ -153,6 +171,7 @@ def _ce_case(x32, y, dtype, reps, device, compile_torch, bw) -> dict:
 
     variants = {
         "ours": lambda: ours(jx, jy)[1].block_until_ready(),
+        "ours_xla": lambda: ours_xla(jx, jy)[1].block_until_ready(),
         "naive_optax": lambda: naive(jx, jy)[1].block_until_ready(),
         "torch_float": run_torch,
     }
@@ -163,6 +182,7 @@ def _ce_case(x32, y, dtype, reps, device, compile_torch, bw) -> dict:
     floor_s = (2 * jx.size * jx.dtype.itemsize + jy.size * 4) / bw
     peak = {
         "ours": _jax_peak_bytes(ours, jx, jy),
+        "ours_xla": _jax_peak_bytes(ours_xla, jx, jy),
         "naive_optax": _jax_peak_bytes(naive, jx, jy),
     }
     if device == "cuda":

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from jaxstable._src._ce_kernel import ce_kernel_applies, softmax_cross_entropy_rows
+from jaxstable._src.losses.cross_entropy import _ce_rows
 from jaxstable.losses import softmax_cross_entropy
 
 IGNORE = -100
@@ -59,11 +60,16 @@ def test_kernel_matches_xla_and_torch(n, c, dtype, weighted, eps):
     kw = dict(ignore_index=IGNORE, label_smoothing=eps, weights=w)
     upstream = jnp.arange(1, n + 1, dtype=jnp.float32)
 
+    # On a GPU (make gpu-check) the compiled kernel, elsewhere interpret
+    # mode; the reference is the XLA path itself (softmax_cross_entropy
+    # would take the kernel on a GPU).
+    interpret = jax.default_backend() != "gpu"
+
     def ours(x):
-        return softmax_cross_entropy_rows(x, y, interpret=True, **kw)
+        return softmax_cross_entropy_rows(x, y, interpret=interpret, **kw)
 
     def xla(x):
-        return softmax_cross_entropy(x, y, reduction="none", **kw)
+        return _ce_rows(x, y, w, IGNORE, eps, 0.0)
 
     got, vjp = jax.vjp(ours, x)
     want, vjp_ref = jax.vjp(xla, x)
@@ -118,3 +124,38 @@ def test_last_axis_wrapper_matches_xla_with_a_bad_label_under_jit():
     )(x, y)
     assert np.isnan(got[1, 0]) and np.isnan(want[1, 0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("c", "dtype", "weighted", "eps"),
+    [
+        (19, jnp.bfloat16, False, 0.0),  # rows of 38 bytes
+        (150, jnp.float16, True, 0.1),
+        (1000, jnp.float32, True, 0.0),
+        (16384, jnp.bfloat16, False, 0.1),  # the largest the kernel takes
+    ],
+)
+def test_kernel_lowers_for_a_cuda_gpu(c, dtype, weighted, eps):
+    # No GPU here, but the kernel's GPU lowering runs in Python: jax.export
+    # for platform "cuda" turns forward and backward into Triton IR (custom
+    # calls that XLA:GPU compiles). It found two bugs interpret mode cannot:
+    # Pallas' default GPU backend (Mosaic GPU) refuses rows that are not a
+    # multiple of 16 bytes, and the Triton lowering has no `slice`.
+    from jax import export
+
+    def loss(x, y):
+        w = jnp.linspace(0.5, 2.0, c, dtype=jnp.float32) if weighted else None
+        rows = softmax_cross_entropy_rows(
+            x, y, ignore_index=IGNORE, label_smoothing=eps, weights=w
+        )
+        return rows.sum()
+
+    triton = "__gpu$xla.gpu.triton"
+    exported = export.export(
+        jax.jit(jax.value_and_grad(loss)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)],
+    )(jax.ShapeDtypeStruct((37, c), dtype), jax.ShapeDtypeStruct((37,), jnp.int32))
+    text = exported.mlir_module()
+    assert text.count(f"custom_call @{triton}") == 2  # forward and backward
+    assert 'name = "_forward_kernel"' in text and 'name = "_backward_kernel"' in text

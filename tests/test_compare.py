@@ -1,15 +1,21 @@
 """`examples/compare.py segmentation --quick`: the six runs and their outputs."""
 
+import contextlib
 import dataclasses
+import importlib.metadata
+import io
 import json
 import math
 import os
+import platform
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from examples import compare, harness
+from examples.harness import environment
 from examples.segmentation.task import TASK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,11 +31,18 @@ LINE_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
+def quick_run(tmp_path_factory):
+    """The output folder of one quick comparison and what it printed."""
     path = tmp_path_factory.mktemp("compare")
     argv = ["segmentation", "--quick", "--no-progress", "--out", str(path)]
-    assert compare.main(argv) == 0
-    return path
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert compare.main(argv) == 0
+    return path, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def out(quick_run):
+    return quick_run[0]
 
 
 def test_summary_has_six_well_formed_runs(out):
@@ -59,6 +72,37 @@ def test_summary_has_six_well_formed_runs(out):
     assert len({(loc["phase"], loc["path"]) for loc in naive}) == 1, naive
     assert 0.0 <= summary["fp32_agreement"] <= harness.FP32_AGREEMENT_LIMIT
     assert summary["task"] == "segmentation" and summary["metrics"] == ["miou"]
+
+
+def test_summary_records_the_installed_versions_and_the_machine(quick_run):
+    """The versions are the installed ones (not a copy of a string), the
+    devices the ones this process ran on; report.md and the printout show
+    the record's line once each."""
+    import jax
+
+    out, printed = quick_run
+    env = json.loads((out / "summary.json").read_text())["environment"]
+    assert set(env["packages"]) == set(environment.PACKAGES)
+    for name, version in env["packages"].items():
+        assert version == importlib.metadata.version(name), name  # all installed
+    assert env["python"] == platform.python_version()
+    assert env["jax_backend"] == jax.default_backend()
+    assert env["jax_device_count"] == jax.device_count()
+    assert env["jax_device_kind"] == jax.devices()[0].device_kind
+    assert env["torch_device"] == "cpu" and env["cpu_count"] == os.cpu_count()
+    assert env["cpu"] == environment.cpu_name()
+    if shutil.which("git") is not None:
+        head = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        assert env["git_commit"] == (head or None)
+        assert isinstance(env["git_dirty"], bool) or env["git_commit"] is None
+    line = environment.describe(env)
+    assert f"jax {importlib.metadata.version('jax')}, " in line
+    assert f"torch {importlib.metadata.version('torch')}, " in line
+    report = (out / "report.md").read_text()
+    assert report.count("Environment: ") == 1 and f"Environment: {line}." in report
+    assert printed.count("environment: ") == 1 and f"environment: {line}\n" in printed
 
 
 def test_metrics_jsonl_has_one_line_per_run_step(out):

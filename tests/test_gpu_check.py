@@ -51,7 +51,12 @@ def test_bench_gpu_code_paths_run_on_cpu_at_toy_sizes(tmp_path):
     payload = json.loads((tmp_path / "bench_gpu_cpu_smoke.json").read_text())
     assert {r["dtype"] for r in payload["cross_entropy"]} == {"bfloat16", "float16"}
     for row in payload["cross_entropy"]:
-        assert set(row["median_s"]) == {"ours", "naive_optax", "torch_float"}
+        assert set(row["median_s"]) == {
+            "ours",
+            "ours_xla",
+            "naive_optax",
+            "torch_float",
+        }
         assert all(v > 0 for v in row["median_s"].values())
     steps = {r["dtype"]: r for r in payload["train_step"]}
     assert set(steps) == {"float16", "bfloat16"}

@@ -23,6 +23,7 @@ One concern per module, the arrows pointing one way (``a <- b``: b imports a)::
     report        metrics.jsonl lines, curves.png, report.md
     run           train_and_evaluate, compare: the plan and its outputs
     cli           compare.py's command line (<- run)
+    environment   the versions, devices, CPU and git commit a run came from
 
 A task is a folder ``examples/<name>/`` whose ``task.py`` defines ``TASK``, a
 `parts.Task`; shared models, converters and data helpers are

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from examples.harness import devices
+from examples.harness import devices, environment
 from examples.harness.agreement import (
     AGREEMENT_STEPS,
     GRADIENT_THRESHOLD,
@@ -182,7 +182,12 @@ def main(
         steps = min(AGREEMENT_STEPS, base.steps)
         threshold = task.gradient_threshold or GRADIENT_THRESHOLD
         out = gradient_agreement(task, base, steps, threshold=threshold)
-        print(json.dumps({"task": args.name, "threshold": threshold, **out}))
+        env = environment.record()
+        print(
+            json.dumps(
+                {"task": args.name, "threshold": threshold, **out, "environment": env}
+            )
+        )
         return 0
     devices.force_host_devices(base.devices)
     summary = compare(
@@ -195,6 +200,7 @@ def main(
         one_device_reference=args.one_device_reference,
     )
     print(f"\nwall time {summary['wall_time_s']:.0f} s")
+    print(f"environment: {environment.describe(summary.get('environment'))}")
     for r in summary["runs"]:
         scores = "  ".join(f"{m} {fmt(r[m], '.3f')}" for m in task.metrics)
         print(

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from examples.harness import devices
+from examples.harness import devices, environment
 from examples.harness.agreement import AGREEMENT_STEPS, fp32_agreement
 from examples.harness.parts import Task
 from examples.harness.results import RunResult, fmt, json_float
@@ -328,6 +328,7 @@ def write_report(
         f"Command: `{command}`  ",
         f"Wall time: {summary['wall_time_s']:.0f} s on this machine "
         f"({os.cpu_count()} CPU cores, shared).  ",
+        f"Environment: {environment.describe(summary.get('environment'))}.  ",
         f"Setup: {task.describe(c)}; batch {c.batch_size}; {c.optimizer} lr "
         f"{c.learning_rate:g} (b1 {c.b1}, b2 {c.b2}, eps {c.eps:g}); seed {c.seed}; "
         f"held-out {', '.join(task.metrics)} on {c.eval_images} "

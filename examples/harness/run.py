@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from examples.harness import ddp, devices, jax_runner, torch_runner
+from examples.harness import ddp, devices, environment, jax_runner, torch_runner
 from examples.harness.agreement import fp32_agreement
 from examples.harness.config import BaseConfig, check_choice
 from examples.harness.parts import Task
@@ -85,15 +85,19 @@ def compare(task: Task, base: BaseConfig, precision: str, out: str, *,
       mode and the `fit` record: step, loss, grad_norm, loss_scale, finite,
       skipped_total, time_s; null = non-finite);
     * ``summary.json``: ``{"task", "precision", "metrics", "runs": [...],
-      "fp32_agreement", "config", "wall_time_s"}``, each run with the task's
-      held-out metrics and ``location``: ``{"step", "phase", "path", "op",
-      "detail"}`` of what ``diagnostics.locate`` found for its first
-      non-finite step (naive) or first skipped step (stable), else None;
+      "fp32_agreement", "config", "wall_time_s", "environment"}``, each
+      run with the task's held-out metrics and ``location``: ``{"step",
+      "phase", "path", "op", "detail"}`` of what ``diagnostics.locate``
+      found for its first non-finite step (naive) or first skipped step
+      (stable), else None;
       with ``base.devices > 1`` each run also carries ``replicas``
       (`examples.harness.devices.replica_check`), and with
       ``one_device_reference`` the plan runs again on one device and
       ``"one_device"`` holds `examples.harness.devices.one_device_agreement`;
       ``"diagnosis"``: ``task.diagnose(runs)`` when the task has one;
+      ``"environment"``: the versions, devices, CPU, git commit and time
+      of the run (`examples.harness.environment.record`; a summary written
+      before the harness recorded it has no such key);
     * ``curves.png``: loss, loss scale and gradient norm per step;
     * ``report.md``: the table, the plot, what failed where and why, and for
       each run that went non-finite what ``diagnostics.locate`` found, above
@@ -143,6 +147,7 @@ def compare(task: Task, base: BaseConfig, precision: str, out: str, *,
         summary["diagnosis"] = task.diagnose(runs)
     plot_curves(runs, os.path.join(out, "curves.png"), task.curves)
     summary["wall_time_s"] = time.perf_counter() - t0
+    summary["environment"] = environment.record()
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2, allow_nan=False)
         f.write("\n")

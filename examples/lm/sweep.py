@@ -5,7 +5,9 @@ QK-norm, no guard) and its stable bfloat16 run (QK-norm, clip, skip) from
 the same weights and batches (the harness's `train_and_evaluate`, one
 framework) and prints a markdown table: held-out bits per byte, the peak
 max attention logit, the step it passed the limit and the diagnosis of
-`probe.mechanism`. Writes the rows as JSON to ``--out``::
+`probe.mechanism`. Writes the rows as JSON to ``--out``, with the versions
+and the machine of the sweep (``environment``,
+`examples.harness.environment.record`)::
 
     python -m examples.lm.sweep --out examples/lm/results/sweep.json
 
@@ -29,6 +31,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from examples import harness  # noqa: E402
+from examples.harness import environment  # noqa: E402
 from examples.lm import probe  # noqa: E402
 from examples.lm.task import TASK  # noqa: E402
 
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"framework": args.framework, "precision": args.precision,
-                       "steps": args.steps, "rows": rows}, f, indent=2)  # fmt: skip
+                       "steps": args.steps, "rows": rows,
+                       "environment": environment.record()}, f, indent=2)  # fmt: skip
             f.write("\n")
     return 0
 

@@ -41,8 +41,19 @@ Integration: `jaxstable.losses.softmax_cross_entropy`, after its checks
 and with the class axis moved last, calls `softmax_cross_entropy_last_axis`
 when ``ce_kernel_applies(x, weights=weights)`` (a GPU backend), its XLA
 ``_ce_rows`` otherwise. On a CPU the kernel runs only in Pallas' interpret
-mode (tests), never by default. NOT yet run on a GPU: neither its Triton
-lowering nor its speed was checked (no GPU in the session that wrote it).
+mode (tests), never by default.
+
+Backend: Triton, chosen with ``compiler_params=pltriton.CompilerParams()``.
+Pallas' default GPU backend in the jax this was written against is Mosaic
+GPU, whose TMA copies refuse this kernel's blocks (rows must be a multiple
+of 16 bytes: 19 bfloat16 classes are 38; at most 256 elements per copied
+dimension; its 16384-class blocks exceed shared memory). The kernels use no
+``slice`` (``x[:, 0]``), which the Triton lowering does not implement. Both
+were found without a GPU: ``jax.export`` for platform ``"cuda"`` runs the
+GPU lowering in Python down to the Triton IR that XLA:GPU compiles
+(`parity_tests/test_ce_kernel.py::test_kernel_lowers_for_a_cuda_gpu`).
+NOT yet run on a GPU: XLA:GPU's compile of that IR and the kernel's speed
+are unchecked (no GPU lent to the sessions that wrote it).
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 __all__ = [
     "ce_kernel_applies",
@@ -114,18 +126,24 @@ def _pow2(n: int) -> int:
 
 
 def _row_stats(x_ref, y_ref, w_ref, classes, ignore_index):
-    """Per-row float32 quantities shared by the forward and backward."""
+    """Per-row float32 quantities shared by the forward and backward.
+
+    Row quantities are ``(R,)`` vectors, brought to ``(R, 1)`` with
+    ``[:, None]`` where they meet a block: no ``slice`` (``[:, 0]``,
+    ``[0]``), which Pallas' Triton lowering does not implement.
+    """
     x = x_ref[...].astype(jnp.float32)
     cols = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
     valid_col = cols < classes
     x = jnp.where(valid_col, x, -jnp.inf)
-    w = jnp.where(valid_col[0], w_ref[...].astype(jnp.float32), 0.0)[None, :]
-    y = y_ref[...].astype(jnp.int32)[:, None]
-    m = jnp.max(x, axis=1, keepdims=True)
+    w_cols = jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 0) < classes
+    w = jnp.where(w_cols, w_ref[...].astype(jnp.float32), 0.0)[None, :]
+    y = y_ref[...].astype(jnp.int32)
+    m = jnp.max(x, axis=1)
     # A row of all -inf would give m = -inf and nan; torch gives nan too.
-    e = jnp.exp(x - m)
-    lse = m + jnp.log(jnp.sum(e, axis=1, keepdims=True))
-    onehot = cols == y
+    e = jnp.exp(x - m[:, None])
+    lse = m + jnp.log(jnp.sum(e, axis=1))
+    onehot = cols == y[:, None]
     keep = y != ignore_index
     return x, w, lse, onehot, keep, valid_col
 
@@ -136,15 +154,15 @@ def _forward_kernel(
     x, w, lse, onehot, keep, valid_col = _row_stats(
         x_ref, y_ref, w_ref, classes, ignore_index
     )
-    x_y = jnp.sum(jnp.where(onehot, x, 0.0), axis=1, keepdims=True)
-    w_y = jnp.sum(jnp.where(onehot, w, 0.0), axis=1, keepdims=True)
+    x_y = jnp.sum(jnp.where(onehot, x, 0.0), axis=1)
+    w_y = jnp.sum(jnp.where(onehot, w, 0.0), axis=1)
     loss = (1.0 - eps) * w_y * (lse - x_y)
     if eps:
-        wx = jnp.sum(jnp.where(valid_col, w * x, 0.0), axis=1, keepdims=True)
-        smooth = (lse * jnp.sum(w, axis=1, keepdims=True) - wx) / classes
+        wx = jnp.sum(jnp.where(valid_col, w * x, 0.0), axis=1)
+        smooth = (lse * jnp.sum(w) - wx) / classes
         loss = loss + eps * smooth
-    loss_ref[...] = jnp.where(keep, loss, 0.0)[:, 0]
-    lse_ref[...] = lse[:, 0]
+    loss_ref[...] = jnp.where(keep, loss, 0.0)
+    lse_ref[...] = lse
 
 
 def _backward_kernel(
@@ -153,14 +171,13 @@ def _backward_kernel(
     x, w, _, onehot, keep, valid_col = _row_stats(
         x_ref, y_ref, w_ref, classes, ignore_index
     )
-    lse = lse_ref[...][:, None]
-    p = jnp.exp(x - lse)
-    w_y = jnp.sum(jnp.where(onehot, w, 0.0), axis=1, keepdims=True)
-    d = (1.0 - eps) * w_y * (p - onehot.astype(jnp.float32))
+    p = jnp.exp(x - lse_ref[...][:, None])
+    w_y = jnp.sum(jnp.where(onehot, w, 0.0), axis=1)
+    d = (1.0 - eps) * w_y[:, None] * (p - onehot.astype(jnp.float32))
     if eps:
-        d = d + eps / classes * (p * jnp.sum(w, axis=1, keepdims=True) - w)
-    g = jnp.where(keep, g_ref[...][:, None], 0.0)
-    dx_ref[...] = jnp.where(valid_col, g * d, 0.0).astype(dx_ref.dtype)
+        d = d + eps / classes * (p * jnp.sum(w) - w)
+    g = jnp.where(keep, g_ref[...], 0.0)
+    dx_ref[...] = jnp.where(valid_col, g[:, None] * d, 0.0).astype(dx_ref.dtype)
 
 
 def _specs(n_rows: int, classes: int):
@@ -188,6 +205,7 @@ def _forward(x, y, w, ignore_index, eps, interpret):
         in_specs=[rows, vec, cls],
         out_specs=(vec, vec),
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),
     )(x, y, w)
 
 
@@ -204,6 +222,7 @@ def _backward(x, y, w, lse, g, ignore_index, eps, interpret):
         in_specs=[rows, vec, cls, vec, vec],
         out_specs=rows,
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),
     )(x, y, w, lse, g)
 
 
