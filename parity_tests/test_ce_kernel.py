@@ -47,18 +47,20 @@ def _torch(x, y, w, eps, dtype):
 @pytest.mark.parametrize(
     ("n", "c", "dtype", "weighted", "eps"),
     [
-        (8, 19, jnp.float32, False, 0.0),
         (8, 19, jnp.float32, True, 0.1),
         (5, 130, jnp.bfloat16, True, 0.0),  # 130 classes: a 256-wide block
         (11, 7, jnp.float16, False, 0.2),  # 11 rows: a partial row block
         (0, 19, jnp.float32, True, 0.1),  # zero rows
+        # 2500 classes: three chunks of 1024, the last one partial
+        (4, 2500, jnp.bfloat16, True, 0.1),
+        (130, 3, jnp.float32, False, 0.0),  # 128 rows per program: 2, partial
     ],
 )
 def test_kernel_matches_xla_and_torch(n, c, dtype, weighted, eps):
     x, y = _case(n, c, dtype, seed=n + c)
     w = jnp.linspace(0.5, 2.0, c, dtype=jnp.float32) if weighted else None
     kw = dict(ignore_index=IGNORE, label_smoothing=eps, weights=w)
-    upstream = jnp.arange(1, n + 1, dtype=jnp.float32)
+    upstream = 1.0 + jnp.arange(n, dtype=jnp.float32) % 7
 
     # On a GPU (make gpu-check) the compiled kernel, elsewhere interpret
     # mode; the reference is the XLA path itself (softmax_cross_entropy
@@ -92,15 +94,84 @@ def test_kernel_matches_xla_and_torch(n, c, dtype, weighted, eps):
     )
 
 
-def test_applies_only_where_the_kernel_runs():
+def test_kernel_a_chunk_of_minus_inf_logits_as_torch():
+    # A masked vocabulary range: row 0's first chunk (1024 classes) is all
+    # -inf, its label in the second; row 1 is -inf everywhere (torch: nan).
+    x = jax.random.normal(jax.random.key(5), (2, 1100)).at[0, :1024].set(-jnp.inf)
+    x = x.at[1].set(-jnp.inf)
+    y = jnp.array([1050, 3])
+    interpret = jax.default_backend() != "gpu"
+    got, dx = jax.value_and_grad(
+        lambda x: softmax_cross_entropy_rows(x, y, interpret=interpret)[0]
+    )(x)
+    rows = softmax_cross_entropy_rows(x, y, interpret=interpret)
+    lt, xt = _torch(x, y, None, 0.0, jnp.float32)
+    lt[0].backward()
+    assert np.isnan(float(rows[1])) and np.isnan(lt[1].item())
+    np.testing.assert_allclose(float(got), lt[0].item(), rtol=1e-5)
+    np.testing.assert_allclose(dx[0], xt.grad.numpy()[0], rtol=1e-5, atol=1e-7)
+    assert not np.any(np.asarray(dx[0, :1024]))
+
+
+def _kernel_memory_ops(jaxpr):
+    """(name, masked) of every ref read and write in the pallas_call kernels
+    of ``jaxpr``, loop bodies included."""
+    found = []
+
+    def walk(j, in_kernel):
+        for e in j.eqns:
+            name = e.primitive.name
+            if in_kernel and name in ("get", "swap"):  # x_ref[...]: never masked
+                found.append((name, False))
+            elif in_kernel and name in ("masked_load", "masked_swap"):
+                args = e.params["args_tree"].unflatten(e.invars)
+                mask = args[2] if name == "masked_load" else args[3]
+                found.append((name, mask is not None))
+            for v in e.params.values():
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):
+                    walk(sub, in_kernel or name == "pallas_call")
+
+    walk(jaxpr, False)
+    return found
+
+
+def test_every_kernel_load_and_store_is_masked():
+    # Pallas' Triton lowering masks nothing: a block's addresses come from the
+    # full array's strides, so an unmasked (rows, chunk) access past N or C
+    # reads the next row and writes over its gradient on a GPU. Interpret
+    # mode pads blocks and cannot see it; the kernels' programs can.
+    c = 2500
+    w = jnp.ones(c)
+
+    def loss(x, y):
+        rows = softmax_cross_entropy_rows(x, y, label_smoothing=0.1, weights=w)
+        return rows.sum()
+
+    x, y = jnp.zeros((37, c), jnp.bfloat16), jnp.zeros((37,), jnp.int32)
+    ops = _kernel_memory_ops(jax.make_jaxpr(jax.grad(loss))(x, y).jaxpr)
+    assert {name for name, _ in ops} == {"masked_load", "masked_swap"}
+    assert all(masked for _, masked in ops), ops
+
+
+def test_applies_only_where_the_kernel_runs(monkeypatch):
     x = jnp.zeros((4, 19))
+    monkeypatch.setenv("JAXSTABLE_CE_KERNEL", "0")  # the user's off switch
+    assert not ce_kernel_applies(x, interpret=True)
+    monkeypatch.setenv("JAXSTABLE_CE_KERNEL", "1")
     on_gpu = jax.default_backend() == "gpu"
     assert ce_kernel_applies(x) is on_gpu
     assert ce_kernel_applies(x, interpret=True)
     assert ce_kernel_applies(x, weights=jnp.ones(19), interpret=True)
     assert not ce_kernel_applies(x, weights=jnp.ones(18), interpret=True)
     assert not ce_kernel_applies(jnp.zeros((4, 0)), interpret=True)
-    assert not ce_kernel_applies(jnp.zeros((4, 20000)), interpret=True)
+    # a 32k vocabulary is looped over in chunks; past 2**18 classes or 2**31
+    # elements, the XLA path
+    assert ce_kernel_applies(jnp.zeros((4, 32000)), interpret=True)
+    big = jax.ShapeDtypeStruct((4, 2**18 + 1), jnp.float32)
+    assert not ce_kernel_applies(big, interpret=True)
+    huge = jax.ShapeDtypeStruct((2**14, 2**17), jnp.bfloat16)
+    assert not ce_kernel_applies(huge, interpret=True)
     assert not ce_kernel_applies(jnp.zeros((4, 19), jnp.int32), interpret=True)
 
 
@@ -132,7 +203,7 @@ def test_last_axis_wrapper_matches_xla_with_a_bad_label_under_jit():
         (19, jnp.bfloat16, False, 0.0),  # rows of 38 bytes
         (150, jnp.float16, True, 0.1),
         (1000, jnp.float32, True, 0.0),
-        (16384, jnp.bfloat16, False, 0.1),  # the largest the kernel takes
+        (32000, jnp.bfloat16, False, 0.1),  # a vocabulary: 32 chunks of 1024
     ],
 )
 def test_kernel_lowers_for_a_cuda_gpu(c, dtype, weighted, eps):

@@ -1,17 +1,26 @@
-"""A Pallas (Triton-style) kernel for softmax cross-entropy over the class axis.
+"""A Pallas (Triton) kernel for softmax cross-entropy over the class axis.
 
 Issue 24: on a GPU the XLA cross-entropy reaches 0.04-0.44 of the copy
 bandwidth floor; a kernel that reads each row of logits once in the forward
 (max, log-sum-exp, the label's logit, the smoothing sums) and once in the
 backward (writes ``softmax - target``) is at that floor by construction.
 
-Design: ``pl.pallas_call`` over a 1-D grid of row blocks (`BlockSpec`
-``(block_rows, block_classes)``, the whole class axis in one block, rounded
-up to a power of two as Triton requires; the columns past ``C`` are masked
-with ``iota < C`` inside the kernel, so no padded copy of the logits is ever
-made). The kernel works on rows of a 2-D ``(N, C)`` array: the caller moves
-the class axis last and flattens. Per row it computes in float32, whatever
-the logits' dtype:
+Design: ``pl.pallas_call`` over a 1-D grid of row blocks (8 to 128 rows per
+program, fewer for more classes). A program loops over the class axis in
+chunks of up to 1024 classes (a power of two, as Triton's tensors must be),
+keeping per row a running max and sum of ``exp`` rescaled when the max grows
+(an online log-sum-exp), the label's logit and weight, and the smoothing
+sums: any vocabulary up to 2**18 classes reads each logit once, with a
+working set of one (rows, chunk) tile. The kernels take whole arrays and
+index them with ``pl.ds``; every load and store is masked by hand (rows past
+``N``, columns past ``C``), because Pallas' Triton lowering derives a
+block's addresses from the full array's strides and masks nothing: the
+first version's ``(8, pow2(C))`` blocks would have read the next row's
+logits and written over its gradient wherever ``C`` is not a power of two
+(interpret mode pads blocks, so its tests could not see it). The kernel
+works on rows of a 2-D ``(N, C)`` array: the caller moves the class axis
+last and flattens. Per row it computes in float32, whatever the logits'
+dtype:
 
     lse    = max + log(sum(exp(x - max)))
     nll    = w[y] * (lse - x[y])
@@ -47,7 +56,7 @@ Backend: Triton, chosen with ``compiler_params=pltriton.CompilerParams()``.
 Pallas' default GPU backend in the jax this was written against is Mosaic
 GPU, whose TMA copies refuse this kernel's blocks (rows must be a multiple
 of 16 bytes: 19 bfloat16 classes are 38; at most 256 elements per copied
-dimension; its 16384-class blocks exceed shared memory). The kernels use no
+dimension; 16384-class blocks exceed shared memory). The kernels use no
 ``slice`` (``x[:, 0]``), which the Triton lowering does not implement. Both
 were found without a GPU: ``jax.export`` for platform ``"cuda"`` runs the
 GPU lowering in Python down to the Triton IR that XLA:GPU compiles
@@ -59,6 +68,7 @@ are unchecked (no GPU lent to the sessions that wrote it).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -71,12 +81,17 @@ __all__ = [
     "softmax_cross_entropy_rows",
 ]
 
-# Rows per program. 8 rows of up to 4096 float32 classes keep a block's
-# working set (x, exp, w) well inside a GPU SM's registers + shared memory.
-_BLOCK_ROWS = 8
-# Above this many classes one block per row no longer fits (Triton's block
-# limit is 2**20 elements; 32k vocabularies would need a class loop).
-_MAX_CLASSES = 16384
+# Classes per step of the kernels' loop over the class axis (a power of two:
+# Triton's tensors must be). A program reads its rows' logits chunk by chunk,
+# keeping running per-row sums (an online log-sum-exp), so any vocabulary
+# fits with a bounded working set.
+_CHUNK = 1024
+# Elements of one (rows, chunk) tile: rows per program = _TILE // chunk,
+# clamped to [8, 128] (few classes: many rows per program).
+_TILE = 4096
+# Largest class axis taken (language-model vocabularies up to 256k); beyond
+# it, or past 2**31 elements, the XLA path.
+_MAX_CLASSES = 2**18
 _KERNEL_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
 
@@ -90,9 +105,11 @@ def ce_kernel_applies(
     """Whether the Pallas kernel handles this call (else use the XLA path).
 
     True on a GPU backend (or with `interpret`) for float16/bfloat16/float32
-    logits with at least one class and at most 16,384 classes (the whole
-    class axis in one block), any number of rows (0 included), with or
-    without class weights of shape ``(C,)``.
+    logits with at least one and at most 262,144 classes and fewer than
+    2**31 elements, any number of rows (0 included), with or without class
+    weights of shape ``(C,)``. False whenever the environment variable
+    ``JAXSTABLE_CE_KERNEL`` is ``0`` (read at each call, i.e. when the loss
+    is traced).
 
     Args:
         logits: the logits the loss is called with.
@@ -111,12 +128,14 @@ def ce_kernel_applies(
         >>> ce_kernel_applies(jnp.zeros((4, 19), jnp.int32), interpret=True)
         False
     """
+    if os.environ.get("JAXSTABLE_CE_KERNEL", "1") == "0":
+        return False  # the user's switch: the XLA path everywhere
     if not (interpret or jax.default_backend() == "gpu"):
         return False
     if logits.ndim < 1 or jnp.dtype(logits.dtype) not in map(jnp.dtype, _KERNEL_DTYPES):
         return False
     classes = logits.shape[axis]
-    if not 1 <= classes <= _MAX_CLASSES:
+    if not 1 <= classes <= _MAX_CLASSES or logits.size >= 2**31:
         return False
     return weights is None or tuple(weights.shape) == (classes,)
 
@@ -125,105 +144,149 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _row_stats(x_ref, y_ref, w_ref, classes, ignore_index):
-    """Per-row float32 quantities shared by the forward and backward.
+def _tiling(classes: int) -> tuple[int, int, int]:
+    """(rows per program, classes per chunk, chunks) for ``classes``."""
+    chunk = min(_pow2(classes), _CHUNK)
+    rows = max(8, min(128, _TILE // chunk))
+    return rows, chunk, -(-classes // chunk)
 
-    Row quantities are ``(R,)`` vectors, brought to ``(R, 1)`` with
-    ``[:, None]`` where they meet a block: no ``slice`` (``[:, 0]``,
-    ``[0]``), which Pallas' Triton lowering does not implement.
-    """
-    x = x_ref[...].astype(jnp.float32)
-    cols = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    valid_col = cols < classes
-    x = jnp.where(valid_col, x, -jnp.inf)
-    w_cols = jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 0) < classes
-    w = jnp.where(w_cols, w_ref[...].astype(jnp.float32), 0.0)[None, :]
-    y = y_ref[...].astype(jnp.int32)
-    m = jnp.max(x, axis=1)
-    # A row of all -inf would give m = -inf and nan; torch gives nan too.
-    e = jnp.exp(x - m[:, None])
-    lse = m + jnp.log(jnp.sum(e, axis=1))
-    onehot = cols == y[:, None]
-    keep = y != ignore_index
-    return x, w, lse, onehot, keep, valid_col
+
+# Every load and store below is masked by hand: Pallas' Triton lowering
+# computes a block's addresses from the full array's strides and masks
+# nothing, so a row or column past the array's end would read the next
+# row's logits and write over its gradient. The kernels take whole arrays
+# (no BlockSpec) and index them with `pl.ds`; interpret mode pads masked
+# out-of-bounds accesses, so the tests see what the GPU computes.
+
+
+def _row_block(n_rows, rows):
+    row0 = pl.program_id(0) * rows
+    ok = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) < n_rows
+    return pl.ds(row0, rows), ok
+
+
+def _chunk(k, chunk, classes):
+    start = k * chunk
+    ok = start + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) < classes
+    return start, pl.ds(start, chunk), ok
 
 
 def _forward_kernel(
-    x_ref, y_ref, w_ref, loss_ref, lse_ref, *, classes, ignore_index, eps
-):
-    x, w, lse, onehot, keep, valid_col = _row_stats(
-        x_ref, y_ref, w_ref, classes, ignore_index
-    )
-    x_y = jnp.sum(jnp.where(onehot, x, 0.0), axis=1)
-    w_y = jnp.sum(jnp.where(onehot, w, 0.0), axis=1)
+    x_ref, y_ref, w_ref, loss_ref, lse_ref, *, n_rows, classes, rows, chunk,
+    n_chunks, ignore_index, eps,
+):  # fmt: skip
+    rs, row_ok = _row_block(n_rows, rows)
+    y = pltriton.load(y_ref.at[rs], mask=row_ok, other=ignore_index)
+
+    def step(k, carry):
+        m, s, x_y, w_y, wx, sw = carry
+        start, cs, col_ok = _chunk(k, chunk, classes)
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = pltriton.load(x_ref.at[rs, cs], mask=mask, other=-jnp.inf)
+        x = x.astype(jnp.float32)
+        w = pltriton.load(w_ref.at[cs], mask=col_ok, other=0.0)
+        m_new = jnp.maximum(m, jnp.max(x, axis=1))
+        # A chunk of -inf logits (a masked vocabulary range) leaves m at
+        # -inf: shift by 0 there (exp(-inf) = 0), never by -inf (nan). A row
+        # of -inf only gives lse = -inf and a nan loss, as in torch.
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
+        hit = (start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)) == y[:, None]
+        x_y = x_y + jnp.sum(jnp.where(hit, x, 0.0), axis=1)
+        w_y = w_y + jnp.sum(jnp.where(hit, w[None, :], 0.0), axis=1)
+        if eps:
+            wx = wx + jnp.sum(jnp.where(mask, w[None, :] * x, 0.0), axis=1)
+            sw = sw + jnp.sum(w)
+        return m_new, s, x_y, w_y, wx, sw
+
+    zeros = jnp.zeros((rows,), jnp.float32)
+    init = (zeros - jnp.inf, zeros, zeros, zeros, zeros, jnp.zeros((), jnp.float32))
+    m, s, x_y, w_y, wx, sw = jax.lax.fori_loop(0, n_chunks, step, init)
+    lse = m + jnp.log(s)
     loss = (1.0 - eps) * w_y * (lse - x_y)
     if eps:
-        wx = jnp.sum(jnp.where(valid_col, w * x, 0.0), axis=1)
-        smooth = (lse * jnp.sum(w) - wx) / classes
-        loss = loss + eps * smooth
-    loss_ref[...] = jnp.where(keep, loss, 0.0)
-    lse_ref[...] = lse
+        loss = loss + eps * (lse * sw - wx) / classes
+    pltriton.store(
+        loss_ref.at[rs], jnp.where(y != ignore_index, loss, 0.0), mask=row_ok
+    )
+    pltriton.store(lse_ref.at[rs], lse, mask=row_ok)
 
 
 def _backward_kernel(
-    x_ref, y_ref, w_ref, lse_ref, g_ref, dx_ref, *, classes, ignore_index, eps
-):
-    x, w, _, onehot, keep, valid_col = _row_stats(
-        x_ref, y_ref, w_ref, classes, ignore_index
-    )
-    p = jnp.exp(x - lse_ref[...][:, None])
-    w_y = jnp.sum(jnp.where(onehot, w, 0.0), axis=1)
-    d = (1.0 - eps) * w_y[:, None] * (p - onehot.astype(jnp.float32))
+    x_ref, y_ref, w_ref, lse_ref, g_ref, wy_ref, dx_ref, *, n_rows, classes, rows,
+    chunk, n_chunks, ignore_index, eps,
+):  # fmt: skip
+    rs, row_ok = _row_block(n_rows, rows)
+    y = pltriton.load(y_ref.at[rs], mask=row_ok, other=ignore_index)
+    lse = pltriton.load(lse_ref.at[rs], mask=row_ok, other=0.0)
+    g = pltriton.load(g_ref.at[rs], mask=row_ok, other=0.0)
+    g = jnp.where(y != ignore_index, g, 0.0)
+    w_y = pltriton.load(wy_ref.at[rs], mask=row_ok, other=0.0)
+    sw = jnp.zeros((), jnp.float32)
     if eps:
-        d = d + eps / classes * (p * jnp.sum(w) - w)
-    g = jnp.where(keep, g_ref[...], 0.0)
-    dx_ref[...] = jnp.where(valid_col, g[:, None] * d, 0.0).astype(dx_ref.dtype)
+
+        def add_weights(k, total):
+            _, cs, col_ok = _chunk(k, chunk, classes)
+            return total + jnp.sum(pltriton.load(w_ref.at[cs], mask=col_ok, other=0.0))
+
+        sw = jax.lax.fori_loop(0, n_chunks, add_weights, sw)
+
+    def step(k, carry):
+        start, cs, col_ok = _chunk(k, chunk, classes)
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = pltriton.load(x_ref.at[rs, cs], mask=mask, other=0.0).astype(jnp.float32)
+        p = jnp.exp(x - lse[:, None])
+        hit = (start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)) == y[:, None]
+        d = (1.0 - eps) * w_y[:, None] * (p - hit.astype(jnp.float32))
+        if eps:
+            w = pltriton.load(w_ref.at[cs], mask=col_ok, other=0.0)
+            d = d + eps / classes * (p * sw - w[None, :])
+        dx = (g[:, None] * d).astype(dx_ref.dtype)
+        pltriton.store(dx_ref.at[rs, cs], dx, mask=mask)
+        return carry
+
+    jax.lax.fori_loop(0, n_chunks, step, 0)
 
 
-def _specs(n_rows: int, classes: int):
-    bc = _pow2(classes)
-    rows = pl.BlockSpec((_BLOCK_ROWS, bc), lambda i: (i, 0))
-    vec = pl.BlockSpec((_BLOCK_ROWS,), lambda i: (i,))
-    cls = pl.BlockSpec((bc,), lambda i: (0,))
-    grid = (pl.cdiv(n_rows, _BLOCK_ROWS),)
-    return rows, vec, cls, grid
+def _kernel_args(x, ignore_index, eps):
+    n, c = x.shape
+    rows, chunk, n_chunks = _tiling(c)
+    static = dict(
+        n_rows=n, classes=c, rows=rows, chunk=chunk, n_chunks=n_chunks,
+        ignore_index=ignore_index, eps=eps,
+    )  # fmt: skip
+    # Triton's default of 4 warps for small tiles, 8 for full 1024-class ones.
+    params = pltriton.CompilerParams(num_warps=8 if chunk * rows >= 8192 else 4)
+    return static, (pl.cdiv(n, rows),), params
 
 
 def _forward(x, y, w, ignore_index, eps, interpret):
-    n, c = x.shape
-    rows, vec, cls, grid = _specs(n, c)
-    kernel = functools.partial(
-        _forward_kernel, classes=c, ignore_index=ignore_index, eps=eps
-    )
+    n, _ = x.shape
+    static, grid, params = _kernel_args(x, ignore_index, eps)
     return pl.pallas_call(
-        kernel,
+        functools.partial(_forward_kernel, **static),
         out_shape=(
             jax.ShapeDtypeStruct((n,), jnp.float32),
             jax.ShapeDtypeStruct((n,), jnp.float32),
         ),
         grid=grid,
-        in_specs=[rows, vec, cls],
-        out_specs=(vec, vec),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(),
+        compiler_params=params,
     )(x, y, w)
 
 
 def _backward(x, y, w, lse, g, ignore_index, eps, interpret):
-    n, c = x.shape
-    rows, vec, cls, grid = _specs(n, c)
-    kernel = functools.partial(
-        _backward_kernel, classes=c, ignore_index=ignore_index, eps=eps
-    )
+    static, grid, params = _kernel_args(x, ignore_index, eps)
+    c = x.shape[1]
+    valid = (y >= 0) & (y < c)
+    w_y = jnp.where(valid, w[jnp.clip(y, 0, c - 1)], 0.0)  # w[y], N numbers
     return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((n, c), x.dtype),
+        functools.partial(_backward_kernel, **static),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=grid,
-        in_specs=[rows, vec, cls, vec, vec],
-        out_specs=rows,
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(),
-    )(x, y, w, lse, g)
+        compiler_params=params,
+    )(x, y, w, lse, g, w_y)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
