@@ -280,3 +280,35 @@ def test_non_finite_running_var_is_not_kept_in_either_framework():
         not torch.equal(p.detach(), w)
         for p, w in zip(tmodel.parameters(), weights, strict=True)
     )
+
+
+# ------------------------------------------------------- a flag per element
+_PER_ELEMENT = (
+    r"grads_finite must be a boolean scalar \(one flag for the whole step\), "
+    r"got shape \(3,\)"
+)
+
+
+@pytest.mark.parametrize("spikes", [False, True], ids=["skip", "skip_spikes"])
+def test_a_grads_finite_flag_per_element_is_refused_alike_in_both(spikes):
+    # A (3,)-shaped flag was applied element by element by the select: torch
+    # stepped w[0] and w[2] only and counted the step as applied; JAX gave
+    # the params its shape. (JAX's skip_spikes and accumulate_gradients:
+    # jaxstable/tests/test_transforms.py, the same texts.)
+    flag = np.array([True, False, True])
+    if not spikes:
+        tx = jtx.skip_non_finite(optax.sgd(0.1))
+        params = jnp.ones(3)
+        with pytest.raises(ValueError, match=_PER_ELEMENT):
+            tx.update(params, tx.init(params), params, grads_finite=jnp.asarray(flag))
+    w = torch.nn.Parameter(torch.ones(3))
+    w.grad = torch.ones(3)
+    sgd = torch.optim.SGD([w], lr=0.1)
+    opt = ttx.skip_spikes(sgd) if spikes else ttx.skip_non_finite(sgd)
+    with pytest.raises(ValueError, match=_PER_ELEMENT):
+        opt.step(grads_finite=torch.from_numpy(flag))
+    assert w.tolist() == [1.0, 1.0, 1.0]
+    if spikes:  # the loss too: one value per step
+        msg = r"value must be a scalar \(the step's loss\), got shape \(3,\)"
+        with pytest.raises(ValueError, match=msg):
+            opt.step(value=torch.ones(3))

@@ -113,6 +113,42 @@ def test_the_accumulator_is_reset_by_a_select_and_stays_finite():
     assert "stablehlo.if" not in lowered.as_text()
 
 
+@pytest.mark.parametrize("check_update", [True, False])
+def test_finite_micro_gradients_whose_sum_overflows_skip_as_in_torch(check_update):
+    """Two finite micro-gradients of 3e38 sum to inf (float32's max is
+    3.4e38), as they do in torch's ``.grad``: the window's gradient is
+    non-finite, so both skip it as a non-finite GRADIENT (torch's guard sees
+    the inf mean). The accumulator never holds the inf; without the update
+    check the NaN update was applied (the window's flag said finite)."""
+    micro = [[3e38, 1.0], [3e38, 1.0], [1.0, 1.0]]
+    inner = jtx.stable_optimizer(optax.sgd(1.0), check_update=check_update)
+    tx = jtx.accumulate_gradients(inner, 3)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for g in micro:
+        u, state = jax.jit(tx.update)(jnp.asarray(g), state, params)
+        params = optax.apply_updates(params, u)
+        chex.assert_tree_all_finite((params, state))
+    w = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([w], lr=1.0)
+    opt = ttx.accumulate_gradients(
+        ttx.stable_optimizer(sgd, check_update=check_update), 3
+    )
+    for g in micro:
+        opt.zero_grad()
+        (w * torch.tensor(g)).sum().backward()  # grad = g
+        opt.step()
+    skip, tskip = jtx.find_skip_state(state), opt.skip_state
+    assert (
+        int(skip.skipped_total),
+        int(skip.non_finite_updates),
+        bool(skip.last_grads_finite),
+    ) == (tskip.skipped_total, tskip.non_finite_updates, tskip.last_grads_finite)
+    assert tskip.skipped_total == 1 and not tskip.last_grads_finite
+    np.testing.assert_array_equal(np.asarray(params), w.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(params), [0.0, 0.0])
+
+
 @pytest.mark.parametrize("placement", ["inside", "outside", "ours"])
 def test_make_train_step_refuses_accumulating_optimizers(placement):
     adam = optax.adam(1e-2)

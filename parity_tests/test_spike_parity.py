@@ -119,6 +119,40 @@ def test_min_history_one_and_a_first_step_nan():
     assert _torch_run(seq, **kw)[0] == want
 
 
+def test_around_stable_optimizer_in_both():
+    """``skip_spikes(stable_optimizer(opt, max_grad_norm=...))``, the order
+    both docstrings give (the spike test sees the pre-clip norm): torch
+    refused its own StableOptimizer ("needs a torch.optim.Optimizer")."""
+    seq = [(1.0, 2.0), (1.2, 2.1), (0.9, 2.0), (1.1, 1.9), (40.0, 2.0), (NAN, 2.0)]
+    seq += [(1.4, 2.0)]
+    want = ["applied"] * 4 + ["spike", "non-finite", "applied"]
+    kw = dict(window=4, min_history=3)
+    tx = jtx.skip_spikes(jtx.stable_optimizer(optax.sgd(0.1), max_grad_norm=1.3), **kw)
+    update = jax.jit(tx.update)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    w = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([w], lr=0.1)
+    opt = ttx.skip_spikes(ttx.stable_optimizer(sgd, max_grad_norm=1.3), **kw)
+    jk, tk = [], []
+    for norm, loss in seq:
+        g = jnp.array([norm, 0.0], jnp.float32)
+        u, state = update(g, state, params, value=jnp.float32(loss))
+        params = optax.apply_updates(params, u)
+        jk.append(_kind(bool(state.last_spike), bool(state.last_finite)))
+        w.grad = torch.tensor([norm, 0.0])
+        opt.step(value=loss)
+        tk.append(_kind(opt.spike_state.last_spike, opt.spike_state.last_finite))
+    assert jk == tk == want
+    skip = jtx.find_skip_state(state)
+    assert int(skip.skipped_total) == opt.skip_state.skipped_total == 2
+    # The last step's 1.4 was clipped to 1.3 (max_grad_norm) in both.
+    np.testing.assert_allclose(np.asarray(params), w.detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(params[0]), -0.1 * (1.0 + 1.2 + 0.9 + 1.1 + 1.3), rtol=1e-5
+    )
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

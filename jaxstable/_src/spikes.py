@@ -20,6 +20,7 @@ from _stablecore.checks import check_spike_args
 from jaxstable._src.transforms import (
     SkipNonFiniteState,
     _check_optimizer,
+    _scalar_flag,
     global_norm,
     skip_non_finite,
 )
@@ -243,7 +244,7 @@ def skip_spikes(
         norm = global_norm(updates)
         finite = jnp.isfinite(norm)
         if grads_finite is not None:
-            finite = jnp.logical_and(finite, jnp.asarray(grads_finite, jnp.bool_))
+            finite = jnp.logical_and(finite, _scalar_flag(grads_finite))
         x = jnp.log(jnp.maximum(norm, jnp.float32(_TINY)))
         spike = _is_outlier(
             x, state.log_norms, state.norm_count, min_history, threshold,
@@ -251,6 +252,10 @@ def skip_spikes(
         )  # fmt: skip
         if value is not None:
             loss = jnp.asarray(value, jnp.float32)
+            if loss.ndim != 0:
+                raise ValueError(
+                    f"value must be a scalar (the step's loss), got shape {loss.shape}"
+                )
             finite = jnp.logical_and(finite, jnp.isfinite(loss))
             loss_spike = _is_outlier(
                 loss, state.losses, state.loss_count, min_history, threshold,

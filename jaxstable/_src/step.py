@@ -451,6 +451,27 @@ def _outer_skip_state(opt_state: Any) -> Any:
     return None
 
 
+def _keep_hyperparams(applied: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` with the hyperparameters of an `optax.inject_hyperparams`
+    around the skip (outermost, or inside an outermost `skip_spikes`) taken
+    from ``old`` unless the step was applied and they are finite.
+
+    Its count advances on a skipped step (a torch scheduler stepped every
+    iteration does), but hyperparameters of a skipped step (a schedule that
+    gave NaN) are not kept in the state nor checkpointed. Inside
+    ``skip_spikes(inject_hyperparams(...))`` they were: the NaN stayed in
+    the optimizer state.
+    """
+    if isinstance(new, SkipSpikesState):
+        inner = _keep_hyperparams(applied, new.inner_state, old.inner_state)
+        return new._replace(inner_state=inner)
+    if isinstance(new, _INJECT_STATES):
+        hyper = new.hyperparams
+        keep = jnp.logical_and(applied, all_finite(hyper))
+        return new._replace(hyperparams=_select(keep, hyper, old.hyperparams))
+    return new
+
+
 class TrainStep:
     """What `make_train_step` returns: ``step(state, batch) -> (state, metrics)``.
 
@@ -548,14 +569,15 @@ def make_train_step(
     dropout mask is skipped once, not on every later step. A raw uint32 key
     (`jax.random.PRNGKey`) cannot be told from other integers and is kept.
 
-    With `optax.inject_hyperparams` around the skip (``inject(skip(...))``)
-    the schedule's count advances on a skipped step (a torch scheduler
-    stepped every iteration), and the hyperparameters of a skipped step
-    (a schedule that gave NaN) are not kept in ``opt_state.hyperparams``:
-    the previous ones stay. With the skip around it (``skip(inject(...))``)
-    the count stays too. A ``tx`` that accumulates gradients itself
-    (`optax.MultiSteps`, `jaxstable.transforms.accumulate_gradients`) is
-    refused: use ``microbatches``.
+    With `optax.inject_hyperparams` around the skip (``inject(skip(...))``,
+    also inside ``skip_spikes``) the schedule's count advances on a skipped
+    step (a torch scheduler stepped every iteration), and the
+    hyperparameters of a skipped step (a schedule that gave NaN) are not
+    kept in ``opt_state.hyperparams``: the previous ones stay. With the
+    skip around it (``skip(inject(...))``) the count stays too. A ``tx``
+    that accumulates gradients itself (`optax.MultiSteps`,
+    `jaxstable.transforms.accumulate_gradients`) is refused: use
+    ``microbatches``.
 
     Contracts of ``loss_fn``:
       - ``has_state=False``: ``loss_fn(params, batch) -> loss`` or, with
@@ -809,16 +831,7 @@ def make_train_step(
             # The skip transform checked gradients, update, new params and
             # new optimizer state (unless built with check_update=False).
             applied = skip.last_finite
-            if isinstance(opt_state, _INJECT_STATES):
-                # inject_hyperparams around the skip: its count advances on
-                # a skipped step (a torch scheduler stepped every iteration
-                # does), but hyperparameters of a skipped step (a schedule
-                # that gave NaN) are not kept in the state nor checkpointed.
-                hyper = opt_state.hyperparams
-                keep = jnp.logical_and(applied, all_finite(hyper))
-                opt_state = opt_state._replace(
-                    hyperparams=_select(keep, hyper, state.opt_state.hyperparams)
-                )
+            opt_state = _keep_hyperparams(applied, opt_state, state.opt_state)
         else:
             # No skip transform around the whole of tx: guard here, with the
             # same two checks (the gradient flag is reused; the new params

@@ -463,8 +463,10 @@ def skip_non_finite(
         )
 
     def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
-        grads_ok = all_finite(updates) if grads_finite is None else grads_finite
-        grads_ok = jnp.asarray(grads_ok, jnp.bool_)
+        if grads_finite is None:
+            grads_ok = all_finite(updates)
+        else:
+            grads_ok = _scalar_flag(grads_finite)
 
         def update(updates, inner_state, params):
             return inner.update(updates, inner_state, params, **extra_args)
@@ -608,6 +610,23 @@ def find_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
     return None
 
 
+def _scalar_flag(flag: Any) -> jax.Array:
+    """``grads_finite=`` as a boolean scalar, any other shape refused.
+
+    It is broadcast against every update and counter: a flag of shape (1,)
+    (``jnp.isfinite(loss)`` of a loss kept with ``keepdims``) turned scalar
+    parameters and the state's counters into shape (1,), one of shape (n,)
+    skipped element by element. `DynamicLossScale.adjust` refuses the same.
+    """
+    flag = jnp.asarray(flag, jnp.bool_)
+    if flag.ndim != 0:
+        raise ValueError(
+            "grads_finite must be a boolean scalar (one flag for the whole "
+            f"step), got shape {flag.shape}"
+        )
+    return flag
+
+
 def _check_optimizer(optimizer: Any, where: str) -> None:
     """Refuses what is not an optax transformation, naming the fix.
 
@@ -678,7 +697,7 @@ def accumulate_gradients(
     passes the mean of the window, ``sum / every_k``, to ``optimizer`` and
     returns its update (the other calls return zeros)::
 
-        finite_i = all_finite(g_i)
+        finite_i = all_finite(acc + g_i)   # g_i finite, and no overflow of the sum
         acc      = acc + g_i if finite_i else acc     # NaN never enters the state
         window   = window and finite_i
         at the k-th call:  update = optimizer(acc / k, grads_finite=window)
@@ -687,6 +706,10 @@ def accumulate_gradients(
     A window with one non-finite micro-gradient is skipped as a whole, once,
     as torch's GradScaler recipe (``scaler.scale(loss / k).backward()`` k
     times, then one ``scaler.step``) skips it; the next window starts clean.
+    So is a window whose float32 sum overflows (two micro-gradients of 3e38),
+    as a non-finite gradient, as torch's sum in ``.grad`` is. (torch adds in
+    the gradients' dtype: float16 micro-gradients summing past 65504 are inf
+    there, a skipped window, and finite in this float32 sum.)
     The clip, the skip check and the counters of a guarded ``optimizer``
     (`stable_optimizer`, `skip_non_finite`) act once per window, on the mean.
     An unguarded ``optimizer`` is guarded here the same way (the window is
@@ -708,7 +731,8 @@ def accumulate_gradients(
     Returns:
       An `optax.GradientTransformationExtraArgs` with state
       `AccumulateGradientsState`; ``update`` accepts ``grads_finite=`` (the
-      micro-gradient's flag, when already computed).
+      micro-gradient's flag, when already computed; ANDed with the test of
+      the new sum).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -746,12 +770,19 @@ def accumulate_gradients(
         )
 
     def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
-        ok = all_finite(updates) if grads_finite is None else grads_finite
-        ok = jnp.asarray(ok, jnp.bool_)
+        added = jax.tree_util.tree_map(
+            lambda a, g: a + jnp.asarray(g, a.dtype), state.acc, updates
+        )
+        # The new sum is tested, not the micro-gradient: finite ones of 3e38
+        # add up to inf in float32, as in torch's .grad, whose guard then
+        # sees a non-finite window (the inf mean had reached the optimizer
+        # flagged finite). The old sum being finite, the new one is exactly
+        # when the micro-gradient is and the addition did not overflow.
+        ok = all_finite(added)
+        if grads_finite is not None:
+            ok = jnp.logical_and(ok, _scalar_flag(grads_finite))
         acc = jax.tree_util.tree_map(
-            lambda a, g: jnp.where(ok, a + jnp.asarray(g, a.dtype), a),
-            state.acc,
-            updates,
+            lambda new, old: jnp.where(ok, new, old), added, state.acc
         )
         window = jnp.logical_and(state.window_finite, ok)
         mean = jax.tree_util.tree_map(

@@ -395,6 +395,34 @@ def test_inject_hyperparams_around_the_skip_is_trusted():
     assert int(transforms.find_skip_state(new.opt_state).skipped_total) == 1
 
 
+def _nan_at_count_one(count):
+    return jnp.where(count == 1, jnp.nan, 0.1)
+
+
+@pytest.mark.parametrize("spikes", [False, True], ids=["inject", "spikes_of_inject"])
+def test_a_nan_schedule_value_is_not_kept_in_the_injected_hyperparams(spikes):
+    # The schedule's NaN at count 1 makes step 1 a non-finite update: it is
+    # skipped, and its learning rate is not written into opt_state (the
+    # invariant), also with skip_spikes around inject_hyperparams, a form
+    # skip_spikes takes (it wrote the NaN there).
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: transforms.stable_optimizer(optax.sgd(learning_rate))
+    )(learning_rate=_nan_at_count_one)
+    if spikes:
+        tx = transforms.skip_spikes(tx, window=4, min_history=2)
+    step = train.make_train_step(lambda p, b: jnp.sum(p * b))
+    state = train.TrainState.create(params=jnp.ones(2), optimizer=tx)
+    state, m = step(state, jnp.array([1.0, 2.0]))
+    assert bool(m["finite"])
+    state, m = step(state, jnp.array([1.0, 2.0]))
+    assert not bool(m["finite"]) and int(m["skipped_total"]) == 1
+    chex.assert_tree_all_finite(state.opt_state)
+    inject = state.opt_state.inner_state if spikes else state.opt_state
+    assert float(inject.hyperparams["learning_rate"]) == pytest.approx(0.1)
+    state, m = step(state, jnp.array([1.0, 2.0]))  # count 2: applied again
+    assert bool(m["finite"])
+
+
 def test_lower_without_jit():
     step = train.make_train_step(_mlp_loss, jit=False)
     lowered = step.lower(_state(), _batch(0))

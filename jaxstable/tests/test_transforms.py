@@ -226,3 +226,26 @@ def test_composes_with_inject_hyperparams(tol):
     u, state = jax.jit(opt.update)(_grads(True), state, params)
     assert int(transforms.find_skip_state(state).skipped_total) == 1
     assert float(jnp.sum(jnp.abs(u["w"]))) == 0.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: transforms.stable_optimizer(optax.sgd(0.1)),
+        lambda: transforms.accumulate_gradients(optax.sgd(0.1), 1),
+        lambda: transforms.skip_spikes(optax.sgd(0.1)),
+    ],
+    ids=["skip_non_finite", "accumulate_gradients", "skip_spikes"],
+)
+@pytest.mark.parametrize("shape", [(1,), (3,)])
+def test_a_grads_finite_flag_that_is_not_a_scalar_is_refused(make, shape):
+    # jnp.isfinite(loss) of a loss of shape (1,): the flag was broadcast, so a
+    # scalar parameter's update and the counters came back with its shape.
+    tx = make()
+    params = {"s": jnp.ones(()), "v": jnp.ones(3)}
+    flag = jnp.ones(shape, jnp.bool_)
+    with pytest.raises(ValueError, match=r"grads_finite must be a boolean scalar"):
+        tx.update(params, tx.init(params), params, grads_finite=flag)
+    if isinstance(tx.init(params), transforms.SkipSpikesState):
+        with pytest.raises(ValueError, match=r"value must be a scalar"):
+            tx.update(params, tx.init(params), params, value=jnp.ones(shape))

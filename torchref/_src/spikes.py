@@ -21,6 +21,7 @@ from torchref._src.transforms import (
     SkipNonFiniteState,
     _check_optimizer,
     _OptimizerView,
+    _scalar_flag,
     global_norm,
     skip_non_finite,
 )
@@ -184,7 +185,7 @@ class _Decision:
         norm = torch.as_tensor(norm, dtype=torch.float32).detach()
         s, dev = self.state, norm.device
         s._to(dev)
-        finite = _flag(finite, dev) & torch.isfinite(norm)
+        finite = _scalar_flag(finite, dev) & torch.isfinite(norm)
         x = torch.log(torch.clamp(norm, min=_TINY))
         log_ratio = _const(math.log(self.min_ratio), dev)
         spike = finite & self._outlier(
@@ -193,6 +194,11 @@ class _Decision:
         loss = None
         if value is not None:
             loss = torch.as_tensor(value, dtype=torch.float32).detach().to(dev)
+            if loss.dim() != 0:  # same text as jaxstable.transforms.skip_spikes
+                raise ValueError(
+                    f"value must be a scalar (the step's loss), got shape "
+                    f"{tuple(loss.shape)}"
+                )
             finite = finite & torch.isfinite(loss)
             rel = _const(self.min_ratio - 1.0, dev)
             spike = spike | self._outlier(
@@ -240,8 +246,9 @@ class SkipSpikes(_OptimizerView):
     """
 
     def __init__(self, optimizer, window, min_history, threshold, min_ratio):
-        _check_optimizer(optimizer, "skip_spikes")
         self.plain = not isinstance(optimizer, SkipNonFinite)
+        if self.plain:  # a guard (stable_optimizer) is no torch Optimizer
+            _check_optimizer(optimizer, "skip_spikes")
         self.optimizer = skip_non_finite(optimizer) if self.plain else optimizer
         self._decision = _Decision(window, min_history, threshold, min_ratio)
 

@@ -453,6 +453,20 @@ class _StepUndo:
                     live[k] = copy.deepcopy(v)
 
 
+def _scalar_flag(flag: Any, device: torch.device) -> torch.Tensor:
+    """``grads_finite=`` as a 0-d bool tensor on `device`; another shape is
+    refused: a flag of shape (n,) was applied element by element by the
+    select (parameters partly stepped, the step counted as applied)."""
+    flag = torch.as_tensor(flag, device=device).to(torch.bool)
+    if flag.dim() != 0:
+        # Same text as jaxstable.transforms.skip_non_finite.
+        raise ValueError(
+            "grads_finite must be a boolean scalar (one flag for the whole "
+            f"step), got shape {tuple(flag.shape)}"
+        )
+    return flag
+
+
 def _all_finite_t(tensors: list[torch.Tensor]) -> torch.Tensor:
     """`all_finite` as a 0-d bool tensor, with no host sync (see `_finite_norms`)."""
     ts = _norm_inputs(tensors)
@@ -903,7 +917,7 @@ class SkipNonFinite(_OptimizerView, _DeferredRecords):
         if not self._guards():
             return torch.ones((), dtype=torch.bool, device=home)
         if grads_finite is not None:
-            return torch.as_tensor(grads_finite, device=home).to(torch.bool)
+            return _scalar_flag(grads_finite, home)
         return _all_finite_t(grads)
 
     def _prepare(self, finite: bool) -> None:
