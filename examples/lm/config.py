@@ -49,7 +49,7 @@ class Config(BaseConfig):
         (`transforms.skip_spikes` around the stable optimizer: a step whose
         pre-clip gradient norm or loss lies more than ``spike_threshold``
         robust sigmas, and 1.5x, above the median of the last
-        ``spike_window`` applied steps is skipped, its optimizer state kept).
+        ``spike_window`` finite steps is skipped, its optimizer state kept).
         The naive run never has it.
       spike_window: 64 steps, a fifth of the run: short enough for the
         median to follow the schedule (the gradient norm falls 10x over the

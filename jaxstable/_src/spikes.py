@@ -1,10 +1,11 @@
 """A loss-spike guard: skip a step whose gradient norm or loss is an outlier.
 
 `skip_spikes` keeps, in its optax state, a window of the log gradient norms
-(and losses) of recently APPLIED steps and refuses a step whose value lies
-far above their median, measured in robust deviations (median absolute
-deviation). Everything is a select (`jnp.where`): no ``conditional``, no
-host transfer. `torchref.transforms.skip_spikes` decides the same way.
+(and losses) of recent steps (every step whose values are finite, skipped
+as a spike or not) and refuses a step whose value lies far above their
+median, measured in robust deviations (median absolute deviation).
+Everything is a select (`jnp.where`): no ``conditional``, no host
+transfer. `torchref.transforms.skip_spikes` decides the same way.
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ class SkipSpikesState(NamedTuple):
         one inside `optax.inject_hyperparams`); unchanged by a skipped step
         except for its skip counters, which count spikes too.
       log_norms: float32 ``[window]``, ``log(global_norm(grads))`` of the
-        latest applied steps (a ring buffer; 0 in slots not yet written, so
-        the state stays finite).
-      losses: float32 ``[window]``, the losses (``value=``) of the latest
-        applied steps, 0 in slots not yet written.
+        latest steps whose values were finite, spikes included (a ring
+        buffer; 0 in slots not yet written, so the state stays finite).
+      losses: float32 ``[window]``, the losses (``value=``) of the same
+        steps, 0 in slots not yet written.
       norm_count: int32, values in ``log_norms`` (at most ``window``).
       loss_count: int32, values in ``losses`` (steps given ``value=``).
-      position: int32, the slot the next applied step writes.
+      position: int32, the slot the next step with finite values writes.
       spikes_total: int32, steps skipped as spikes so far.
       last_spike: bool, whether the latest step was skipped as a spike.
       last_finite: bool, whether the latest step was applied (the field the
@@ -100,8 +101,8 @@ def _push(window: jax.Array, position: jax.Array, x: jax.Array, keep: jax.Array)
     return jnp.where(keep, window.at[position].set(x), window)
 
 
-def _grow(count: jax.Array, applied: jax.Array, window: int) -> jax.Array:
-    return jnp.minimum(count + applied, window).astype(jnp.int32)
+def _grow(count: jax.Array, keep: jax.Array, window: int) -> jax.Array:
+    return jnp.minimum(count + keep, window).astype(jnp.int32)
 
 
 def _guarded(state: Any) -> bool:
@@ -129,9 +130,9 @@ def skip_spikes(
 ) -> optax.GradientTransformationExtraArgs:
     """Skips a step whose gradient norm (or loss) spikes above recent steps.
 
-    The statistics are robust ones over a window of the latest APPLIED
-    steps, kept in the state (a ring buffer of ``window`` float32 slots and
-    a count: the state holds only finite values)::
+    The statistics are robust ones over a window of the latest steps whose
+    values are finite, kept in the state (a ring buffer of ``window``
+    float32 slots and a count: the state holds only finite values)::
 
         x      = log(max(global_norm(grads), tiny))
         med    = median(window);  sigma = 1.4826 * median(|window - med|)
@@ -143,11 +144,36 @@ def skip_spikes(
     ``(min_ratio - 1) * |median|`` (pass ``value=`` on every step or on
     none: the losses share the norms' ring position). A step is applied
     only when it is no spike and its gradients, its loss and what it
-    writes are finite; only then do its values enter the window. So a
-    NaN, an inf or a spike never enters the statistics, and there is no
-    unguarded warm-up: while the window holds fewer than ``min_history``
-    values steps are not spike-checked but non-finite ones are still
-    refused.
+    writes are finite.
+
+    What enters the window is not what is applied: a step enters it when
+    its gradient norm and its loss are finite and ``grads_finite`` is not
+    False, whether it is skipped as a spike or not (norm and loss enter
+    together); a NaN or an inf never does. (``grads_finite=False`` is the
+    caller's word that the gradients are bad: `accumulate_gradients` says
+    so of a window with a NaN micro-batch, whose finite partial mean must
+    not enter, as torch's NaN ``.grad`` sum does not.) A step whose gradients and loss
+    are finite but whose update is not (a NaN learning rate, an overflowing
+    moment) enters too: its norm and loss describe the data, which is what
+    the window models, so the next decisions depend on the gradients and
+    losses seen, not on the inner optimizer. Why spikes enter: with only
+    applied steps kept, a lasting change (the norm 10x higher for good
+    once a frozen backbone is unfrozen; the first non-zero gradients after
+    a window of exact zeros, log(tiny) = -87.3) is a spike forever and
+    training stalls, silently. With median/MAD a spike inside the window
+    moves the median and the MAD by one rank at most, so an isolated spike
+    is still skipped and does not mask the next one, while a level that
+    lasts is adopted once it fills about half the window: a clean shift of
+    a full window skips ``(window + 1) // 2`` steps, then steps are applied
+    again (fewer when the window's spread widens first). The price: a run
+    of spikes that lasts half a window is taken as the new level. What it
+    cannot adopt: while MORE than half the window holds one value (most
+    gradients exactly 0, most losses exactly 0) the MAD is 0 and only the
+    floor decides; for a loss median of 0 the floor is 0, so every
+    positive loss is a spike for as long as the zeros are the majority.
+    There is no unguarded warm-up: while the window holds fewer than
+    ``min_history`` values steps are not spike-checked but non-finite ones
+    are still refused.
 
     Why median/MAD on logs and not OLMo-core's mean + k sigma of raw values:
     one spike of 1e4 in a window of norms near 1 moves the mean by 1e4 /
@@ -170,7 +196,8 @@ def skip_spikes(
     Args:
       inner: the optimizer to guard, typically
         ``stable_optimizer(optax.adamw(...), max_grad_norm=1.0)``.
-      window: how many applied steps the statistics cover, int >= 1.
+      window: how many steps (with finite values) the statistics cover,
+        int >= 1.
       min_history: values needed in the window before a step can be called a
         spike, 1 <= min_history <= window.
       threshold: robust deviations (sigmas) above the median that make a
@@ -273,18 +300,22 @@ def skip_spikes(
             **extra_args,
         )
         applied = _applied(inner_state)
+        # Every step with a finite norm and loss (and gradients not flagged
+        # bad) enters the window, skipped as a spike or not: a lasting shift
+        # is adopted after about half a window instead of never.
+        keep = finite
         pos = state.position
         losses, loss_count = state.losses, state.loss_count
         if value is not None:
-            losses = _push(losses, pos, loss, applied)
-            loss_count = _grow(loss_count, applied, window)
+            losses = _push(losses, pos, loss, keep)
+            loss_count = _grow(loss_count, keep, window)
         return new_updates, SkipSpikesState(
             inner_state=inner_state,
-            log_norms=_push(state.log_norms, pos, x, applied),
+            log_norms=_push(state.log_norms, pos, x, keep),
             losses=losses,
-            norm_count=_grow(state.norm_count, applied, window),
+            norm_count=_grow(state.norm_count, keep, window),
             loss_count=loss_count,
-            position=jnp.where(applied, (pos + 1) % window, pos).astype(jnp.int32),
+            position=jnp.where(keep, (pos + 1) % window, pos).astype(jnp.int32),
             spikes_total=(state.spikes_total + spike).astype(jnp.int32),
             last_spike=spike,
             last_finite=applied,

@@ -711,7 +711,9 @@ def accumulate_gradients(
     the gradients' dtype: float16 micro-gradients summing past 65504 are inf
     there, a skipped window, and finite in this float32 sum.)
     The clip, the skip check and the counters of a guarded ``optimizer``
-    (`stable_optimizer`, `skip_non_finite`) act once per window, on the mean.
+    (`stable_optimizer`, `skip_non_finite`, `skip_spikes`: its window takes
+    the mean's norm and the ``value=`` of the window's last call) act once
+    per window, on the mean.
     An unguarded ``optimizer`` is guarded here the same way (the window is
     applied only when its micro-gradients, the update, the new params and
     the new optimizer state are finite), without counters.

@@ -2,8 +2,9 @@
 
 `skip_spikes` wraps an optimizer (guarded with `skip_non_finite` when it is
 not already) and refuses a step whose gradient norm or loss lies far above
-the median of a window of recently APPLIED steps, in robust deviations
-(median absolute deviation). The statistics are the JAX guard's, computed
+the median of a window of recent steps (every step whose values are
+finite, skipped as a spike or not), in robust deviations (median absolute
+deviation). The statistics are the JAX guard's, computed
 with the same float32 operations (a sort over a NaN-padded window).
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from _stablecore.checks import check_spike_args
 from torchref._src.transforms import (
+    AccumulateGradients,
     SkipNonFinite,
     SkipNonFiniteState,
     _check_optimizer,
@@ -72,11 +74,12 @@ class SkipSpikesState:
 
     Attributes:
         log_norms: float32 ``[window]`` tensor, ``log(global_norm(grads))``
-            of the latest applied steps (ring buffer; 0 where not written).
+            of the latest steps whose values were finite, spikes included
+            (ring buffer; 0 where not written).
         losses: float32 ``[window]``, their losses (when given).
         norm_count: values in `log_norms` (at most the window).
         loss_count: values in `losses`.
-        position: the slot the next applied step writes.
+        position: the slot the next step with finite values writes.
         spikes_total: steps skipped as spikes so far.
         last_spike: whether the latest step was skipped as a spike.
         last_finite: whether the latest step was applied.
@@ -179,9 +182,10 @@ class _Decision:
         return (count >= self.min_history) & (x - med > margin)
 
     def check(self, norm: Any, value: Any, finite: Any) -> tuple[Any, Any, Any]:
-        """``(finite, spike, (x, loss))`` of a step with gradient norm `norm`
-        and loss `value` (None: not checked): 0-d bool tensors on the
-        norm's device, no host read (`finite` a bool or a bool tensor)."""
+        """``(finite, spike, (x, loss, finite))`` of a step with gradient
+        norm `norm` and loss `value` (None: not checked): 0-d bool tensors
+        on the norm's device, no host read (`finite` a bool or a bool
+        tensor). The last triple is what `record` takes."""
         norm = torch.as_tensor(norm, dtype=torch.float32).detach()
         s, dev = self.state, norm.device
         s._to(dev)
@@ -205,19 +209,21 @@ class _Decision:
                 loss, s.losses, s._t["loss_count"], lambda m: rel * torch.abs(m)
             )
             spike = spike & finite
-        return finite, spike, (x, loss)
+        return finite, spike, (x, loss, finite)
 
     def record(self, values: Any, spike: Any, applied: Any) -> None:
-        """Counts the step; an applied one enters the window (selected on
-        the device: `spike` and `applied` may be bools or bool tensors)."""
-        s, (x, loss) = self.state, values
+        """Counts the step; its values enter the window when they are finite
+        (`check`'s `finite`), spike or not (selected on the device: `spike`
+        and `applied` may be bools or bool tensors)."""
+        s, (x, loss, keep) = self.state, values
         t, dev = s._t, s.log_norms.device
         spike, applied = _flag(spike, dev), _flag(applied, dev)
+        keep = _flag(keep, dev)
         t["last_spike"], t["last_finite"] = spike.clone(), applied.clone()
         t["spikes_total"] = t["spikes_total"] + spike.to(torch.int64)
-        here = applied & (torch.arange(self.window, device=dev) == t["position"])
+        here = keep & (torch.arange(self.window, device=dev) == t["position"])
         s.log_norms = torch.where(here, x, s.log_norms)
-        grow = applied.to(torch.int64)
+        grow = keep.to(torch.int64)
         t["norm_count"] = torch.clamp(t["norm_count"] + grow, max=self.window)
         if loss is not None:
             s.losses = torch.where(here, loss, s.losses)
@@ -319,12 +325,16 @@ def skip_spikes(
     """Skips a step whose gradient norm (or loss) spikes above recent steps.
 
     Same rule as `jaxstable.transforms.skip_spikes` (see there for the
-    maths and why median/MAD on logs): over a window of the latest APPLIED
-    steps, ``x = log(max(norm, tiny))`` is a spike when the window holds
+    maths, why median/MAD on logs and why spikes enter the window): over a
+    window of the latest steps whose values are finite,
+    ``x = log(max(norm, tiny))`` is a spike when the window holds
     >= `min_history` values and ``x - median > max(threshold * 1.4826 *
     MAD, log(min_ratio))``; the loss (``step(value=loss)``, or the closure's)
     likewise on raw values with the floor ``(min_ratio - 1) * |median|``.
-    Non-finite and skipped steps never enter the window; non-finite steps
+    Every step whose norm and loss are finite (and ``grads_finite`` not
+    False) enters the window, a spike or a step with a non-finite update
+    too, so a lasting shift is adopted after about half a window instead
+    of stalling training; a NaN or an inf never enters. Non-finite steps
     are refused from the first step. A spike is handed to the guard as
     ``grads_finite=False``: the optimizer state is untouched and the step is
     counted in ``skip_state.skipped_total``. A plain optimizer is guarded
@@ -337,7 +347,8 @@ def skip_spikes(
     Args:
         optimizer: a `torch.optim.Optimizer` or a `SkipNonFinite` /
             `StableOptimizer`.
-        window: how many applied steps the statistics cover, int >= 1.
+        window: how many steps (with finite values) the statistics cover,
+            int >= 1.
         min_history: values needed before a step can be a spike,
             1 <= min_history <= window.
         threshold: robust deviations above the median that make a spike, > 0.
@@ -365,10 +376,12 @@ def skip_spikes(
 
 
 def find_spike_state(obj: Any) -> SkipSpikesState | None:
-    """The `SkipSpikesState` of a `SkipSpikes` or a `TrainStep`, or None.
+    """The `SkipSpikesState` of a `SkipSpikes`, of an `accumulate_gradients`
+    around one, or of a `TrainStep`; None when there is none.
 
     Args:
-        obj: a `SkipSpikes`, a `torchref.train.TrainStep`, or anything else.
+        obj: a `SkipSpikes`, an `AccumulateGradients`, a
+            `torchref.train.TrainStep`, or anything else.
 
     Returns:
         Its spike state, or None when it has none.
@@ -381,5 +394,7 @@ def find_spike_state(obj: Any) -> SkipSpikesState | None:
         >>> find_spike_state(torch.optim.SGD([w], lr=0.1)) is None
         True
     """
+    if isinstance(obj, AccumulateGradients):  # as JAX's search of the state
+        obj = obj.optimizer
     state = getattr(obj, "spike_state", None)
     return state if isinstance(state, SkipSpikesState) else None

@@ -1232,13 +1232,17 @@ class AccumulateGradients(_OptimizerView):
             raise TypeError(f"every_k must be an int >= 1, got {every_k!r}")
         if every_k < 1:
             raise ValueError(f"every_k must be an int >= 1, got {every_k}")
+        from torchref._src.spikes import SkipSpikes  # it imports this module
+
         if isinstance(optimizer, AccumulateGradients):
             raise TypeError("accumulate_gradients is already around this optimizer")
-        if not isinstance(optimizer, SkipNonFinite):
+        if not isinstance(optimizer, SkipNonFinite | SkipSpikes):
             _check_optimizer(optimizer, "accumulate_gradients")
             optimizer = SkipNonFinite(optimizer, None)
-        if optimizer._needs_closure:
-            name = type(optimizer.optimizer).__name__
+        # A SkipSpikes wraps a SkipNonFinite (its `optimizer`).
+        guard = optimizer.optimizer if isinstance(optimizer, SkipSpikes) else optimizer
+        if guard._needs_closure:
+            name = type(guard.optimizer).__name__
             raise TypeError(
                 f"accumulate_gradients cannot drive {name}: its step() "
                 "re-evaluates the loss through a closure"
@@ -1300,12 +1304,16 @@ def accumulate_gradients(optimizer: Any, every_k: int) -> AccumulateGradients:
     a window with a non-finite micro-batch is skipped as a whole and counted
     once, and the next window starts from zeroed grads. A plain optimizer is
     guarded with `skip_non_finite`; a `stable_optimizer` also clips the mean
-    once. For a GradScaler, use ``TrainStep(..., microbatches=k)``, which
-    runs its accumulation recipe (the scaler must unscale once per window).
+    once. A `skip_spikes` wrapper is accepted as well, as the JAX transform
+    takes one: its spike test and window see the mean's norm once per
+    window (not the loss: ``step()`` takes none here; the JAX update checks
+    a ``value=`` given with the window's last micro-batch). For a
+    GradScaler, use ``TrainStep(..., microbatches=k)``, which runs its
+    accumulation recipe (the scaler must unscale once per window).
 
     Args:
         optimizer: a `torch.optim.Optimizer`, or a `skip_non_finite` /
-            `stable_optimizer` wrapper.
+            `stable_optimizer` / `skip_spikes` wrapper.
         every_k: micro-steps per optimizer step, an int >= 1.
 
     Returns:
