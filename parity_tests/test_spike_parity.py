@@ -164,14 +164,14 @@ def test_around_stable_optimizer_in_both():
 
 
 # A level that changes for good, after 10 steps that fill the window: norms
-# x10 (a backbone unfrozen), losses x10, the first non-zero gradients after
-# exact zeros (log(tiny) = -87.3), the first non-zero losses after exact
-# zeros (median 0: a floor of 0). The new values enter the window as
+# x10 (a backbone unfrozen), losses x10. The new values enter the window as
 # spikes; while they are under half of it the median and the MAD are the
 # old level's; once they are half of a window of 8 (5 of 9) the median is
 # halfway (in the new level) and the 5th (6th) is applied: exactly
 # (window + 1) // 2 skips, then none. With only applied steps entering
-# (the old rule) every later step was a spike.
+# (the old rule) every later step was a spike. The first non-zero
+# gradients (losses) after exact zeros: the zeros take no part in the
+# statistics, so nothing is a spike (before: every one, forever).
 WOBBLE = [1.0, 1.1, 0.9, 1.05, 0.95] * 5
 SHIFTS = {  # case: (window, before, after)
     "norm_x10": (8, [(n, 2.0) for n in WOBBLE[:10]], [(10 * n, 2.0) for n in WOBBLE]),
@@ -183,13 +183,14 @@ SHIFTS = {  # case: (window, before, after)
     "zero_norms": (8, [(0.0, 2.0)] * 10, [(n, 2.0) for n in WOBBLE]),
     "zero_losses": (9, [(1.0, 0.0)] * 10, [(1.0, n) for n in WOBBLE]),
 }
+ZERO_CASES = ("zero_norms", "zero_losses")
 
 
 @pytest.mark.parametrize("case", SHIFTS)
 def test_a_lasting_shift_is_adopted_after_half_a_window_in_both(case):
     window, before, after = SHIFTS[case]
     seq = before + after[:12]
-    skips = (window + 1) // 2
+    skips = 0 if case in ZERO_CASES else (window + 1) // 2
     want = ["applied"] * 10 + ["spike"] * skips + ["applied"] * (12 - skips)
     jk, jw, jstate = _jax_run(seq, window=window, min_history=3)
     tk, tw, opt = _torch_run(seq, window=window, min_history=3)
@@ -198,6 +199,29 @@ def test_a_lasting_shift_is_adopted_after_half_a_window_in_both(case):
     assert int(jstate.spikes_total) == opt.spike_state.spikes_total == skips
     for (jn, jl, jc), (tn, tl, tc) in zip(jw, tw, strict=True):
         np.testing.assert_allclose(jn, tn, rtol=1e-6)
+        np.testing.assert_allclose(jl, tl, rtol=1e-6)
+        assert jc == tc
+
+
+def test_mostly_zero_gradients_and_losses_keep_the_nonzero_ones_statistics():
+    # Sparse rewards or labels: two steps in three have a gradient and a
+    # loss of exactly 0. Zeros take slots but not part in the statistics,
+    # so the non-zero values are judged among themselves: none is a spike,
+    # and a real spike among them still is. (With zeros in the statistics
+    # the MAD is 0 and every non-zero value was a spike.)
+    seq = []
+    for n in WOBBLE[:12]:
+        seq += [(0.0, 0.0), (0.0, 0.0), (n, 2 * n)]
+    seq += [(0.0, 0.0), (80.0, 2.0), (0.0, 0.0), (1.0, 30.0), (1.0, 2.0)]
+    want = ["applied"] * 36 + ["applied", "spike", "applied", "spike", "applied"]
+    kw = dict(window=12, min_history=3)
+    jk, jw, _ = _jax_run(seq, **kw)
+    tk, tw, _ = _torch_run(seq, **kw)
+    assert jk == tk == want
+    for (jn, jl, jc), (tn, tl, tc) in zip(jw, tw, strict=True):
+        np.testing.assert_allclose(jn, tn, rtol=1e-6)
+        blank = np.float32(np.log(np.float32(np.finfo(np.float32).tiny)))
+        np.testing.assert_array_equal(jn == blank, tn == blank)  # one constant
         np.testing.assert_allclose(jl, tl, rtol=1e-6)
         assert jc == tc
 

@@ -34,6 +34,9 @@ _MAD_TO_SIGMA = 1.482602218505602
 # Norms are compared as logs; a norm of exactly 0 is taken as float32's
 # smallest normal (log = -87.3), not log(0) = -inf.
 _TINY = float(np.finfo(np.float32).tiny)
+# log(tiny) as one float32 constant, written for a norm below tiny (0 above
+# all) in both packages: the window tells such a step by this exact value.
+_LOG_TINY = float(np.log(np.float32(_TINY)))
 
 
 class SkipSpikesState(NamedTuple):
@@ -77,24 +80,28 @@ def _median(sorted_values: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(count > 0, mid, jnp.float32(jnp.nan))
 
 
-def _robust_stats(buffer: jax.Array, count: jax.Array):
-    """``(median, sigma)`` of the first ``count`` slots of ``buffer``:
-    sigma = 1.4826 * median(|x - median|). Sort-based, static shapes: the
-    unused slots are NaN in the sorted copy, which puts them last."""
-    filled = jnp.arange(buffer.shape[0]) < count
-    window = jnp.where(filled, buffer, jnp.float32(jnp.nan))
-    med = _median(jnp.sort(window), count)
-    mad = _median(jnp.sort(jnp.abs(window - med)), count)
-    return med, jnp.float32(_MAD_TO_SIGMA) * mad
+def _robust_stats(buffer: jax.Array, count: jax.Array, blank: jax.Array):
+    """``(median, sigma, n)`` of the first ``count`` slots of ``buffer`` that
+    are not ``blank`` (an exact zero: a norm of 0 is stored as log(tiny), a
+    loss as 0), n of them: sigma = 1.4826 * median(|x - median|).
+    Sort-based, static shapes: the other slots are NaN in the sorted copy,
+    which puts them last."""
+    used = jnp.logical_and(jnp.arange(buffer.shape[0]) < count, buffer != blank)
+    n = jnp.sum(used, dtype=jnp.int32)
+    window = jnp.where(used, buffer, jnp.float32(jnp.nan))
+    med = _median(jnp.sort(window), n)
+    mad = _median(jnp.sort(jnp.abs(window - med)), n)
+    return med, jnp.float32(_MAD_TO_SIGMA) * mad, n
 
 
-def _is_outlier(x, buffer, count, min_history, threshold, floor):
+def _is_outlier(x, buffer, count, blank, min_history, threshold, floor):
     """Whether ``x`` exceeds the window's median by more than
     ``max(threshold * sigma, floor)`` while it holds >= ``min_history``
-    values. No division: a window of equal values (sigma 0) is fine."""
-    med, sigma = _robust_stats(buffer, count)
+    values other than ``blank``. No division: a window of equal values
+    (sigma 0) is fine."""
+    med, sigma, n = _robust_stats(buffer, count, blank)
     margin = jnp.maximum(jnp.float32(threshold) * sigma, floor(med))
-    return jnp.logical_and(count >= min_history, x - med > margin)
+    return jnp.logical_and(n >= min_history, x - med > margin)
 
 
 def _push(window: jax.Array, position: jax.Array, x: jax.Array, keep: jax.Array):
@@ -135,8 +142,10 @@ def skip_spikes(
     float32 slots and a count: the state holds only finite values)::
 
         x      = log(max(global_norm(grads), tiny))
-        med    = median(window);  sigma = 1.4826 * median(|window - med|)
-        spike  = count(window) >= min_history
+        used   = the window's values that are not an exact zero
+                 (a norm below tiny, stored as log(tiny); a loss of 0)
+        med    = median(used);  sigma = 1.4826 * median(|used - med|)
+        spike  = count(used) >= min_history
                  and x - med > max(threshold * sigma, log(min_ratio))
 
     and the same for the loss when the step passes ``value=loss`` (as
@@ -152,25 +161,26 @@ def skip_spikes(
     together); a NaN or an inf never does. (``grads_finite=False`` is the
     caller's word that the gradients are bad: `accumulate_gradients` says
     so of a window with a NaN micro-batch, whose finite partial mean must
-    not enter, as torch's NaN ``.grad`` sum does not.) A step whose gradients and loss
-    are finite but whose update is not (a NaN learning rate, an overflowing
-    moment) enters too: its norm and loss describe the data, which is what
-    the window models, so the next decisions depend on the gradients and
-    losses seen, not on the inner optimizer. Why spikes enter: with only
-    applied steps kept, a lasting change (the norm 10x higher for good
-    once a frozen backbone is unfrozen; the first non-zero gradients after
-    a window of exact zeros, log(tiny) = -87.3) is a spike forever and
-    training stalls, silently. With median/MAD a spike inside the window
+    not enter, as torch's NaN ``.grad`` sum does not.) A step whose
+    gradients and loss are finite but whose update is not (a NaN learning
+    rate, an overflowing moment) enters too: its norm and loss describe the
+    data, which is what the window models, so the next decisions depend on
+    the gradients and losses seen, not on the inner optimizer. Why spikes
+    enter: with only applied steps kept, a lasting change (the norm 10x
+    higher for good once a frozen backbone is unfrozen) is a spike forever
+    and training stalls, silently. With median/MAD a spike inside the window
     moves the median and the MAD by one rank at most, so an isolated spike
     is still skipped and does not mask the next one, while a level that
     lasts is adopted once it fills about half the window: a clean shift of
     a full window skips ``(window + 1) // 2`` steps, then steps are applied
     again (fewer when the window's spread widens first). The price: a run
-    of spikes that lasts half a window is taken as the new level. What it
-    cannot adopt: while MORE than half the window holds one value (most
-    gradients exactly 0, most losses exactly 0) the MAD is 0 and only the
-    floor decides; for a loss median of 0 the floor is 0, so every
-    positive loss is a spike for as long as the zeros are the majority.
+    of spikes that lasts half a window is taken as the new level. Exact
+    zeros (a gradient of 0, a loss of 0: a batch with nothing to learn,
+    e.g. every label ignored) take a slot of the window but not part in its
+    statistics: they say nothing about the scale, and a window made mostly
+    of them would have a MAD of 0 and call every non-zero value a spike
+    (sparse rewards, sparse labels); the statistics are those of the
+    non-zero values, checked once there are ``min_history`` of them.
     There is no unguarded warm-up: while the window holds fewer than
     ``min_history`` values steps are not spike-checked but non-finite ones
     are still refused.
@@ -272,10 +282,11 @@ def skip_spikes(
         finite = jnp.isfinite(norm)
         if grads_finite is not None:
             finite = jnp.logical_and(finite, _scalar_flag(grads_finite))
-        x = jnp.log(jnp.maximum(norm, jnp.float32(_TINY)))
+        log_tiny = jnp.float32(_LOG_TINY)
+        x = jnp.where(norm >= _TINY, jnp.log(jnp.maximum(norm, _TINY)), log_tiny)
         spike = _is_outlier(
-            x, state.log_norms, state.norm_count, min_history, threshold,
-            lambda med: jnp.float32(log_ratio),
+            x, state.log_norms, state.norm_count, log_tiny, min_history,
+            threshold, lambda med: jnp.float32(log_ratio),
         )  # fmt: skip
         if value is not None:
             loss = jnp.asarray(value, jnp.float32)
@@ -285,7 +296,8 @@ def skip_spikes(
                 )
             finite = jnp.logical_and(finite, jnp.isfinite(loss))
             loss_spike = _is_outlier(
-                loss, state.losses, state.loss_count, min_history, threshold,
+                loss, state.losses, state.loss_count, jnp.float32(0.0),
+                min_history, threshold,
                 lambda med: jnp.float32(min_ratio - 1.0) * jnp.abs(med),
             )  # fmt: skip
             spike = jnp.logical_or(spike, loss_spike)

@@ -34,6 +34,9 @@ __all__ = ["SkipSpikes", "SkipSpikesState", "find_spike_state", "skip_spikes"]
 # sigma; a norm of 0 is taken as float32's smallest normal (log -87.3).
 _MAD_TO_SIGMA = 1.482602218505602
 _TINY = torch.finfo(torch.float32).tiny
+# log(tiny) in float32, the value a norm below tiny (0 above all) is stored
+# as, the same constant as jaxstable's `_LOG_TINY`.
+_LOG_TINY = math.log(_TINY)
 
 
 def _const(value: float, device: torch.device) -> torch.Tensor:
@@ -59,14 +62,17 @@ def _median(sorted_values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count == 0, torch.full_like(med, float("nan")), med)
 
 
-def _robust_stats(buffer: torch.Tensor, count: torch.Tensor):
-    """``(median, sigma)`` of the first ``count`` slots (the others NaN in
-    the sorted copy, so last), as `jaxstable`'s `_robust_stats`."""
+def _robust_stats(buffer: torch.Tensor, count: torch.Tensor, blank: torch.Tensor):
+    """``(median, sigma, n)`` of the first ``count`` slots that are not
+    ``blank`` (an exact zero; the others NaN in the sorted copy, so last),
+    as `jaxstable`'s `_robust_stats`."""
     slots = torch.arange(buffer.shape[0], device=buffer.device)
-    window = torch.where(slots < count, buffer, float("nan"))
-    med = _median(torch.sort(window).values, count)
-    mad = _median(torch.sort(torch.abs(window - med)).values, count)
-    return med, _const(_MAD_TO_SIGMA, mad.device) * mad
+    used = (slots < count) & (buffer != blank)
+    n = used.sum().to(torch.int32)
+    window = torch.where(used, buffer, float("nan"))
+    med = _median(torch.sort(window).values, n)
+    mad = _median(torch.sort(torch.abs(window - med)).values, n)
+    return med, _const(_MAD_TO_SIGMA, mad.device) * mad, n
 
 
 class SkipSpikesState:
@@ -175,11 +181,11 @@ class _Decision:
         )
         self.state = SkipSpikesState(self.window)
 
-    def _outlier(self, x, buffer, count, floor) -> torch.Tensor:
-        med, sigma = _robust_stats(buffer, count)
+    def _outlier(self, x, buffer, count, blank, floor) -> torch.Tensor:
+        med, sigma, n = _robust_stats(buffer, count, blank)
         threshold = _const(self.threshold, x.device)
         margin = torch.maximum(threshold * sigma, floor(med))
-        return (count >= self.min_history) & (x - med > margin)
+        return (n >= self.min_history) & (x - med > margin)
 
     def check(self, norm: Any, value: Any, finite: Any) -> tuple[Any, Any, Any]:
         """``(finite, spike, (x, loss, finite))`` of a step with gradient
@@ -190,10 +196,13 @@ class _Decision:
         s, dev = self.state, norm.device
         s._to(dev)
         finite = _scalar_flag(finite, dev) & torch.isfinite(norm)
-        x = torch.log(torch.clamp(norm, min=_TINY))
+        log_tiny = _const(_LOG_TINY, dev)
+        x = torch.where(
+            norm >= _TINY, torch.log(torch.clamp(norm, min=_TINY)), log_tiny
+        )
         log_ratio = _const(math.log(self.min_ratio), dev)
         spike = finite & self._outlier(
-            x, s.log_norms, s._t["norm_count"], lambda m: log_ratio
+            x, s.log_norms, s._t["norm_count"], log_tiny, lambda m: log_ratio
         )
         loss = None
         if value is not None:
@@ -206,7 +215,11 @@ class _Decision:
             finite = finite & torch.isfinite(loss)
             rel = _const(self.min_ratio - 1.0, dev)
             spike = spike | self._outlier(
-                loss, s.losses, s._t["loss_count"], lambda m: rel * torch.abs(m)
+                loss,
+                s.losses,
+                s._t["loss_count"],
+                _const(0.0, dev),
+                lambda m: rel * torch.abs(m),
             )
             spike = spike & finite
         return finite, spike, (x, loss, finite)
@@ -328,8 +341,10 @@ def skip_spikes(
     maths, why median/MAD on logs and why spikes enter the window): over a
     window of the latest steps whose values are finite,
     ``x = log(max(norm, tiny))`` is a spike when the window holds
-    >= `min_history` values and ``x - median > max(threshold * 1.4826 *
-    MAD, log(min_ratio))``; the loss (``step(value=loss)``, or the closure's)
+    >= `min_history` values other than exact zeros (a norm below tiny, a
+    loss of 0: they take a slot but not part in the statistics) and
+    ``x - median > max(threshold * 1.4826 * MAD, log(min_ratio))`` over
+    those values; the loss (``step(value=loss)``, or the closure's)
     likewise on raw values with the floor ``(min_ratio - 1) * |median|``.
     Every step whose norm and loss are finite (and ``grads_finite`` not
     False) enters the window, a spike or a step with a non-finite update
