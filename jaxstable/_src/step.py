@@ -559,7 +559,11 @@ def make_train_step(
     transform makes both checks (``check_update=False`` there leaves the
     second out); otherwise the step itself checks the new params and
     optimizer state and keeps the old ones: a skip nested inside a chain
-    would zero only its own part of the update.
+    would zero only its own part of the update. Keeping the whole old
+    optimizer state keeps that nested skip's counters too: its
+    ``skipped_total``, ``consecutive`` and ``exceeded`` (``max_consecutive``)
+    do not move; the step's own ``skipped_total`` (in the metrics and the
+    `TrainState`) counts every skipped step.
 
     On a skipped step the model state's statistics (batch norm) are kept as
     they were (and also when the new ones are non-finite), while its
