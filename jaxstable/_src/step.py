@@ -667,8 +667,11 @@ def make_train_step(
       invariant above), ``grads_finite`` (bool: the loss and the gradients,
       the flag the loss scale reacts to),
       ``skipped_total`` (int32), ``spike`` (bool, only when ``tx`` is a
-      `jaxstable.transforms.skip_spikes`, which the step passes
-      ``value=loss``), and ``aux`` with ``has_aux``.
+      `jaxstable.transforms.skip_spikes`), and ``aux`` with ``has_aux``.
+      A ``tx`` that takes extra args (an `optax.chain` of them, `skip_spikes`,
+      `optax.contrib.reduce_on_plateau`) gets ``value=loss`` (the unscaled
+      loss, the micro-batches' mean) and ``grads_finite=``; a skipped step
+      keeps its state (a plateau's counters do not move).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -819,11 +822,11 @@ def make_train_step(
         tx = state.tx
         extra = {}
         if isinstance(tx, optax.GradientTransformationExtraArgs):
-            extra = {"grads_finite": finite}
+            # optax's convention for the objective's value (`value=`):
+            # skip_spikes checks it, reduce_on_plateau and polyak_sgd use it.
+            extra = {"grads_finite": finite, "value": loss}
         spikes = _outer_skip_state(state.opt_state)
         spikes = spikes if isinstance(spikes, SkipSpikesState) else None
-        if spikes is not None:
-            extra["value"] = loss  # the spike guard checks the loss too
 
         def update(grads, opt_state, params):
             return tx.update(grads, opt_state, params, **extra)

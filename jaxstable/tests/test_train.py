@@ -423,6 +423,27 @@ def test_a_nan_schedule_value_is_not_kept_in_the_injected_hyperparams(spikes):
     assert bool(m["finite"])
 
 
+def test_reduce_on_plateau_gets_the_loss_and_a_skipped_step_keeps_its_counters():
+    # optax's reduce_on_plateau needs value= (the loss): the step passes it
+    # to any extra-args optimizer (it raised "missing ... 'value'"). A flat
+    # loss halves the scale every 2 steps; a NaN step is skipped and leaves
+    # the plateau's counters as they were.
+    plateau = optax.contrib.reduce_on_plateau(
+        patience=2, factor=0.5, cooldown=0, accumulation_size=1
+    )
+    tx = optax.chain(transforms.stable_optimizer(optax.sgd(0.1)), plateau)
+    step = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
+    state = train.TrainState.create(params=jnp.ones(2), optimizer=tx)
+    scales = []
+    for b in [1.0, 1.0, 1.0, jnp.nan, 1.0, 1.0]:
+        before = state.opt_state[1]
+        state, m = step(state, jnp.array([b, 1.0]))
+        if not bool(m["finite"]):
+            jax.tree.map(np.testing.assert_array_equal, state.opt_state[1], before)
+        scales.append(float(state.opt_state[1].scale))
+    assert scales == [1.0, 1.0, 0.5, 0.5, 0.5, 0.25]
+
+
 def test_lower_without_jit():
     step = train.make_train_step(_mlp_loss, jit=False)
     lowered = step.lower(_state(), _batch(0))
