@@ -113,6 +113,29 @@ def test_kernel_a_chunk_of_minus_inf_logits_as_torch():
     assert not np.any(np.asarray(dx[0, :1024]))
 
 
+def test_several_devices_take_the_xla_path_unless_told(monkeypatch):
+    # A pallas_call has no partitioning rule: under jit with logits sharded
+    # over several GPUs its operands would be gathered onto each one. So on
+    # a GPU backend with more than one device the XLA path, unless
+    # JAXSTABLE_CE_KERNEL=1 (shard_map, one device per call).
+    x = jnp.zeros((4, 19))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("JAXSTABLE_CE_KERNEL", raising=False)
+    for devices, switch, applies in [
+        (1, None, True),
+        (2, None, False),
+        (2, "auto", False),
+        (2, "1", True),
+        (1, "0", False),
+    ]:
+        monkeypatch.setattr(jax, "device_count", lambda n=devices: n)
+        if switch is None:
+            monkeypatch.delenv("JAXSTABLE_CE_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("JAXSTABLE_CE_KERNEL", switch)
+        assert ce_kernel_applies(x) is applies, (devices, switch)
+
+
 def _kernel_memory_ops(jaxpr):
     """(name, masked) of every ref read and write in the pallas_call kernels
     of ``jaxpr``, loop bodies included."""
@@ -158,7 +181,10 @@ def test_applies_only_where_the_kernel_runs(monkeypatch):
     x = jnp.zeros((4, 19))
     monkeypatch.setenv("JAXSTABLE_CE_KERNEL", "0")  # the user's off switch
     assert not ce_kernel_applies(x, interpret=True)
-    monkeypatch.setenv("JAXSTABLE_CE_KERNEL", "1")
+    monkeypatch.setenv("JAXSTABLE_CE_KERNEL", "yes")
+    with pytest.raises(ValueError, match="'auto', '0' or '1', got 'yes'"):
+        ce_kernel_applies(x)
+    monkeypatch.delenv("JAXSTABLE_CE_KERNEL")
     on_gpu = jax.default_backend() == "gpu"
     assert ce_kernel_applies(x) is on_gpu
     assert ce_kernel_applies(x, interpret=True)

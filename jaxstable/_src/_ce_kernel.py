@@ -107,9 +107,13 @@ def ce_kernel_applies(
     True on a GPU backend (or with `interpret`) for float16/bfloat16/float32
     logits with at least one and at most 262,144 classes and fewer than
     2**31 elements, any number of rows (0 included), with or without class
-    weights of shape ``(C,)``. False whenever the environment variable
-    ``JAXSTABLE_CE_KERNEL`` is ``0`` (read at each call, i.e. when the loss
-    is traced).
+    weights of shape ``(C,)``, on ONE device: with several devices visible
+    the XLA path, because a ``pallas_call`` has no partitioning rule, so
+    under `jax.jit` with sharded logits its operands would be gathered onto
+    every device. The environment variable ``JAXSTABLE_CE_KERNEL`` (read at
+    each call, i.e. when the loss is traced): ``auto`` (default) as above,
+    ``0`` the XLA path everywhere, ``1`` the kernel on several devices too
+    (inside `jax.shard_map`, where each call is one device's).
 
     Args:
         logits: the logits the loss is called with.
@@ -128,10 +132,17 @@ def ce_kernel_applies(
         >>> ce_kernel_applies(jnp.zeros((4, 19), jnp.int32), interpret=True)
         False
     """
-    if os.environ.get("JAXSTABLE_CE_KERNEL", "1") == "0":
+    switch = os.environ.get("JAXSTABLE_CE_KERNEL", "auto")
+    if switch not in ("auto", "0", "1"):
+        raise ValueError(
+            f"JAXSTABLE_CE_KERNEL must be 'auto', '0' or '1', got {switch!r}"
+        )
+    if switch == "0":
         return False  # the user's switch: the XLA path everywhere
     if not (interpret or jax.default_backend() == "gpu"):
         return False
+    if switch == "auto" and not interpret and jax.device_count() > 1:
+        return False  # no partitioning rule: see the docstring
     if logits.ndim < 1 or jnp.dtype(logits.dtype) not in map(jnp.dtype, _KERNEL_DTYPES):
         return False
     classes = logits.shape[axis]
