@@ -159,7 +159,7 @@ def _tiling(classes: int) -> tuple[int, int, int]:
     """(rows per program, classes per chunk, chunks) for ``classes``."""
     chunk = min(_pow2(classes), _CHUNK)
     rows = max(8, min(128, _TILE // chunk))
-    return rows, chunk, -(-classes // chunk)
+    return rows, chunk, pl.cdiv(classes, chunk)
 
 
 # Every load and store below is masked by hand: Pallas' Triton lowering
@@ -177,9 +177,10 @@ def _row_block(n_rows, rows):
 
 
 def _chunk(k, chunk, classes):
+    """Chunk `k`'s class indices, its slice of the class axis and its mask."""
     start = k * chunk
-    ok = start + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0) < classes
-    return start, pl.ds(start, chunk), ok
+    cols = start + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    return cols, pl.ds(start, chunk), cols < classes
 
 
 def _forward_kernel(
@@ -191,7 +192,7 @@ def _forward_kernel(
 
     def step(k, carry):
         m, s, x_y, w_y, wx, sw = carry
-        start, cs, col_ok = _chunk(k, chunk, classes)
+        cols, cs, col_ok = _chunk(k, chunk, classes)
         mask = row_ok[:, None] & col_ok[None, :]
         x = pltriton.load(x_ref.at[rs, cs], mask=mask, other=-jnp.inf)
         x = x.astype(jnp.float32)
@@ -202,7 +203,7 @@ def _forward_kernel(
         # of -inf only gives lse = -inf and a nan loss, as in torch.
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
-        hit = (start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)) == y[:, None]
+        hit = cols[None, :] == y[:, None]
         x_y = x_y + jnp.sum(jnp.where(hit, x, 0.0), axis=1)
         w_y = w_y + jnp.sum(jnp.where(hit, w[None, :], 0.0), axis=1)
         if eps:
@@ -243,11 +244,11 @@ def _backward_kernel(
         sw = jax.lax.fori_loop(0, n_chunks, add_weights, sw)
 
     def step(k, carry):
-        start, cs, col_ok = _chunk(k, chunk, classes)
+        cols, cs, col_ok = _chunk(k, chunk, classes)
         mask = row_ok[:, None] & col_ok[None, :]
         x = pltriton.load(x_ref.at[rs, cs], mask=mask, other=0.0).astype(jnp.float32)
         p = jnp.exp(x - lse[:, None])
-        hit = (start + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)) == y[:, None]
+        hit = cols[None, :] == y[:, None]
         d = (1.0 - eps) * w_y[:, None] * (p - hit.astype(jnp.float32))
         if eps:
             w = pltriton.load(w_ref.at[cs], mask=col_ok, other=0.0)
