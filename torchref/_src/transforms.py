@@ -391,14 +391,7 @@ class _StepUndo:
     def take(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        if any(_is_dtensor(p) for p in self.params):
-            # Each rank would check its own shard only and could decide
-            # differently from the others; DTensor has no _foreach_copy_.
-            raise NotImplementedError(
-                "check_update does not support sharded (DTensor / FSDP2) "
-                "parameters: build the step with check_update=False (the "
-                "gradient check stays global through GradScaler's found_inf)"
-            )
+        _refuse_sharded_update_check(self.params)
         live, saved = [p.detach() for p in self.params], []
         self.state: dict[torch.Tensor, dict[str, Any] | None] = {}
         for p in self.params:
@@ -451,6 +444,18 @@ class _StepUndo:
                         live[k] = v.clone()
                 else:
                     live[k] = copy.deepcopy(v)
+
+
+def _refuse_sharded_update_check(params: list[torch.Tensor]) -> None:
+    """The update check on sharded (DTensor / FSDP2) parameters is refused:
+    each rank would check its own shard only and could decide differently
+    from the others, and DTensor has no ``_foreach_copy_``."""
+    if any(_is_dtensor(p) for p in params):
+        raise NotImplementedError(
+            "check_update does not support sharded (DTensor / FSDP2) "
+            "parameters: build the step with check_update=False (the "
+            "gradient check stays global through GradScaler's found_inf)"
+        )
 
 
 def _scalar_flag(flag: Any, device: torch.device) -> torch.Tensor:
@@ -598,14 +603,7 @@ class _GuardedStep:
             if not bool(bad_grads):
                 optimizer.step()
             return bad_grads
-        if any(_is_dtensor(p) for p in params):
-            # Each rank would check its own shard only and could decide
-            # differently from the others; DTensor has no _foreach_copy_.
-            raise NotImplementedError(
-                "check_update does not support sharded (DTensor / FSDP2) "
-                "parameters: build the step with check_update=False (the "
-                "gradient check stays global through GradScaler's found_inf)"
-            )
+        _refuse_sharded_update_check(params)
         before = {p: _snapshot_layout(optimizer.state.get(p)) for p in params}
         tensors = params + [
             v

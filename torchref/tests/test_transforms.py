@@ -587,3 +587,21 @@ def test_a_step_that_assigns_param_data_is_selected_back(check_update):
     w.grad = torch.tensor([1.0, 1.0])
     opt.step()
     assert w.tolist() == [0.5, 0.5]
+
+
+def test_update_check_on_sharded_parameters_is_refused_by_name(monkeypatch):
+    # FSDP2 (DTensor) parameters: each rank would check its own shard only.
+    # Both ways into the update check (step() and step(closure)) say so and
+    # name the fix; the parameters are taken as DTensors here (no process
+    # group needed).
+    from torchref._src import transforms as impl
+
+    w = torch.nn.Parameter(torch.ones(2))
+    monkeypatch.setattr(impl, "_is_dtensor", lambda t: t is w)
+    opt = tr.skip_non_finite(torch.optim.SGD([w], lr=0.1))
+    w.grad = torch.ones(2)
+    with pytest.raises(NotImplementedError, match="check_update=False"):
+        opt.step()
+    with pytest.raises(NotImplementedError, match="check_update=False"):
+        opt.step(lambda: (w * w).sum())
+    assert w.tolist() == [1.0, 1.0]
