@@ -123,7 +123,9 @@ def copy_bandwidth(n_bytes: int) -> float:
     return 2 * x.size * 4 / statistics.median(ts)
 
 
-def _jax_ce(naive: bool, xla: bool = False):
+def _jax_ce(variant: str):
+    """jit(value_and_grad) of the variant named: ours, ours_xla or naive_optax."""
+
     def ours(x, y):
         return losses.softmax_cross_entropy(x, y, ignore_index=IGNORE)
 
@@ -137,8 +139,8 @@ def _jax_ce(naive: bool, xla: bool = False):
         per = optax.softmax_cross_entropy_with_integer_labels(x, jnp.where(valid, y, 0))
         return jnp.sum(jnp.where(valid, per, 0)) / jnp.maximum(jnp.sum(valid), 1)
 
-    fn = naive_ce if naive else ours_xla if xla else ours
-    return jax.jit(jax.value_and_grad(fn))
+    fns = {"ours": ours, "ours_xla": ours_xla, "naive_optax": naive_ce}
+    return jax.jit(jax.value_and_grad(fns[variant]))
 
 
 def _jax_peak_bytes(fn, *args) -> int:
@@ -149,7 +151,7 @@ def _jax_peak_bytes(fn, *args) -> int:
 def _ce_case(x32, y, dtype, reps, device, compile_torch, bw) -> dict:
     jx = jnp.asarray(x32).astype(dtype)
     jy = jnp.asarray(y)
-    ours, naive, ours_xla = _jax_ce(False), _jax_ce(True), _jax_ce(False, xla=True)
+    ours, naive, ours_xla = map(_jax_ce, ("ours", "naive_optax", "ours_xla"))
     # The kernel computes what its fallback does (bf16/fp16 gradients: a
     # rounding apart); a wrong kernel must not be timed as a fast one.
     (v, g), (v_ref, g_ref) = ours(jx, jy), ours_xla(jx, jy)
