@@ -49,10 +49,12 @@ from typing import Any
 
 import torch
 
+from _stablecore.checkpoint import TEMP_SUFFIX as _TEMP_SUFFIX
 from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
 from _stablecore.checkpoint import check_manager_options as _check_manager_options
 from _stablecore.checkpoint import fsync_dir as _fsync_dir
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
+from _stablecore.checkpoint import temp_path as _temp_path
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
 from torchref._src.distributed import _plain
@@ -143,10 +145,14 @@ def _encode(
 
 
 def _write_durably(path: str, data: bytes) -> None:
-    """tmp file, flush, fsync, `os.replace`, fsync of the directory."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    """tmp file, flush, fsync, `os.replace`, fsync of the directory.
+
+    The tmp name is unique to this process, thread and call (`_temp_path`):
+    two threads saving to one path each rename their own complete file.
+    """
+    tmp = _temp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -458,7 +464,7 @@ class CheckpointManager:
     (one a resume went back from). With `async_save` the state is
     serialised in memory at `save` (a copy: training may go on) and written
     by a background thread (the next save, `wait` or `close` waits for it).
-    A crash mid-write leaves a ``.tmp-<pid>`` file, which the next manager
+    A crash mid-write leaves a ``.tmp-<pid>-<thread>-<n>`` file, which the next manager
     on the directory removes (unless a run holds the directory's lock, see
     `fit`).
 
@@ -521,7 +527,7 @@ class CheckpointManager:
         os.makedirs(self.directory, exist_ok=True)
         if not locked_elsewhere(self.directory):  # a killed save's leftovers
             for name in os.listdir(self.directory):
-                if re.match(r"^step_\d{8,}\.pt\.tmp-\d+$", name):
+                if re.match(rf"^step_\d{{8,}}\.pt{_TEMP_SUFFIX}$", name):
                     os.remove(os.path.join(self.directory, name))
                 elif re.match(r"^step_\d{8,}\.dcp\.partial$", name):
                     shutil.rmtree(os.path.join(self.directory, name))
