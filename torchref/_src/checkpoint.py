@@ -58,7 +58,7 @@ from _stablecore.checkpoint import temp_path as _temp_path
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
 from torchref._src.distributed import _plain
-from torchref._src.step import TrainStep, _scaler_kind
+from torchref._src.step import TrainStep, _scaler_kind, param_names
 
 __all__ = ["CheckpointManager", "load_checkpoint", "save_checkpoint"]
 
@@ -81,8 +81,9 @@ _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 _DCP_FORMAT = "torchref-dcp-1"
 _DCP_NAME = re.compile(r"^step_(\d{8,})\.dcp$")
 _DCP_HEADER = "checkpoint.pt"
-# DCP keys: "model/<name>" and "optimizer/<parameter name>/<state key>".
-_MODEL, _OPTIM = "model/", "optimizer/"
+# DCP keys: "model/<name>", "optimizer/<parameter name>/<state key>" and
+# "outside_params/<name>" (the optimizer's parameters outside the model).
+_MODEL, _OPTIM, _OUTSIDE = "model/", "optimizer/", "outside_params/"
 
 
 def _rng_states() -> dict[str, Any]:
@@ -740,22 +741,14 @@ def _is_ours(path: str) -> bool:
 
 
 def _param_names(step: TrainStep) -> tuple[list[str], dict[str, list]]:
-    """The optimizer's parameters in its order: their names (the model's;
-    ``<unnamed k>`` for the k-th one outside the model) and
-    ``{name: [shape, dtype]}``."""
-    named = {}
-    # The unwrapped module's names (no DDP "module." prefix): a checkpoint
-    # restores in any placement.
-    for name, p in _plain(step.model).named_parameters():
-        named.setdefault(id(p), name)
-    names, specs, unnamed = [], {}, 0
-    for group in step.optimizer.param_groups:
-        for p in group["params"]:
-            name = named.get(id(p))
-            if name is None:
-                name, unnamed = f"<unnamed {unnamed}>", unnamed + 1
-            names.append(name)
-            specs[name] = [list(p.shape), str(p.dtype).removeprefix("torch.")]
+    """The optimizer's parameters in its order: their names (`param_names`:
+    the model's, else the one the optimizer was given, else ``<unnamed
+    k>``) and ``{name: [shape, dtype]}``."""
+    names = param_names(step.model, step.optimizer)
+    specs = {
+        name: [list(p.shape), str(p.dtype).removeprefix("torch.")]
+        for name, p in zip(names, step._params(), strict=True)
+    }
     return names, specs
 
 
@@ -1013,6 +1006,8 @@ def _dcp_tensors(step: TrainStep) -> tuple[dict, dict]:
     uninterrupted run.
     """
     tensors = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    outside = step._outside_params()
+    tensors.update({_OUTSIDE + k: p.detach() for k, p in outside.items()})
     names, specs = _param_names(step)
     by_name = _by_name(step.optimizer.state_dict(), names)
     keys, scalars = [], {}
@@ -1165,6 +1160,14 @@ def _load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
     names = _param_names(step)[0]
     by_name = dict(zip(names, step._params(), strict=True))
     template = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    # The outside parameters' values: saved by checkpoints since issue 34
+    # (an older one has none, and says so by a RuntimeWarning).
+    own = step._outside_params()
+    has_outside = any(k.startswith(_OUTSIDE) for k in saved)
+    if has_outside:
+        template.update(
+            {_OUTSIDE + k: torch.zeros_like(p.detach()) for k, p in own.items()}
+        )
     for name, key in extras["optimizer"]["keys"]:
         md, p = saved[f"{_OPTIM}{name}/{key}"], by_name[name]
         dtype = md.properties.dtype
@@ -1187,6 +1190,9 @@ def _load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
         state.setdefault(name, {})[key] = template[f"{_OPTIM}{name}/{key}"]
     optimizer = {"state": state, "param_groups": rest["param_groups"]}
     step.optimizer.load_state_dict(_to_index(optimizer, names, step))
+    if has_outside or own:
+        values = {k: template[_OUTSIDE + k] for k in own} if has_outside else None
+        step._set_outside_params(step._outside_values(values))
     step._load_counters(extras)
     if restore_rng and extras.get("rng"):
         rngs = extras["rng"]
