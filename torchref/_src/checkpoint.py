@@ -4,7 +4,8 @@ A checkpoint file is one JSON header line (format, the run's global step,
 data position, metrics, `fit`'s NaN-policy state, and a sha256 over the rest
 of the header and the payload, so that a flipped bit anywhere, the data
 position included, is caught rather than loaded) followed by the payload,
-`torch.save` of ``step.state_dict()`` (model, optimizer, GradScaler
+`torch.save` of ``step.state_dict()`` (model, optimizer, the values of
+the optimizer's parameters the model does not hold, GradScaler
 ``state_dict()``, skip counters, steps done) plus the RNG states (torch
 CPU, CUDA when initialised, Python's `random`), the data position, the
 optimizer and scaler class names, the parameters' names, shapes and
@@ -12,9 +13,12 @@ dtypes, and `fit`'s rollback snapshot when it keeps one. The optimizer
 state is keyed by parameter NAME (torch's own state dict numbers the
 parameters by their position in the optimizer): a model whose optimizer
 lists its parameters in another order loads each state onto its own
-parameter. It is written to a temporary file, flushed and fsynced, then
-renamed over the final name with `os.replace` (and the directory fsynced):
-a crash leaves the previous file intact.
+parameter. A parameter outside the model (a learned temperature used in
+the loss) has the name given to torch's named-parameter optimizer, else
+``<unnamed k>`` (the k-th such in the optimizer's order). It is written
+to a temporary file, flushed and fsynced, then renamed over the final
+name with `os.replace` (and the directory fsynced): a crash leaves the
+previous file intact.
 
 Under FSDP2 (a `TrainStep` over a ``fully_shard`` model, a process group
 of more than one rank) a checkpoint is a DIRECTORY ``step_{n:08d}.dcp``
@@ -224,9 +228,13 @@ def save_checkpoint(
     """Writes ``step.state_dict()`` (model, optimizer, scaler, counters) durably.
 
     The mirror of `jaxstable.train.save_checkpoint`. The file also holds the
-    RNG states, `data_position`, the optimizer and scaler class names (so
-    that `load_checkpoint` can refuse a checkpoint of another one by name)
-    and a sha256 of the payload (so that it refuses a damaged one). See the
+    values of the parameters the optimizer holds outside the model (a
+    learned temperature used in the loss, by the name given to a
+    named-parameter optimizer, ``Adam([*model.named_parameters(),
+    ("temperature", t)])``, else ``<unnamed k>``), the RNG states,
+    `data_position`, the optimizer and scaler class names (so that
+    `load_checkpoint` can refuse a checkpoint of another one by name) and a
+    sha256 of the payload (so that it refuses a damaged one). See the
     module docstring for the layout; for a run, `CheckpointManager` keeps
     several, by global step. Under FSDP2 (more than one rank) `path`
     becomes a directory written with `torch.distributed.checkpoint`, each
@@ -272,7 +280,9 @@ def load_checkpoint(
     the first parameter the first saved state, whatever it was): an
     optimizer listing the same parameters in another order loads each one's
     state, and one over other parameters (another name, group, shape or
-    dtype) is refused naming them. The mirror of
+    dtype) is refused naming them. The parameters outside the model get
+    their saved values back (a checkpoint written before torchref saved
+    them gives a RuntimeWarning naming them: they keep their values). The mirror of
     `jaxstable.train.load_checkpoint` (which matches leaves by their pytree
     path), with the same messages. The RNG
     states saved with it are restored too (`restore_rng`), so that dropout
