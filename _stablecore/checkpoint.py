@@ -1,17 +1,26 @@
 """The framework-free parts of checkpoints: the error a damaged checkpoint
 gives, the mismatch report of `load_checkpoint` (the same texts in
 `jaxstable.train` and `torchref.train`) and the fsyncs that make a finished
-checkpoint survive a power loss."""
+checkpoint survive a power loss, and the temporary names they are written
+under."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from typing import Any
 
 from _stablecore.checks import check_int
 
 # Mismatch lines listed in one error; the rest are counted.
 MAX_MISMATCH_LINES = 12
+# Numbers the temporary files of this process (see `temp_path`).
+_SERIAL = itertools.count()
+_SERIAL_LOCK = threading.Lock()
+# What `temp_path` appends to a name, as a regular expression (for the
+# cleanup of a killed write's leftovers; the older ``.tmp-<pid>`` included).
+TEMP_SUFFIX = r"\.tmp-\d+(?:-\d+-\d+)?"
 
 
 class CorruptCheckpoint(ValueError):
@@ -39,6 +48,21 @@ def check_manager_options(max_to_keep: Any, best_metric: Any, best_mode: Any) ->
         raise TypeError(f"best_metric must be None or a str, got {best_metric!r}")
     if best_mode not in ("min", "max"):
         raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+
+
+def temp_path(path: str) -> str:
+    """A temporary name beside `path` that no other write uses at the same time.
+
+    ``path.tmp-<pid>-<thread>-<serial>``: the pid tells processes apart, the
+    thread id threads of one process, and the serial calls of one thread, so
+    that two threads saving to one path never write into each other's file
+    (a name unique per process let the second truncate the first's file and
+    rename it away under it). Open it with ``"xb"`` so that a name already
+    taken is an error, not a file shared.
+    """
+    with _SERIAL_LOCK:  # next() on a shared counter, from any thread
+        serial = next(_SERIAL)
+    return f"{path}.tmp-{os.getpid()}-{threading.get_ident()}-{serial}"
 
 
 def fsync_dir(folder: str) -> None:

@@ -4,7 +4,8 @@ A checkpoint file is one JSON header line (format, the run's global step,
 data position, metrics, `fit`'s NaN-policy state, and a sha256 over the rest
 of the header and the payload, so that a flipped bit anywhere, the data
 position included, is caught rather than loaded) followed by the payload,
-`torch.save` of ``step.state_dict()`` (model, optimizer, GradScaler
+`torch.save` of ``step.state_dict()`` (model, optimizer, the values of
+the optimizer's parameters the model does not hold, GradScaler
 ``state_dict()``, skip counters, steps done) plus the RNG states (torch
 CPU, CUDA when initialised, Python's `random`), the data position, the
 optimizer and scaler class names, the parameters' names, shapes and
@@ -12,9 +13,12 @@ dtypes, and `fit`'s rollback snapshot when it keeps one. The optimizer
 state is keyed by parameter NAME (torch's own state dict numbers the
 parameters by their position in the optimizer): a model whose optimizer
 lists its parameters in another order loads each state onto its own
-parameter. It is written to a temporary file, flushed and fsynced, then
-renamed over the final name with `os.replace` (and the directory fsynced):
-a crash leaves the previous file intact.
+parameter. A parameter outside the model (a learned temperature used in
+the loss) has the name given to torch's named-parameter optimizer, else
+``<unnamed k>`` (the k-th such in the optimizer's order). It is written
+to a temporary file, flushed and fsynced, then renamed over the final
+name with `os.replace` (and the directory fsynced): a crash leaves the
+previous file intact.
 
 Under FSDP2 (a `TrainStep` over a ``fully_shard`` model, a process group
 of more than one rank) a checkpoint is a DIRECTORY ``step_{n:08d}.dcp``
@@ -49,14 +53,16 @@ from typing import Any
 
 import torch
 
+from _stablecore.checkpoint import TEMP_SUFFIX as _TEMP_SUFFIX
 from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
 from _stablecore.checkpoint import check_manager_options as _check_manager_options
 from _stablecore.checkpoint import fsync_dir as _fsync_dir
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
+from _stablecore.checkpoint import temp_path as _temp_path
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
 from torchref._src.distributed import _plain
-from torchref._src.step import TrainStep, _scaler_kind
+from torchref._src.step import TrainStep, _scaler_kind, param_names
 
 __all__ = ["CheckpointManager", "load_checkpoint", "save_checkpoint"]
 
@@ -79,8 +85,9 @@ _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 _DCP_FORMAT = "torchref-dcp-1"
 _DCP_NAME = re.compile(r"^step_(\d{8,})\.dcp$")
 _DCP_HEADER = "checkpoint.pt"
-# DCP keys: "model/<name>" and "optimizer/<parameter name>/<state key>".
-_MODEL, _OPTIM = "model/", "optimizer/"
+# DCP keys: "model/<name>", "optimizer/<parameter name>/<state key>" and
+# "outside_params/<name>" (the optimizer's parameters outside the model).
+_MODEL, _OPTIM, _OUTSIDE = "model/", "optimizer/", "outside_params/"
 
 
 def _rng_states() -> dict[str, Any]:
@@ -143,10 +150,14 @@ def _encode(
 
 
 def _write_durably(path: str, data: bytes) -> None:
-    """tmp file, flush, fsync, `os.replace`, fsync of the directory."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+    """tmp file, flush, fsync, `os.replace`, fsync of the directory.
+
+    The tmp name is unique to this process, thread and call (`_temp_path`):
+    two threads saving to one path each rename their own complete file.
+    """
+    tmp = _temp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -217,9 +228,13 @@ def save_checkpoint(
     """Writes ``step.state_dict()`` (model, optimizer, scaler, counters) durably.
 
     The mirror of `jaxstable.train.save_checkpoint`. The file also holds the
-    RNG states, `data_position`, the optimizer and scaler class names (so
-    that `load_checkpoint` can refuse a checkpoint of another one by name)
-    and a sha256 of the payload (so that it refuses a damaged one). See the
+    values of the parameters the optimizer holds outside the model (a
+    learned temperature used in the loss, by the name given to a
+    named-parameter optimizer, ``Adam([*model.named_parameters(),
+    ("temperature", t)])``, else ``<unnamed k>``), the RNG states,
+    `data_position`, the optimizer and scaler class names (so that
+    `load_checkpoint` can refuse a checkpoint of another one by name) and a
+    sha256 of the payload (so that it refuses a damaged one). See the
     module docstring for the layout; for a run, `CheckpointManager` keeps
     several, by global step. Under FSDP2 (more than one rank) `path`
     becomes a directory written with `torch.distributed.checkpoint`, each
@@ -265,7 +280,9 @@ def load_checkpoint(
     the first parameter the first saved state, whatever it was): an
     optimizer listing the same parameters in another order loads each one's
     state, and one over other parameters (another name, group, shape or
-    dtype) is refused naming them. The mirror of
+    dtype) is refused naming them. The parameters outside the model get
+    their saved values back (a checkpoint written before torchref saved
+    them gives a RuntimeWarning naming them: they keep their values). The mirror of
     `jaxstable.train.load_checkpoint` (which matches leaves by their pytree
     path), with the same messages. The RNG
     states saved with it are restored too (`restore_rng`), so that dropout
@@ -458,7 +475,7 @@ class CheckpointManager:
     (one a resume went back from). With `async_save` the state is
     serialised in memory at `save` (a copy: training may go on) and written
     by a background thread (the next save, `wait` or `close` waits for it).
-    A crash mid-write leaves a ``.tmp-<pid>`` file, which the next manager
+    A crash mid-write leaves a ``.tmp-<pid>-<thread>-<n>`` file, which the next manager
     on the directory removes (unless a run holds the directory's lock, see
     `fit`).
 
@@ -521,7 +538,7 @@ class CheckpointManager:
         os.makedirs(self.directory, exist_ok=True)
         if not locked_elsewhere(self.directory):  # a killed save's leftovers
             for name in os.listdir(self.directory):
-                if re.match(r"^step_\d{8,}\.pt\.tmp-\d+$", name):
+                if re.match(rf"^step_\d{{8,}}\.pt{_TEMP_SUFFIX}$", name):
                     os.remove(os.path.join(self.directory, name))
                 elif re.match(r"^step_\d{8,}\.dcp\.partial$", name):
                     shutil.rmtree(os.path.join(self.directory, name))
@@ -734,22 +751,14 @@ def _is_ours(path: str) -> bool:
 
 
 def _param_names(step: TrainStep) -> tuple[list[str], dict[str, list]]:
-    """The optimizer's parameters in its order: their names (the model's;
-    ``<unnamed k>`` for the k-th one outside the model) and
-    ``{name: [shape, dtype]}``."""
-    named = {}
-    # The unwrapped module's names (no DDP "module." prefix): a checkpoint
-    # restores in any placement.
-    for name, p in _plain(step.model).named_parameters():
-        named.setdefault(id(p), name)
-    names, specs, unnamed = [], {}, 0
-    for group in step.optimizer.param_groups:
-        for p in group["params"]:
-            name = named.get(id(p))
-            if name is None:
-                name, unnamed = f"<unnamed {unnamed}>", unnamed + 1
-            names.append(name)
-            specs[name] = [list(p.shape), str(p.dtype).removeprefix("torch.")]
+    """The optimizer's parameters in its order: their names (`param_names`:
+    the model's, else the one the optimizer was given, else ``<unnamed
+    k>``) and ``{name: [shape, dtype]}``."""
+    names = param_names(step.model, step.optimizer)
+    specs = {
+        name: [list(p.shape), str(p.dtype).removeprefix("torch.")]
+        for name, p in zip(names, step._params(), strict=True)
+    }
     return names, specs
 
 
@@ -1007,6 +1016,8 @@ def _dcp_tensors(step: TrainStep) -> tuple[dict, dict]:
     uninterrupted run.
     """
     tensors = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    outside = step._outside_params()
+    tensors.update({_OUTSIDE + k: p.detach() for k, p in outside.items()})
     names, specs = _param_names(step)
     by_name = _by_name(step.optimizer.state_dict(), names)
     keys, scalars = [], {}
@@ -1159,6 +1170,14 @@ def _load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
     names = _param_names(step)[0]
     by_name = dict(zip(names, step._params(), strict=True))
     template = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    # The outside parameters' values: saved by checkpoints since issue 34
+    # (an older one has none, and says so by a RuntimeWarning).
+    own = step._outside_params()
+    has_outside = any(k.startswith(_OUTSIDE) for k in saved)
+    if has_outside:
+        template.update(
+            {_OUTSIDE + k: torch.zeros_like(p.detach()) for k, p in own.items()}
+        )
     for name, key in extras["optimizer"]["keys"]:
         md, p = saved[f"{_OPTIM}{name}/{key}"], by_name[name]
         dtype = md.properties.dtype
@@ -1181,6 +1200,9 @@ def _load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
         state.setdefault(name, {})[key] = template[f"{_OPTIM}{name}/{key}"]
     optimizer = {"state": state, "param_groups": rest["param_groups"]}
     step.optimizer.load_state_dict(_to_index(optimizer, names, step))
+    if has_outside or own:
+        values = {k: template[_OUTSIDE + k] for k in own} if has_outside else None
+        step._set_outside_params(step._outside_values(values))
     step._load_counters(extras)
     if restore_rng and extras.get("rng"):
         rngs = extras["rng"]

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -665,17 +666,26 @@ class TrainStep(_DeferredRecords):
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, scaler and counters (for `torch.save`)."""
-        model, optimizer = (
+        """Model, optimizer, scaler and counters (for `torch.save`).
+
+        ``"outside_params"`` holds the values of the optimizer's parameters
+        that the model does not hold (a learned temperature used in
+        `loss_fn`), by their `param_names` name: the model's state dict
+        misses them, and the optimizer's holds their state, not their
+        values.
+        """
+        model, optimizer, outside = (
             _dist._plain_state_dict(self.model),
             self.optimizer.state_dict(),
+            {n: p.detach() for n, p in self._outside_params().items()},
         )
         if _dist._is_fsdp(self.model):
             # Every shard, gathered (a collective: every rank calls this).
-            model, optimizer = _dist._gather_full((model, optimizer))
+            model, optimizer, outside = _dist._gather_full((model, optimizer, outside))
         # The unwrapped module's keys (no DDP "module." prefix) and full
         # tensors, so that a checkpoint restores in any placement.
-        return {"model": model, "optimizer": optimizer} | self._counters_dict()
+        state = {"model": model, "optimizer": optimizer, "outside_params": outside}
+        return state | self._counters_dict()
 
     def _counters_dict(self) -> dict[str, Any]:
         """The state besides model and optimizer: scaler, skip and spike
@@ -715,6 +725,7 @@ class TrainStep(_DeferredRecords):
                 f"the checkpoint holds {_scaler_kind(saved)} but this TrainStep has "
                 f"{have}: build it with the loss scale the checkpoint was saved with"
             )
+        outside = self._outside_values(state.get("outside_params"))
         model, optimizer = state["model"], state["optimizer"]
         if _dist._is_fsdp(self.model):
             # Full tensors (any placement's checkpoint) sharded as here.
@@ -723,7 +734,59 @@ class TrainStep(_DeferredRecords):
             optimizer = _dist._shard_like(optimizer, like)
         _dist._load_plain_state_dict(self.model, model)
         self.optimizer.load_state_dict(optimizer)
+        self._set_outside_params(outside)
         self._load_counters(state)
+
+    def _outside_params(self) -> dict[str, torch.Tensor]:
+        """The optimizer's parameters the model does not hold, by name."""
+        inside = {id(p) for p in _dist._plain(self.model).parameters()}
+        names = param_names(self.model, self.optimizer)
+        named = zip(names, self._params(), strict=True)
+        return {n: p for n, p in named if id(p) not in inside}
+
+    def _outside_values(self, saved: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The saved values of `_outside_params`, checked to be the same
+        names, shapes and dtypes (a ValueError naming each that differs);
+        {} with a RuntimeWarning naming them when `saved` is None (a state
+        saved before torchref saved them: they keep their values)."""
+        own = self._outside_params()
+        if saved is None:
+            if own:
+                warnings.warn(
+                    "the state holds no values for the optimizer's parameters "
+                    f"outside the model ({', '.join(own)}): they keep their "
+                    "current values (a checkpoint written before torchref saved "
+                    "them)",
+                    RuntimeWarning,
+                    3,
+                )
+            return {}
+        lines = []
+        for name in [*own, *(n for n in saved if n not in own)]:
+            s, e = _spec(saved.get(name)), _spec(own.get(name))
+            where = f"  outside_params/{name}"
+            if s is None:
+                lines.append(f"{where}: missing from the state (target {e})")
+            elif e is None:
+                lines.append(f"{where}: in the state ({s}), not in the target")
+            elif s != e:
+                lines.append(f"{where}: state {s}, target {e}")
+        if lines:
+            raise ValueError(
+                "the state's parameters outside the model do not match this "
+                "TrainStep's optimizer:\n" + "\n".join(lines) + "\nbuild the "
+                "optimizer over the parameters (and names) the state was saved with"
+            )
+        return dict(saved)
+
+    def _set_outside_params(self, values: dict[str, Any]) -> None:
+        """Copies `values` (checked by `_outside_values`) into the parameters."""
+        own = self._outside_params()
+        if values and _dist._is_fsdp(self.model):
+            values = _dist._shard_like(values, own)
+        with torch.no_grad():
+            for name, value in values.items():
+                own[name].copy_(value)
 
     def _load_counters(self, state: dict[str, Any]) -> None:
         """Inverse of `_counters_dict` (the scaler kind checked already)."""
@@ -733,6 +796,52 @@ class TrainStep(_DeferredRecords):
         self.steps_done = int(state["steps_done"])
         if self.spikes is not None and "spike_state" in state:
             self.spike_state.load_state_dict(state["spike_state"])
+
+
+def _spec(t: Any) -> str | None:
+    """``"(2, 3) float32"`` of a tensor (None for None)."""
+    if t is None:
+        return None
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of `optimizer`'s parameters, in its order.
+
+    A parameter of `model` has the model's name (the unwrapped module's,
+    without DDP's ``module.``); one outside the model has the name the
+    optimizer was given for it (torch's named parameters:
+    ``Adam([*model.named_parameters(), ("temperature", t)])``), else
+    ``<unnamed k>`` for the k-th such parameter in the optimizer's order.
+    Checkpoints key the optimizer state and the outside parameters' values
+    by these names.
+
+    Raises:
+        ValueError: a name given to a parameter outside the model that the
+            model or another such parameter already uses.
+    """
+    named: dict[int, str] = {}
+    for name, p in _dist._plain(model).named_parameters():
+        named.setdefault(id(p), name)
+    taken = set(named.values())
+    names, unnamed = [], 0
+    for group in optimizer.param_groups:
+        given = group.get("param_names") or [None] * len(group["params"])
+        for p, label in zip(group["params"], given, strict=True):
+            name = named.get(id(p))
+            if name is None and label is not None:
+                if label in taken:
+                    raise ValueError(
+                        f"the optimizer names a parameter outside the model "
+                        f"{label!r}, a name the model or another parameter "
+                        "already has: name it apart"
+                    )
+                name = label
+            elif name is None:
+                name, unnamed = f"<unnamed {unnamed}>", unnamed + 1
+            taken.add(name)
+            names.append(name)
+    return names
 
 
 def _scaler_kind(saved: dict[str, Any]) -> str:

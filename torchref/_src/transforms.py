@@ -741,8 +741,16 @@ def _check_optimizer(optimizer: Any, where: str) -> None:
 
     The common slip is the class itself (``torch.optim.Adam`` for
     ``torch.optim.Adam(model.parameters(), lr=1e-3)``), the twin of passing
-    ``optax.adam`` for ``optax.adam(1e-3)`` in JAX.
+    ``optax.adam`` for ``optax.adam(1e-3)`` in JAX. A torchref wrapper is
+    an Optimizer to torch (for its LR schedulers) but not here: where this
+    check stands, a plain optimizer is wanted.
     """
+    if isinstance(optimizer, _OptimizerView):
+        raise TypeError(
+            f"{where} needs a plain optimizer (a torch.optim.Optimizer such as "
+            "torch.optim.Adam(model.parameters(), lr=1e-3)), got the torchref "
+            f"wrapper {type(optimizer).__name__}"
+        )
     if isinstance(optimizer, torch.optim.Optimizer):
         return
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
@@ -781,10 +789,27 @@ def _check_max_consecutive(max_consecutive: Any) -> int | None:
 _MAX_PENDING = 4096
 
 
-class _OptimizerView:
+class _OptimizerView(torch.optim.Optimizer):
     """What a wrapper passes through from ``self.optimizer`` (the wrapped
-    optimizer): its parameter groups, its state and `zero_grad`, so that LR
-    schedulers and user code treat the wrapper as the optimizer."""
+    optimizer), so that LR schedulers and user code treat the wrapper as
+    the optimizer: its parameter groups, state and `defaults` (CyclicLR
+    and OneCycleLR read ``defaults``), `zero_grad`, `add_param_group` and
+    the hook registrations.
+
+    A `torch.optim.Optimizer` subclass because ``torch.optim.lr_scheduler``
+    refuses anything else (``StepLR(skip_non_finite(sgd))`` raised "is not
+    an Optimizer"), as accelerate's ``AcceleratedOptimizer`` is one.
+    ``Optimizer.__init__`` is not called: the wrapped optimizer holds the
+    groups and state (a second copy would drift), and it would patch
+    `step` for the profiler's hooks, which the wrapped one runs itself.
+
+    A scheduler tracks the wrapper's `step` (its "``lr_scheduler.step()``
+    before ``optimizer.step()``" warning): a call of the wrapper's `step`
+    counts as the optimizer's step whether the guard applied or skipped
+    it, so a skipped first step gives no false warning (GradScaler, which
+    skips by not calling ``optimizer.step()``, gives one). The scheduler
+    advances on every ``scheduler.step()`` either way.
+    """
 
     optimizer: torch.optim.Optimizer
 
@@ -798,9 +823,60 @@ class _OptimizerView:
         """The wrapped optimizer's per-parameter state."""
         return self.optimizer.state
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's default options (``lr``, ``momentum``...)."""
+        return self.optimizer.defaults
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's `zero_grad`."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The wrapped optimizer's `add_param_group`."""
+        self.optimizer.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """Registers `hook` on the wrapped optimizer: it runs on applied steps."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        """Registers `hook` on the wrapped optimizer: it runs on applied steps."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> Any:
+        """Registers `hook` on the wrapped optimizer's `state_dict`."""
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> Any:
+        """Registers `hook` on the wrapped optimizer's `state_dict`."""
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(
+        self, hook: Any, prepend: bool = False
+    ) -> Any:
+        """Registers `hook` on the wrapped optimizer's `load_state_dict`."""
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(
+        self, hook: Any, prepend: bool = False
+    ) -> Any:
+        """Registers `hook` on the wrapped optimizer's `load_state_dict`."""
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Every attribute (Optimizer's keeps three), less what a scheduler
+        # attached, as Optimizer's drops it: its patched `step` is a closure
+        # over this object.
+        return {
+            k: v for k, v in self.__dict__.items() if k not in ("step", "_opt_called")
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
 
 
 class _DeferredRecords:

@@ -248,6 +248,7 @@ def _all_runs(params, batches, folder):
     out["errors"] = _errors(params, batches)
     out["folder"] = folder
     out["global_mean"] = _masked_runs(*masked_problem())
+    out["outside_params"] = _sharded_temperature(folder)
     # Last: it breaks the process group (rank 1 leaves fit, rank 0's next
     # collective fails).
     out["raises"] = _guarded(lambda: _raise_on_rank_1(params, batches))
@@ -311,6 +312,35 @@ def _masked_runs(w, batches):
 
 
 # --------------------------------------------------------------------- tests
+def _temperature_step(strategy=None):
+    """An MLP-free TrainStep whose loss divides by a learned temperature: a
+    parameter the optimizer holds outside the model (issue 34 item 8)."""
+    torch.manual_seed(0)
+    model, temp = torch.nn.Linear(3, 2), torch.nn.Parameter(torch.tensor(1.0))
+    if strategy is not None:
+        model = distributed.shard_state(model, distributed.make_mesh(), strategy)
+    opt = torch.optim.Adam([*model.named_parameters(), ("temperature", temp)])
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch[0]) / temp, batch[1])
+
+    step = train.TrainStep(model, opt, loss_fn, check_update=strategy != "fsdp")
+    return step, temp
+
+
+def _sharded_temperature(folder):
+    """Under FSDP2 (the same batches on every rank: the temperature is no
+    FSDP parameter, its gradient is not reduced): 2 steps, a sharded
+    checkpoint, and new objects loading it; the temperature before / after."""
+    step, temp = _temperature_step("fsdp")
+    for _ in range(2):
+        step((torch.ones(4, 3), torch.tensor([0, 1, 0, 1])))
+    train.save_checkpoint(os.path.join(folder, "outside.dcp"), step)
+    step, again = _temperature_step("fsdp")
+    train.load_checkpoint(os.path.join(folder, "outside.dcp"), step)
+    return temp.item(), again.item()
+
+
 @pytest.fixture(scope="module")
 def single():
     params, batches = problem()
@@ -942,3 +972,13 @@ def test_global_mean_under_ddp_equals_one_process(ranks):
         # Not vacuous: each rank's own mean is far off.
         assert np.abs(naive_loss - one_loss).max() > 0.1
         assert np.abs(naive_w - one_w).max() > 0.05
+
+
+def test_a_sharded_checkpoint_holds_the_parameters_outside_the_model(ranks):
+    saved = ranks[0]["outside_params"][0]
+    assert saved != 1.0  # trained
+    assert all(r["outside_params"] == (saved, saved) for r in ranks)
+    # One process reads the whole tensors alone.
+    step, temp = _temperature_step()
+    train.load_checkpoint(os.path.join(ranks[0]["folder"], "outside.dcp"), step)
+    assert temp.item() == saved
