@@ -22,6 +22,7 @@ import optax
 import pytest
 import torch
 from flax import nnx
+from jax.experimental import io_callback
 
 from examples.segmentation import convert, model_jax, model_torch
 from jaxstable import diagnostics as jd
@@ -648,6 +649,51 @@ def test_finite_steps_give_none_in_both():
     x = np.ones((4, 8), np.float32)  # float32 holds 204800 and its gradients
     assert _jax_net(x, None) is None
     assert _torch_net(x, None) is None
+
+
+def _flaky_counter(bad_calls):
+    calls = [0]
+
+    def factor():  # 0 on the listed calls: a kernel that misbehaves at times
+        calls[0] += 1
+        return 0.0 if bad_calls == "all" or calls[0] in bad_calls else 1.0
+
+    return factor, calls
+
+
+@pytest.mark.parametrize("bad_calls", [{1}, {1, 2, 4}, "all"], ids=str)
+def test_reruns_give_the_same_record(bad_calls):
+    # issue 35 item 7: sqrt(w * f) with f = 0 on some calls only: a NaN
+    # gradient (0/0) that re-runs from the same state and batch do or do not
+    # give again. JAX reads f from a host callback (jit=False: no compiled
+    # check first), torch from a counter in the loss.
+    jfactor, jcalls = _flaky_counter(bad_calls)
+
+    def jloss(p, x):
+        shape = jax.ShapeDtypeStruct((), jnp.float32)
+        f = io_callback(lambda: np.float32(jfactor()), shape)
+        return jnp.sum(jnp.sqrt(p["w"] * f) * x)
+
+    state = jt.TrainState.create(
+        params={"w": jnp.ones(3)},
+        optimizer=optax.sgd(0.1),
+        loss_scale=jls.DynamicLossScale(),
+    )
+    jloc = jd.locate(jt.make_train_step(jloss, jit=False), state, jnp.ones(3))
+    tfactor, tcalls = _flaky_counter(bad_calls)
+    model = TorchParams(w=torch.ones(3))
+    tstep = tt.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, x: (torch.sqrt(m.w * tfactor()) * x).sum(),
+        scaler=tls.DynamicLossScale(),
+    )
+    tloc = td.locate(tstep, torch.ones(3))
+    assert jcalls == tcalls
+    keys = ("phase", "path", "op", "detail", "shape", "dtype", "nan_count")
+    keys += ("inf_count", "reproduced", "reruns", "reproduced_count")
+    assert [getattr(jloc, k) for k in keys] == [getattr(tloc, k) for k in keys]
+    assert jloc.reproduced is (bad_calls == "all")
 
 
 def test_seed002_dbnet_names_the_step_function():
