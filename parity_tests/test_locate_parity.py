@@ -651,28 +651,44 @@ def test_finite_steps_give_none_in_both():
     assert _torch_net(x, None) is None
 
 
-def _flaky_counter(bad_calls):
+def _flaky_counter(bad_calls, bad_value):
     calls = [0]
 
-    def factor():  # 0 on the listed calls: a kernel that misbehaves at times
+    def factor():  # bad_value on the listed calls: a kernel that misbehaves
         calls[0] += 1
-        return 0.0 if bad_calls == "all" or calls[0] in bad_calls else 1.0
+        bad = bad_calls == "all" or calls[0] in bad_calls
+        return bad_value if bad else 1.0
 
     return factor, calls
 
 
-@pytest.mark.parametrize("bad_calls", [{1}, {1, 2, 4}, "all"], ids=str)
-def test_reruns_give_the_same_record(bad_calls):
-    # issue 35 item 7: sqrt(w * f) with f = 0 on some calls only: a NaN
-    # gradient (0/0) that re-runs from the same state and batch do or do not
-    # give again. JAX reads f from a host callback (jit=False: no compiled
-    # check first), torch from a counter in the loss.
-    jfactor, jcalls = _flaky_counter(bad_calls)
+# (bad calls, f on those calls, the expected phase, whether it reproduced)
+FLAKY = {
+    "gradient-once": ({1}, 0.0, "backward", False),
+    "gradient-not-at-scale-1": ({1, 2, 4}, 0.0, "backward", False),
+    "gradient-always": ("all", 0.0, "backward", True),
+    "loss-once": ({1}, 1e30, "loss", False),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAKY))
+def test_reruns_give_the_same_record(case):
+    # issue 35 item 7: (w * f) ** 2 overflows float32 for f = 1e30 (phase
+    # loss); sqrt(w * f) has the gradient 0/0 for f = 0 (phase backward);
+    # f takes that value on some calls only, so re-runs from the same state
+    # and batch do or do not give it again. JAX reads f from a host callback
+    # (jit=False: no compiled check first), torch from a counter in the loss.
+    bad_calls, bad_value, phase, reproduced = FLAKY[case]
+
+    def fn(w, f, x, np_):
+        return ((w * f) ** 2 if bad_value else np_.sqrt(w * f)) * x
+
+    jfactor, jcalls = _flaky_counter(bad_calls, bad_value)
 
     def jloss(p, x):
         shape = jax.ShapeDtypeStruct((), jnp.float32)
         f = io_callback(lambda: np.float32(jfactor()), shape)
-        return jnp.sum(jnp.sqrt(p["w"] * f) * x)
+        return jnp.sum(fn(p["w"], f, x, jnp))
 
     state = jt.TrainState.create(
         params={"w": jnp.ones(3)},
@@ -680,12 +696,12 @@ def test_reruns_give_the_same_record(bad_calls):
         loss_scale=jls.DynamicLossScale(),
     )
     jloc = jd.locate(jt.make_train_step(jloss, jit=False), state, jnp.ones(3))
-    tfactor, tcalls = _flaky_counter(bad_calls)
+    tfactor, tcalls = _flaky_counter(bad_calls, bad_value)
     model = TorchParams(w=torch.ones(3))
     tstep = tt.TrainStep(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        lambda m, x: (torch.sqrt(m.w * tfactor()) * x).sum(),
+        lambda m, x: fn(m.w, tfactor(), x, torch).sum(),
         scaler=tls.DynamicLossScale(),
     )
     tloc = td.locate(tstep, torch.ones(3))
@@ -693,7 +709,8 @@ def test_reruns_give_the_same_record(bad_calls):
     keys = ("phase", "path", "op", "detail", "shape", "dtype", "nan_count")
     keys += ("inf_count", "reproduced", "reruns", "reproduced_count")
     assert [getattr(jloc, k) for k in keys] == [getattr(tloc, k) for k in keys]
-    assert jloc.reproduced is (bad_calls == "all")
+    assert (jloc.phase, jloc.reproduced) == (phase, reproduced)
+    assert ("did not reproduce on re-run" in jloc.detail) is not reproduced
 
 
 def test_seed002_dbnet_names_the_step_function():
