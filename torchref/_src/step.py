@@ -303,7 +303,9 @@ class TrainStep(_DeferredRecords):
             0-d tensor (as on the JAX side; a shape-(1,) loss is refused too).
         max_grad_norm: clip threshold (> 0) or None.
         scaler: None, a `torch.amp.GradScaler`, or a torchref loss scale
-            (`DynamicLossScale()` etc.; `make_scaler` is called for you).
+            (`DynamicLossScale()` etc.; `make_scaler` is called for you). A
+            ``GradScaler("cuda")`` that torch turned off for want of CUDA
+            gets a UserWarning (the steps would run unscaled).
         autocast_dtype: None, torch.float16/torch.bfloat16 or a dtype name.
         max_consecutive: sets ``skip_state.exceeded`` (see `skip_non_finite`).
         clip_eps: eps of the clip formula (torch's 1e-6 by default).
