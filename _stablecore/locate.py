@@ -224,3 +224,52 @@ ADAM_FP16 = (
     "Adam's second moment underflowed to 0 in float16 and its eps is 0 in "
     "float16 (eps < 6e-08 rounds to 0)"
 )
+
+
+# Re-runs (issue 35): a step's computation is deterministic or it is not; a
+# finding that a re-run from the same state, batch and loss scale does not
+# give again names no cause.
+NOT_REPRODUCED = "did not reproduce on re-run: suspect non-determinism or hardware"
+
+
+def outcome(loss_finite: bool, loss_path: Any, bad_grad: Any) -> tuple:
+    """What one forward/backward run gave, compared between a run and its
+    re-run: ``("loss", module)``, ``("gradients", first non-finite leaf)``
+    or ``("finite", None)``."""
+    if not loss_finite:
+        return ("loss", loss_path)
+    return ("finite", None) if bad_grad is None else ("gradients", bad_grad)
+
+
+def checked(loc: Any, scale: float, reruns: int, agreed: int) -> Any:
+    """``loc`` with its re-run counts; when a re-run disagreed with the run
+    it repeated, its detail says so instead of naming a cause (the phase,
+    path, op and value stay those of the first run that went non-finite)."""
+    if agreed == reruns:
+        return loc._replace(reproduced=True, reruns=reruns, reproduced_count=agreed)
+    at = "" if loc.path is None else f" at {loc.path or '(the outermost module)'}"
+    op = "" if loc.op is None else f", op {loc.op}"
+    detail = (
+        f"non-finite in phase {loc.phase!r}{at}{op} at loss scale {scale:.6g}, "
+        f"then {NOT_REPRODUCED} ({agreed} of {reruns} re-runs from the same "
+        "state and batch at the same loss scale gave the result of the run they "
+        "repeated)"
+    )
+    return loc._replace(
+        detail=detail, reproduced=False, reruns=reruns, reproduced_count=agreed
+    )
+
+
+def same_place(a: Any, b: Any) -> bool:
+    """Whether a re-run's location ``b`` (None: finite) is ``a``'s."""
+    return b is not None and (a.phase, a.path) == (b.phase, b.path)
+
+
+def benign(loc: Any, scale: float) -> Any:
+    """``loc`` (a gradient non-finite at ``scale``, finite at scale 1) as the
+    overflow the dynamic loss scale handles."""
+    return loc._replace(
+        phase="loss_scale",
+        detail=f"gradient overflow at loss scale {scale:.6g}, finite at "
+        "scale 1 (benign: the scale backs off)",
+    )

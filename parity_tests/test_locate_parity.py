@@ -22,6 +22,7 @@ import optax
 import pytest
 import torch
 from flax import nnx
+from jax.experimental import io_callback
 
 from examples.segmentation import convert, model_jax, model_torch
 from jaxstable import diagnostics as jd
@@ -648,6 +649,68 @@ def test_finite_steps_give_none_in_both():
     x = np.ones((4, 8), np.float32)  # float32 holds 204800 and its gradients
     assert _jax_net(x, None) is None
     assert _torch_net(x, None) is None
+
+
+def _flaky_counter(bad_calls, bad_value):
+    calls = [0]
+
+    def factor():  # bad_value on the listed calls: a kernel that misbehaves
+        calls[0] += 1
+        bad = bad_calls == "all" or calls[0] in bad_calls
+        return bad_value if bad else 1.0
+
+    return factor, calls
+
+
+# (bad calls, f on those calls, the expected phase, whether it reproduced)
+FLAKY = {
+    "gradient-once": ({1}, 0.0, "backward", False),
+    "gradient-not-at-scale-1": ({1, 2, 4}, 0.0, "backward", False),
+    "gradient-always": ("all", 0.0, "backward", True),
+    "loss-once": ({1}, 1e30, "loss", False),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAKY))
+def test_reruns_give_the_same_record(case):
+    # issue 35 item 7: (w * f) ** 2 overflows float32 for f = 1e30 (phase
+    # loss); sqrt(w * f) has the gradient 0/0 for f = 0 (phase backward);
+    # f takes that value on some calls only, so re-runs from the same state
+    # and batch do or do not give it again. JAX reads f from a host callback
+    # (jit=False: no compiled check first), torch from a counter in the loss.
+    bad_calls, bad_value, phase, reproduced = FLAKY[case]
+
+    def fn(w, f, x, np_):
+        return ((w * f) ** 2 if bad_value else np_.sqrt(w * f)) * x
+
+    jfactor, jcalls = _flaky_counter(bad_calls, bad_value)
+
+    def jloss(p, x):
+        shape = jax.ShapeDtypeStruct((), jnp.float32)
+        f = io_callback(lambda: np.float32(jfactor()), shape)
+        return jnp.sum(fn(p["w"], f, x, jnp))
+
+    state = jt.TrainState.create(
+        params={"w": jnp.ones(3)},
+        optimizer=optax.sgd(0.1),
+        loss_scale=jls.DynamicLossScale(),
+    )
+    jloc = jd.locate(jt.make_train_step(jloss, jit=False), state, jnp.ones(3))
+    tfactor, tcalls = _flaky_counter(bad_calls, bad_value)
+    model = TorchParams(w=torch.ones(3))
+    tstep = tt.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda m, x: fn(m.w, tfactor(), x, torch).sum(),
+        scaler=tls.DynamicLossScale(),
+    )
+    tloc = td.locate(tstep, torch.ones(3))
+    assert jcalls == tcalls
+    keys = ("phase", "path", "op", "detail", "shape", "dtype", "nan_count")
+    keys += ("inf_count", "reproduced", "reruns", "reproduced_count")
+    assert [getattr(jloc, k) for k in keys] == [getattr(tloc, k) for k in keys]
+    assert (jloc.phase, jloc.reproduced) == (phase, reproduced)
+    assert ("did not reproduce on re-run" in jloc.detail) is not reproduced
 
 
 def test_seed002_dbnet_names_the_step_function():

@@ -59,15 +59,19 @@ from _stablecore.locate import MASKED_NAN as MASKED_NAN
 from _stablecore.locate import MASKED_ROW as MASKED_ROW
 from _stablecore.locate import SOFTMAX_MASKED as SOFTMAX_MASKED
 from _stablecore.locate import Stats as Stats
+from _stablecore.locate import benign as _benign
 from _stablecore.locate import blame as blame
 from _stablecore.locate import call_site as call_site
 from _stablecore.locate import cause as _cause
+from _stablecore.locate import checked as _checked
 from _stablecore.locate import format_frame as format_frame
 from _stablecore.locate import join as join
 from _stablecore.locate import kind as kind
 from _stablecore.locate import make_tag as _make_tag
 from _stablecore.locate import order as _order
 from _stablecore.locate import origin_fields as _origin_fields
+from _stablecore.locate import outcome as _core_outcome
+from _stablecore.locate import same_place as _same_place
 from _stablecore.locate import value_fields as _value_fields
 from _stablecore.locate import where_text as _where
 
@@ -1144,9 +1148,56 @@ def _compiled_finite(step: Any, state: Any, batch: Any) -> bool:
     return bool(metrics["finite"]) and _finite(metrics["loss"])
 
 
+def _outcome(run: _Run, ls: Any) -> tuple:
+    """What a run gave (compared between a run and its re-run)."""
+    if run.loss_tag is not None or not _finite(run.loss):
+        o = blame(run.loss_tag)
+        return _core_outcome(False, None if o is None else o.module, None)
+    bad = _first_bad(ls.unscale(run.grads))
+    return _core_outcome(True, None, None if bad is None else _named(bad[0], "params"))
+
+
 def _eager(step: Any, state: Any, batch: Any, cls: type) -> Any:
+    """The op-by-op run at the state's loss scale, its finding, and the
+    re-runs that check it (see `NonFiniteLocation.reproduced`): a fault
+    that strikes at random (a flaky kernel or callback, hardware) is not
+    given a cause from one run."""
+    from jaxstable._src.loss_scale import StaticLossScale
+
     ls = state.loss_scale
+    scale = float(np.asarray(ls.loss_scale))
+
+    def again(at):
+        return _outcome(_grads_run(step, at, state, batch), at)
+
     run = _grads_run(step, ls, state, batch)
+    seen = _outcome(run, ls)
+    if seen[0] == "finite":
+        loc = _update_phase(step, state, ls.unscale(run.grads), run.model_state, cls)
+        if loc is None:
+            return None
+        del run
+        rerun = _grads_run(step, ls, state, batch)
+        same = _outcome(rerun, ls)[0] == "finite" and _same_place(
+            _update_phase(step, state, ls.unscale(rerun.grads), rerun.model_state, cls),
+            loc,
+        )
+        return _checked(loc, scale, 1, int(same))
+    loc = _failure(run, ls, cls)
+    del run
+    agreed = int(again(ls) == seen)
+    if agreed and seen[0] == "gradients" and scale != 1.0:
+        one = again(StaticLossScale(1.0))
+        if one[0] == "finite":
+            agreed += again(StaticLossScale(1.0)) == one
+            if agreed == 2:
+                return _checked(_benign(loc, scale), scale, 2, 2)
+            return _checked(loc, scale, 2, agreed)
+    return _checked(loc, scale, 1, agreed)
+
+
+def _failure(run: _Run, ls: Any, cls: type) -> Any:
+    """The location of a run's non-finite loss or gradient, with its cause."""
     if run.loss_tag is not None or not _finite(run.loss):
         o = blame(run.loss_tag)
         if o is None:  # cannot happen with finite inputs; said plainly anyway
@@ -1157,30 +1208,9 @@ def _eager(step: Any, state: Any, batch: Any, cls: type) -> Any:
         return cls(
             phase=phase, path=o.module, detail=cause(o, _where(o)), **_origin_fields(o)
         )
-    grads = ls.unscale(run.grads)
-    bad = _first_bad(grads)
-    if bad is not None:
-        return _grad_failure(step, state, batch, bad, run.grad_tags, cls)
-    return _update_phase(step, state, grads, run.model_state, cls)
-
-
-def _grad_failure(step, state, batch, bad, grad_tags, cls):
-    path, _, s = bad
+    path, _, s = _first_bad(ls.unscale(run.grads))
     name = _named(path, "params")
-    o = blame(grad_tags.get(tuple(path)))
-    scale = float(np.asarray(state.loss_scale.loss_scale))
-    if scale != 1.0:
-        from jaxstable._src.loss_scale import StaticLossScale
-
-        one = _grads_run(step, StaticLossScale(1.0), state, batch)
-        if one.grads is not None and _first_bad(one.grads) is None:
-            return cls(
-                phase="loss_scale",
-                path=name,
-                detail=f"gradient overflow at loss scale {scale:.6g}, finite at "
-                "scale 1 (benign: the scale backs off)",
-                **_origin_fields(o),
-            )
+    o = blame(run.grad_tags.get(tuple(path)))
     text = f"{kind(s.nan, s.inf)} in the gradient of {name}, the loss finite"
     if o is not None:
         text += f"; it starts at {cause(o, _where(o))}"

@@ -207,6 +207,17 @@ class NonFiniteLocation(NamedTuple):
       shape, dtype, nan_count, inf_count, max_abs: the offending value
         (``max_abs`` over its finite elements, nan when none).
       input_shapes, input_dtypes, input_max_abs: those of the op's inputs.
+      reproduced: whether every re-run agreed with the run it repeated (the
+        forward, backward and update are re-run from the same state and batch
+        at the same loss scale: once, and once more at scale 1 before an
+        overflow is called benign); None where nothing was re-run (phases
+        ``"input"`` and ``"params"`` read values, they compute none). When
+        False, ``detail`` says "did not reproduce on re-run: suspect
+        non-determinism or hardware" and names no cause; phase, path, op and
+        value are those of the first run that went non-finite.
+      reruns: how many re-runs repeated an earlier run (0: none).
+      reproduced_count: how many of them gave the result of the run they
+        repeated (non-finite at the same phase and leaf, or finite again).
 
     Example:
       >>> from jaxstable import diagnostics
@@ -230,6 +241,9 @@ class NonFiniteLocation(NamedTuple):
     input_shapes: tuple[tuple[int, ...], ...] = ()
     input_dtypes: tuple[str, ...] = ()
     input_max_abs: tuple[float, ...] = ()
+    reproduced: bool | None = None
+    reruns: int = 0
+    reproduced_count: int = 0
 
 
 def format_location(loc: NonFiniteLocation | None) -> str:
@@ -297,6 +311,14 @@ def locate(
     exp(50))`` is 0 in float16 although ``exp(50)`` is inf) counts only
     where it reaches the loss or a gradient.
 
+    Re-runs: a finding is checked by running the step op by op once more
+    from the same state and batch at the same loss scale (and a gradient
+    overflow twice at scale 1 before it is called benign); when a re-run
+    gives another result, the step is not deterministic (a flaky kernel or
+    callback, hardware) and ``detail`` says "did not reproduce on re-run:
+    suspect non-determinism or hardware" instead of naming a cause
+    (`NonFiniteLocation.reproduced`, ``reruns``, ``reproduced_count``).
+
     Cost, measured (``benchmarks/results/bench_locate_cpu.md``: a 64-layer
     MLP and a 12-layer transformer, Adam, on a loaded 2-core CPU): about one
     step when the compiled step is finite; 1.4-4.3x a step for a forward
@@ -304,6 +326,8 @@ def locate(
     (forward, backward and update op by op: the most it does). The first
     call in a process also traces the step and compiles each distinct eager
     op once (5-26 s there); later calls on the same step reuse the trace.
+    These are one op-by-op run (measured before the re-runs): a non-finite
+    step's re-run adds as much again (a benign overflow's, three times).
     Memory: about what the compiled step allocates (0.7-1.3x its
     temporaries and outputs there), not a multiple of the parameters.
 

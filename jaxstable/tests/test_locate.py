@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.experimental import io_callback
 
 from jaxstable import diagnostics, train
 from jaxstable import loss_scale as jls
@@ -179,6 +180,68 @@ def test_loss_scale_overflow_is_benign():
         "(benign: the scale backs off)"
     )
     assert _locate(*_scale_case(2.0**10)) is None
+    loc = diagnostics.locate(*_scale_case(2.0**24))
+    # re-run at 2**24 (non-finite again), at 1, and at 1 again (finite again)
+    assert (loc.reproduced, loc.reruns, loc.reproduced_count) == (True, 2, 2)
+
+
+def _flaky_locate(bad_calls):
+    """``sqrt(w * f) * x`` with ``f = 0`` on the listed calls of a host
+    callback, else 1: a kernel that misbehaves on some calls only (torchvision
+    FCOS in bf16 on a CPU gets a NaN gradient in 4 of 6 runs of one step).
+    The loss is finite (0); the gradient ``f / (2 sqrt(w f))`` is 0/0 = NaN.
+    Calls: the jitted step locate runs first to check it, then locate's
+    op-by-op runs."""
+    calls = [0]
+
+    def factor():
+        calls[0] += 1
+        bad = bad_calls == "all" or calls[0] in bad_calls
+        return np.float32(0.0 if bad else 1.0)
+
+    def loss_fn(p, x):
+        f = io_callback(factor, jax.ShapeDtypeStruct((), jnp.float32))
+        return jnp.sum(jnp.sqrt(p["w"] * f) * x)
+
+    state = train.TrainState.create(
+        params={"w": jnp.ones(3)},
+        optimizer=optax.sgd(0.1),
+        loss_scale=jls.DynamicLossScale(),
+    )
+    loc = diagnostics.locate(train.make_train_step(loss_fn), state, jnp.ones(3))
+    return loc, calls[0]
+
+
+# issue 35 item 7: a fault on the compiled check and the first op-by-op run
+# only was called "gradient overflow at loss scale 65536, finite at scale 1
+# (benign)" from one op-by-op run at each scale.
+@pytest.mark.parametrize(
+    ("bad_calls", "runs", "counts"),
+    [
+        ({1, 2}, 3, (1, 0)),  # the re-run at 65536 is finite
+        ({1, 2, 3, 5}, 5, (2, 1)),  # at 65536 twice; finite at scale 1, then not
+    ],
+)
+def test_a_fault_that_does_not_reproduce_is_not_given_a_cause(bad_calls, runs, counts):
+    loc, calls = _flaky_locate(bad_calls)
+    assert calls == runs
+    assert (loc.phase, loc.path, loc.op) == ("backward", "w", "div")
+    assert (loc.reproduced, loc.reruns, loc.reproduced_count) == (False, *counts)
+    assert loc.detail == (
+        "non-finite in phase 'backward' at w, op div at loss scale 65536, then "
+        "did not reproduce on re-run: suspect non-determinism or hardware "
+        f"({counts[1]} of {counts[0]} re-runs from the same state and batch at the "
+        "same loss scale gave the result of the run they repeated)"
+    )
+    assert "benign" not in loc.detail and "division" not in loc.detail
+
+
+def test_a_fault_that_reproduces_is_given_its_cause():
+    loc, calls = _flaky_locate("all")
+    assert calls == 4  # compiled; op by op at 65536 twice, at 1 (not benign)
+    assert (loc.phase, loc.path, loc.op) == ("backward", "w", "div")
+    assert (loc.reproduced, loc.reruns, loc.reproduced_count) == (True, 1, 1)
+    assert loc.detail.startswith("NaN in the gradient of w, the loss finite;")
 
 
 def _adam_case(x):

@@ -219,6 +219,17 @@ class NonFiniteLocation(NamedTuple):
       shape, dtype, nan_count, inf_count, max_abs: the offending value
         (``max_abs`` over its finite elements, nan when none).
       input_shapes, input_dtypes, input_max_abs: those of the op's inputs.
+      reproduced: whether every re-run agreed with the run it repeated (the
+        forward, backward and update are re-run from the same state and batch
+        at the same loss scale: once, and once more at scale 1 before an
+        overflow is called benign); None where nothing was re-run (phases
+        ``"input"`` and ``"params"`` read values, they compute none). When
+        False, ``detail`` says "did not reproduce on re-run: suspect
+        non-determinism or hardware" and names no cause; phase, path, op and
+        value are those of the first run that went non-finite.
+      reruns: how many re-runs repeated an earlier run (0: none).
+      reproduced_count: how many of them gave the result of the run they
+        repeated (non-finite at the same phase and leaf, or finite again).
 
     Example:
       >>> from torchref import diagnostics
@@ -242,6 +253,9 @@ class NonFiniteLocation(NamedTuple):
     input_shapes: tuple[tuple[int, ...], ...] = ()
     input_dtypes: tuple[str, ...] = ()
     input_max_abs: tuple[float, ...] = ()
+    reproduced: bool | None = None
+    reruns: int = 0
+    reproduced_count: int = 0
 
 
 def format_location(loc: NonFiniteLocation | None) -> str:
@@ -319,6 +333,15 @@ def locate(
     gradient. The same phases, paths and texts as
     `jaxstable.diagnostics.locate`.
 
+    Re-runs: a finding is checked by running the step op by op once more
+    from the same state and batch at the same loss scale (and a gradient
+    overflow twice at scale 1 before it is called benign); when a re-run
+    gives another result, the step is not deterministic (a flaky kernel,
+    torch's own non-determinism, hardware) and ``detail`` says "did not
+    reproduce on re-run: suspect non-determinism or hardware" instead of
+    naming a cause
+    (`NonFiniteLocation.reproduced`, ``reruns``, ``reproduced_count``).
+
     Cost, measured (``benchmarks/results/bench_locate_cpu.md``: a 64-layer
     MLP and a 12-layer transformer, Adam, on a loaded 2-core CPU): a
     forward overflow is located before the backward (0.2-0.3x a step there,
@@ -326,7 +349,9 @@ def locate(
     or a failure in the update) takes 1.5-3x a step. Memory: the re-run's
     activations and gradients, and copies of the buffers, of any parameter
     an op writes to and of the largest parameter with its optimizer state
-    (1.1-1.3x the parameters on the MLP, whose step takes 1.6-1.8x).
+    (1.1-1.3x the parameters on the MLP, whose step takes 1.6-1.8x). The
+    times are of one run (measured before the re-runs): a non-finite step's
+    re-run adds as much again (a benign overflow's, three times).
 
     Args:
         step: a `torchref.train.TrainStep`, in the state the failing step

@@ -65,6 +65,36 @@ def _make_scaler(scaler: Any, device_type: str) -> torch.amp.GradScaler | None:
     )
 
 
+def _warn_if_disabled_scaler(scaler: Any, device_type: str) -> None:
+    """Warns when `scaler` is a GradScaler torch disabled for want of CUDA.
+
+    ``torch.amp.GradScaler("cuda")`` on a machine without CUDA warns once, in
+    torch's words, and turns itself off: every step then runs at loss scale
+    1, unscaled, while the code reads as dynamic loss scaling (issue 35). A
+    user's ``GradScaler("cuda", enabled=False)`` looks the same; it gets the
+    warning too, whose last fix (``scaler=None``) silences it.
+    """
+    if (
+        not isinstance(scaler, torch.amp.GradScaler)
+        or scaler.is_enabled()
+        or getattr(scaler, "_device", None) != "cuda"
+        or torch.cuda.is_available()
+    ):
+        return
+    warnings.warn(
+        "scaler is a disabled torch.amp.GradScaler('cuda'): CUDA is not "
+        "available here, so torch turned it off and TrainStep trains at loss "
+        f"scale 1, without loss scaling. The model is on {device_type!r}: pass "
+        f"torch.amp.GradScaler({device_type!r}) (or GradScaler(device) with "
+        "device = next(model.parameters()).device.type, or "
+        "torchref.loss_scale.DynamicLossScale(), which makes the GradScaler "
+        "for the model's device); pass scaler=None to train unscaled without "
+        "this warning",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 _MIXED_NAMES = ("mixed_float16", "mixed_bfloat16")
 
 
@@ -273,7 +303,9 @@ class TrainStep(_DeferredRecords):
             0-d tensor (as on the JAX side; a shape-(1,) loss is refused too).
         max_grad_norm: clip threshold (> 0) or None.
         scaler: None, a `torch.amp.GradScaler`, or a torchref loss scale
-            (`DynamicLossScale()` etc.; `make_scaler` is called for you).
+            (`DynamicLossScale()` etc.; `make_scaler` is called for you). A
+            ``GradScaler("cuda")`` that torch turned off for want of CUDA
+            gets a UserWarning (the steps would run unscaled).
         autocast_dtype: None, torch.float16/torch.bfloat16 or a dtype name.
         max_consecutive: sets ``skip_state.exceeded`` (see `skip_non_finite`).
         clip_eps: eps of the clip formula (torch's 1e-6 by default).
@@ -378,6 +410,7 @@ class TrainStep(_DeferredRecords):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scaler = _make_scaler(scaler, self.device_type)
+        _warn_if_disabled_scaler(self.scaler, self.device_type)
         self.autocast_dtype = _autocast_dtype(autocast_dtype, model)
         self.max_consecutive = _check_max_consecutive(max_consecutive)
         self.clip = (

@@ -165,6 +165,93 @@ def test_info_nce_is_float32_inside_autocast():
     assert torch.equal(inside, outside)
 
 
+# issue 35 item 3: every loss computes inside torch.autocast exactly as outside
+# it (CPU autocast takes bfloat16 and float16). linear_cross_entropy's blocks
+# followed autocast to bf16 (loss 6.7e-4 off float64 here instead of 5.6e-7).
+def _autocast_cases():
+    g = torch.Generator().manual_seed(0)
+    x, y = _ce_inputs(n=2, n_classes=3, hw=(3, 3))
+    xb = torch.randn(2, 1, 4, 4, generator=g)
+    t = (torch.rand(2, 1, 4, 4, generator=g) > 0.5).float()
+    m = (torch.rand(2, 1, 4, 4, generator=g) > 0.2).float()
+    p = torch.rand(2, 1, 4, 4, generator=g)
+    box = torch.tensor([[0.5, 0.2, 4.0, 4.0], [1.0, 2.0, 3.5, 5.0]])
+    h, w = torch.randn(12, 32, generator=g), torch.randn(300, 32, generator=g) * 0.3
+    lab = torch.randint(0, 300, (12,), generator=g)
+    lce = dict(block_size=128, label_smoothing=0.1, z_loss=1e-3)
+    return {
+        "softmax_cross_entropy": (
+            lambda a: losses.softmax_cross_entropy(a, y, ignore_index=255, z_loss=1e-3),
+            [x],
+        ),
+        "sigmoid_binary_cross_entropy": (
+            lambda a: losses.sigmoid_binary_cross_entropy(a, t),
+            [xb],
+        ),
+        "balanced_binary_cross_entropy": (
+            lambda a: losses.balanced_binary_cross_entropy(a, t, m),
+            [xb],
+        ),
+        "dice_loss": (lambda a: losses.dice_loss(a, t, m), [p]),
+        "sigmoid_focal_loss": (
+            lambda a: losses.sigmoid_focal_loss(a, t, reduction="mean"),
+            [xb],
+        ),
+        "masked_l1_loss": (lambda a: losses.masked_l1_loss(a, t, m), [p]),
+        "db_loss": (
+            lambda a, b: losses.db_loss(a, b, t, m, p.flip(0), m),
+            [xb, p],
+        ),
+        "info_nce": (lambda a, b: losses.info_nce(a, b), [h[:6], h[6:]]),
+        "box_iou_loss": (
+            lambda a: losses.box_iou_loss(a, box, kind="ciou", reduction="mean"),
+            [box + 0.3],
+        ),
+        "linear_cross_entropy": (
+            lambda a, b: losses.linear_cross_entropy(a, b, lab, **lce),
+            [h, w],
+        ),
+    }
+
+
+def _loss_and_grads(fn, inputs, dtype, autocast):
+    leaves = [i.detach().to(dtype).clone().requires_grad_() for i in inputs]
+    with torch.autocast(
+        "cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)
+    ):
+        out = fn(*leaves)
+    out.backward()  # outside autocast, as TrainStep and torch's amp recipe do
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(_autocast_cases()))
+def test_every_loss_is_float32_inside_autocast(name, autocast, tol):
+    fn, inputs = _autocast_cases()[name]
+    outside, g_out = _loss_and_grads(fn, inputs, torch.float32, None)
+    inside, g_in = _loss_and_grads(fn, inputs, torch.float32, autocast)
+    exact, g_exact = _loss_and_grads(fn, inputs, torch.float64, None)
+    assert inside.dtype == torch.float32
+    assert torch.equal(inside, outside), (name, float(inside - outside))
+    for a, b, ref in zip(g_in, g_out, g_exact, strict=True):
+        assert torch.equal(a, b), (name, float((a - b).abs().max()))
+        torch.testing.assert_close(a.double(), ref, **tol("float32"))
+    torch.testing.assert_close(inside.double(), exact, **tol("float32"))
+
+
+@pytest.mark.parametrize("autocast", [torch.bfloat16, torch.float16])
+def test_linear_cross_entropy_backward_inside_autocast(autocast):
+    # The custom backward recomputes the logits by matmul: run inside
+    # torch.autocast (a `.backward()` within the block) it must not follow it.
+    fn, inputs = _autocast_cases()["linear_cross_entropy"]
+    h, w = (i.clone().requires_grad_() for i in inputs)
+    loss = fn(h, w)
+    gh, gw = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    with torch.autocast("cpu", dtype=autocast):
+        gh_in, gw_in = torch.autograd.grad(loss, (h, w))
+    assert torch.equal(gh_in, gh) and torch.equal(gw_in, gw)
+
+
 # ---------------------------------------------------------------------------
 # issue 22: gradients at kinks, the precision rule (parity: test_loss_kinks.py)
 # ---------------------------------------------------------------------------

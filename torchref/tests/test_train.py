@@ -5,6 +5,7 @@ import copy
 import itertools
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -289,6 +290,29 @@ def test_autocast_bf16_on_cpu():
     assert not all(
         torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gradscaler_cuda_without_cuda_warns():
+    # issue 35 item 5: torch turns GradScaler("cuda") off without CUDA (its
+    # own warning, once per process); the step then trained at scale 1.
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = torch.amp.GradScaler("cuda")
+    with pytest.warns(
+        UserWarning,
+        match=r"disabled torch\.amp\.GradScaler\('cuda'\).*loss scale 1.*"
+        r"GradScaler\('cpu'\)",
+    ) as caught:
+        step = train.TrainStep(model, opt, _mse, scaler=scaler)
+    assert caught[-1].filename == __file__  # points at the user's call
+    assert step(_batches(1)[0])["loss_scale"] == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fixes (and no scaler) are quiet
+        for ok in (torch.amp.GradScaler("cpu"), ls.DynamicLossScale(), None):
+            train.TrainStep(model, opt, _mse, scaler=ok)
+        train.TrainStep(model, opt, _mse, scaler=ls.NoOpLossScale())
 
 
 def test_invalid_arguments():

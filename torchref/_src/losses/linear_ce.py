@@ -124,23 +124,31 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, smoothing, z_loss, block):
-        h32 = hidden.to(_acc(hidden))
-        valid, bad = _masks(labels, weight.shape[0], ignore_index)
-        lse, x_y, x_sum = _stats(h32, weight, labels, block, smoothing)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.args = (ignore_index, smoothing, z_loss, block)
-        vocab = weight.shape[0]
-        return _token_losses(lse, x_y, x_sum, vocab, valid, bad, smoothing, z_loss)
+        # matmul is on autocast's lower-precision list: inside
+        # torch.autocast(bfloat16) every block would be a bf16 matmul (loss
+        # 2.6e-3 off float64 instead of 4e-7) and the backward would subtract
+        # that log-sum-exp from float32 logits (softmax rows summing to
+        # 0.96-1.05). Both passes run with autocast off, as outside it.
+        with torch.autocast(hidden.device.type, enabled=False):
+            h32 = hidden.to(_acc(hidden))
+            valid, bad = _masks(labels, weight.shape[0], ignore_index)
+            lse, x_y, x_sum = _stats(h32, weight, labels, block, smoothing)
+            ctx.save_for_backward(hidden, weight, labels, lse)
+            ctx.args = (ignore_index, smoothing, z_loss, block)
+            vocab = weight.shape[0]
+            return _token_losses(lse, x_y, x_sum, vocab, valid, bad, smoothing, z_loss)
 
     @staticmethod
     def backward(ctx, g):
         hidden, weight, labels, lse = ctx.saved_tensors
         ignore_index, smoothing, z_loss, block = ctx.args
-        valid, bad = _masks(labels, weight.shape[0], ignore_index)
-        dh, dw = _grads(
-            hidden, hidden.to(_acc(hidden)), weight, labels, valid, bad, lse,
-            g.to(lse.dtype), block, smoothing, z_loss,
-        )  # fmt: skip
+        # a backward run inside torch.autocast would cast its matmuls too
+        with torch.autocast(hidden.device.type, enabled=False):
+            valid, bad = _masks(labels, weight.shape[0], ignore_index)
+            dh, dw = _grads(
+                hidden, hidden.to(_acc(hidden)), weight, labels, valid, bad, lse,
+                g.to(lse.dtype), block, smoothing, z_loss,
+            )  # fmt: skip
         return dh, dw, None, None, None, None, None
 
 
