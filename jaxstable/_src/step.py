@@ -22,7 +22,7 @@ from _stablecore.checks import check_microbatches as _core_check_microbatches
 from jaxstable._src.diagnostics import CheckPoints
 from jaxstable._src.distributed import _axis_size
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
-from jaxstable._src.precision import get_policy
+from jaxstable._src.precision import LOSS_SCOPE, get_policy, warn_if_not_applied
 from jaxstable._src.spikes import SkipSpikesState
 from jaxstable._src.transforms import (
     AccumulateGradientsState,
@@ -472,6 +472,18 @@ def _keep_hyperparams(applied: jax.Array, new: Any, old: Any) -> Any:
     return new
 
 
+def _input_names(state: TrainState, batch: Any) -> list[str]:
+    """A dotted name per leaf of ``(state, batch)``: ``params.fc.kernel``,
+    ``model_state.bn.mean``, ``batch.0``."""
+    from jaxstable._src._locate import dotted
+
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path((state, batch))[0]:
+        rest = dotted(path[1:])
+        names.append(rest if path[0].idx == 0 else ".".join(("batch", rest)).strip("."))
+    return names
+
+
 class TrainStep:
     """What `make_train_step` returns: ``step(state, batch) -> (state, metrics)``.
 
@@ -484,6 +496,10 @@ class TrainStep:
       loss_fn, policy, has_state, has_aux: what `make_train_step` was given
         (``policy`` parsed to a `jmp.Policy` or None), read by
         `jaxstable.diagnostics.locate`.
+      compute_dtypes: after a call that traced the step with a policy whose
+        compute dtype differs from its params': ``{dtype name: count}`` of
+        the matmuls and convolutions of the loss and its gradient; None
+        before (see ``policy`` in `make_train_step`).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -504,11 +520,37 @@ class TrainStep:
         self.donate = bool(donate)
         self.grads = jax.jit(grads) if jit else grads
         self._fn = jax.jit(raw, donate_argnums=(0,) if donate else ()) if jit else raw
+        self.policy = self.policy_spec = self.compute_dtypes = None
+        self.traced = False  # set by the raw step when it is traced
+        self._policy_done = False
 
     def __call__(
         self, state: TrainState, batch: Any
     ) -> tuple[TrainState, dict[str, Any]]:
-        return self._fn(state, batch)
+        out = self._fn(state, batch)
+        if self.traced:
+            self._audit_policy(state, batch)
+        return out
+
+    def _audit_policy(self, state: TrainState, batch: Any) -> None:
+        """After a call that traced the step: which dtypes the loss's
+        matmuls ran in (``compute_dtypes``), and a `PolicyNotAppliedWarning`
+        (once) when the policy's compute dtype was mostly not used. Reads
+        the trace the call made (jit's cache; ``jit=False``: traced once
+        here); nothing runs on the device."""
+        if self.policy is not None and not self._policy_done:
+            if self.jit:
+                closed = self._fn.trace(state, batch).jaxpr
+            else:
+                closed = jax.make_jaxpr(self.raw)(state, batch)
+                self._policy_done = True  # eager: one trace, not one per call
+            audit, warned = warn_if_not_applied(
+                closed, self.policy, self.policy_spec, _input_names(state, batch)
+            )
+            if audit is not None:
+                self.compute_dtypes = audit.counts
+            self._policy_done |= warned  # warned once per step
+        self.traced = False
 
     def lower(self, state: TrainState, batch: Any):
         """`jax.jit(...).lower(state, batch)` of the step (for HLO inspection).
@@ -607,6 +649,13 @@ def make_train_step(
         traced): ``"bf16"`` means params, compute and output bfloat16, so
         over float32 params it is refused with the fix
         (``"mixed_bfloat16"``) rather than read as "compute in bfloat16".
+        After each trace the step counts the dtypes the loss's matmuls and
+        convolutions (forward and backward) ran in (``step.compute_dtypes``)
+        and warns once with a `jaxstable.precision.PolicyNotAppliedWarning`
+        when less than half ran in the compute dtype (a Flax module with
+        ``dtype=float32``, such as ``nnx.Embed`` built without ``dtype=``,
+        promotes them back), naming the first promotion and the fix. Trace
+        time only: the compiled step is unchanged.
       jit: jit the step.
       donate: donate the input state's buffers to the output (saves memory;
         the input state must not be used after the call).
@@ -724,10 +773,13 @@ def make_train_step(
         if pol is not None:
             params = pol.cast_to_compute(params)
             batch = pol.cast_to_compute(batch)
-        if has_state:
-            out, new_model_state = loss_fn(params, model_state, batch)
-        else:
-            out, new_model_state = loss_fn(params, batch), model_state
+        # The scope marks the loss's matmuls (forward and backward) for the
+        # policy audit; it changes no computation.
+        with jax.named_scope(LOSS_SCOPE):
+            if has_state:
+                out, new_model_state = loss_fn(params, model_state, batch)
+            else:
+                out, new_model_state = loss_fn(params, batch), model_state
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss, jnp.float32)
         if loss.shape != ():
@@ -814,6 +866,7 @@ def make_train_step(
         return (loss, (aux, model_state)), grads, finite
 
     def step(state: TrainState, batch: Any):
+        out.traced = True  # trace time only: the policy audit reads this trace
         if _find_accumulation(state.opt_state) is not None:
             raise ValueError(_ACCUMULATION_IN_TX)
         ls = state.loss_scale
@@ -884,6 +937,7 @@ def make_train_step(
         return reduced_grads(state, batch)[1]
 
     out = TrainStep(step, grads, jit=jit, donate=donate)
+    out.policy_spec = policy
     # What `diagnostics.locate` needs to re-run the loss op by op, off the
     # hot path (the jitted step does not read these).
     out.loss_fn, out.policy, out.has_state, out.has_aux = (
