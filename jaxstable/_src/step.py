@@ -329,6 +329,30 @@ def _combine_aux(aux: Any) -> Any:
     )
 
 
+def _call_loss(loss_fn, has_state, params, model_state, batch):
+    """``(out, new_model_state)`` of the user's loss; flax's
+    TraceContextError (an NNX model merged from variables made outside the
+    trace, then mutated by batch norm or dropout) re-raised with the fixes."""
+    try:
+        if has_state:
+            return loss_fn(params, model_state, batch)
+        return loss_fn(params, batch), model_state
+    except Exception as e:
+        errors = sys.modules.get("flax.errors")
+        if errors is None or not isinstance(e, errors.TraceContextError):
+            raise
+        state = "" if has_state else ", and build the step with has_state=True"
+        raise errors.TraceContextError(
+            f"loss_fn mutated an NNX variable made outside the traced step ({e}). "
+            "Inside make_train_step the model must be rebuilt from the traced "
+            "state with fresh variables: write the loss as loss(model, batch) "
+            "and pass jaxstable.train.nnx_loss(model, loss) with "
+            "TrainState.from_nnx(model, optimizer) and has_state=True; or merge "
+            "with nnx.merge(graphdef, params, model_state, copy=True) and return "
+            f"the model's new state (nnx.split(model, nnx.Param, ...)[2]){state}"
+        ) from e
+
+
 def _check_param_dtypes(params: Any, pol: Any, spec: Any) -> None:
     """Refuses a policy whose parameter dtype is not that of ``params``.
 
@@ -776,10 +800,9 @@ def make_train_step(
         # The scope marks the loss's matmuls (forward and backward) for the
         # policy audit; it changes no computation.
         with jax.named_scope(LOSS_SCOPE):
-            if has_state:
-                out, new_model_state = loss_fn(params, model_state, batch)
-            else:
-                out, new_model_state = loss_fn(params, batch), model_state
+            out, new_model_state = _call_loss(
+                loss_fn, has_state, params, model_state, batch
+            )
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss, jnp.float32)
         if loss.shape != ():

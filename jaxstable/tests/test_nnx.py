@@ -237,3 +237,40 @@ def test_policy_audit_of_a_plain_loss(jit):
     with warnings.catch_warnings():  # once per step, also on a re-trace
         warnings.simplefilter("error", precision.PolicyNotAppliedWarning)
         step(state, jnp.ones((4, 3)))
+
+
+def test_merge_of_outer_variables_names_the_fixes():
+    """Issue 35 item 6: ``nnx.merge(graphdef, params, stats)`` in a
+    has_state loss raised flax's bare "Cannot mutate BatchStat from a
+    different trace level"; the step re-raises it with the two fixes,
+    chained from flax's error. The second fix (copy=True) then trains."""
+    import flax.errors
+
+    model = _Net(nnx.Rngs(0))
+    model.eval()  # no dropout: only the batch norm mutates (in train mode)
+    model.bn.use_running_average = False
+    graphdef, params, stats = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(copy):
+        def loss(p, s, x):
+            m = nnx.merge(graphdef, p, s, copy=copy)
+            return jnp.mean(m(x) ** 2), nnx.split(m, nnx.Param, ...)[2]
+
+        return loss
+
+    state = train.TrainState.create(
+        params=params, optimizer=optax.sgd(0.1), model_state=stats
+    )
+    x = jnp.ones((4, 3))
+    step = train.make_train_step(loss_fn(False), has_state=True)
+    with pytest.raises(flax.errors.TraceContextError) as err:
+        step(state, x)
+    text = str(err.value)
+    assert "train.nnx_loss(model, loss)" in text, text
+    assert "nnx.merge(graphdef, params, model_state, copy=True)" in text, text
+    assert isinstance(err.value.__cause__, flax.errors.TraceContextError)
+    assert "Cannot mutate BatchStat" in str(err.value.__cause__)
+    step = train.make_train_step(loss_fn(True), has_state=True)
+    new, m = step(state, x)
+    assert bool(m["finite"])
+    assert not bool(jnp.all(new.model_state["bn"]["mean"][...] == 0.0))
