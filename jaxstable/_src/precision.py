@@ -436,7 +436,10 @@ def _where(eqn: Any) -> str:
         if not any(m in fr.file_name for m in lib):
             if i == 0:
                 return text(fr)
-            return f"{text(frames[i - 1])}, called from {text(fr)}"
+            # The library's outermost frame below the user's that is not a
+            # decorator's wrapper (Keras wraps every call in one).
+            named = [f for f in frames[:i] if "<locals>" not in f.function_name]
+            return f"{text((named or frames[:i])[-1])}, called from {text(fr)}"
     return text(frames[0]) if frames else "(no source line)"
 
 
@@ -468,7 +471,9 @@ def warn_if_not_applied(
             "built without `dtype=` takes its embedding's, float32): set "
             "`dtype=None` on it (e.g. `model.embed.dtype = None`) or build the "
             f"modules with `dtype=jnp.{compute.name}` (flax's `dtype=` is the "
-            "compute dtype, `param_dtype=` the storage dtype). To silence: "
+            "compute dtype, `param_dtype=` the storage dtype); Keras layers "
+            "compute in their dtype policy: keras.config.set_dtype_policy("
+            f"'mixed_{compute.name}') before building the model. To silence: "
             "warnings.filterwarnings('ignore', category=jaxstable.precision."
             "PolicyNotAppliedWarning)",
             PolicyNotAppliedWarning,
