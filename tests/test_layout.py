@@ -40,6 +40,10 @@ JAX_ONLY = {
     # DDP/fully_shard instead), and only XLA exposes a compiled program whose
     # collectives can be counted.
     "distributed": {"batch_sharding", "count_collectives", "state_sharding"},
+    # The JAX step reads its traced program to see which dtype its matmuls
+    # ran in; torch's autocast picks each op's dtype from its own lists at
+    # run time and TrainStep checks none of it (docs/mixed_precision.md).
+    "precision": {"PolicyNotAppliedWarning"},
 }
 TORCH_ONLY = {
     # GradScaler subclasses: a static scale and the min-scale floor/hysteresis

@@ -792,7 +792,8 @@ class module_scopes:
     ``nnx.remat``/``nnx.scan`` (copies of the modules), a module is named by
     its type within the running one. Linen: the module's ``path`` joined
     with dots (``"Dense_0"``, ``"blocks_0.lin"``; ``""`` for the root),
-    through linen's own method interceptor.
+    through linen's own method interceptor. Keras 3 (JAX backend): the
+    names of the layers called, joined with "/" (``"block/d"``).
     """
 
     def __enter__(self):
@@ -802,6 +803,7 @@ class module_scopes:
         self.subs: dict[int, tuple[Any, list]] = {}
         self.exits = contextlib.ExitStack()
         self.exits.enter_context(_own_backward_sources())
+        self._keras_scopes()
         try:
             from flax import linen, nnx
         except ImportError:  # no flax: plain functions only
@@ -826,6 +828,29 @@ class module_scopes:
             setattr(cls, name, fn)
         self.exits.close()
         return False
+
+    def _keras_scopes(self) -> None:
+        """Keras 3 on the JAX backend, when it is loaded: every layer call
+        (``layer(x)``; ``model.stateless_call`` calls its layers so) runs in
+        a scope naming the layer names from the outermost one called,
+        joined with "/" as Keras joins them in variable paths (``block/d``)."""
+        keras = sys.modules.get("keras")
+        layer = getattr(keras, "Layer", None)
+        if layer is None or keras.backend.backend() != "jax":
+            return
+        orig, names = layer.__call__, []
+
+        @functools.wraps(orig)
+        def call(module, *args, **kwargs):
+            names.append(str(getattr(module, "name", type(module).__name__)))
+            try:
+                with jax.named_scope(_MARK + "/".join(names)):
+                    return orig(module, *args, **kwargs)
+            finally:
+                names.pop()
+
+        layer.__call__ = call
+        self.patched.append((layer, "__call__", orig))
 
     def _wrap(self, orig):
         scopes = self

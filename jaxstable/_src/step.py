@@ -22,7 +22,7 @@ from _stablecore.checks import check_microbatches as _core_check_microbatches
 from jaxstable._src.diagnostics import CheckPoints
 from jaxstable._src.distributed import _axis_size
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
-from jaxstable._src.precision import get_policy
+from jaxstable._src.precision import LOSS_SCOPE, get_policy, warn_if_not_applied
 from jaxstable._src.spikes import SkipSpikesState
 from jaxstable._src.transforms import (
     AccumulateGradientsState,
@@ -329,6 +329,30 @@ def _combine_aux(aux: Any) -> Any:
     )
 
 
+def _call_loss(loss_fn, has_state, params, model_state, batch):
+    """``(out, new_model_state)`` of the user's loss; flax's
+    TraceContextError (an NNX model merged from variables made outside the
+    trace, then mutated by batch norm or dropout) re-raised with the fixes."""
+    try:
+        if has_state:
+            return loss_fn(params, model_state, batch)
+        return loss_fn(params, batch), model_state
+    except Exception as e:
+        errors = sys.modules.get("flax.errors")
+        if errors is None or not isinstance(e, errors.TraceContextError):
+            raise
+        state = "" if has_state else ", and build the step with has_state=True"
+        raise errors.TraceContextError(
+            f"loss_fn mutated an NNX variable made outside the traced step ({e}). "
+            "Inside make_train_step the model must be rebuilt from the traced "
+            "state with fresh variables: write the loss as loss(model, batch) "
+            "and pass jaxstable.train.nnx_loss(model, loss) with "
+            "TrainState.from_nnx(model, optimizer) and has_state=True; or merge "
+            "with nnx.merge(graphdef, params, model_state, copy=True) and return "
+            f"the model's new state (nnx.split(model, nnx.Param, ...)[2]){state}"
+        ) from e
+
+
 def _check_param_dtypes(params: Any, pol: Any, spec: Any) -> None:
     """Refuses a policy whose parameter dtype is not that of ``params``.
 
@@ -472,6 +496,18 @@ def _keep_hyperparams(applied: jax.Array, new: Any, old: Any) -> Any:
     return new
 
 
+def _input_names(state: TrainState, batch: Any) -> list[str]:
+    """A dotted name per leaf of ``(state, batch)``: ``params.fc.kernel``,
+    ``model_state.bn.mean``, ``batch.0``."""
+    from jaxstable._src._locate import dotted
+
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path((state, batch))[0]:
+        rest = dotted(path[1:])
+        names.append(rest if path[0].idx == 0 else ".".join(("batch", rest)).strip("."))
+    return names
+
+
 class TrainStep:
     """What `make_train_step` returns: ``step(state, batch) -> (state, metrics)``.
 
@@ -484,6 +520,10 @@ class TrainStep:
       loss_fn, policy, has_state, has_aux: what `make_train_step` was given
         (``policy`` parsed to a `jmp.Policy` or None), read by
         `jaxstable.diagnostics.locate`.
+      compute_dtypes: after a call that traced the step with a policy whose
+        compute dtype differs from its params': ``{dtype name: count}`` of
+        the matmuls and convolutions of the loss and its gradient; None
+        before (see ``policy`` in `make_train_step`).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -504,11 +544,37 @@ class TrainStep:
         self.donate = bool(donate)
         self.grads = jax.jit(grads) if jit else grads
         self._fn = jax.jit(raw, donate_argnums=(0,) if donate else ()) if jit else raw
+        self.policy = self.policy_spec = self.compute_dtypes = None
+        self.traced = False  # set by the raw step when it is traced
+        self._policy_done = False
 
     def __call__(
         self, state: TrainState, batch: Any
     ) -> tuple[TrainState, dict[str, Any]]:
-        return self._fn(state, batch)
+        out = self._fn(state, batch)
+        if self.traced:
+            self._audit_policy(state, batch)
+        return out
+
+    def _audit_policy(self, state: TrainState, batch: Any) -> None:
+        """After a call that traced the step: which dtypes the loss's
+        matmuls ran in (``compute_dtypes``), and a `PolicyNotAppliedWarning`
+        (once) when the policy's compute dtype was mostly not used. Reads
+        the trace the call made (jit's cache; ``jit=False``: traced once
+        here); nothing runs on the device."""
+        if self.policy is not None and not self._policy_done:
+            if self.jit:
+                closed = self._fn.trace(state, batch).jaxpr
+            else:
+                closed = jax.make_jaxpr(self.raw)(state, batch)
+                self._policy_done = True  # eager: one trace, not one per call
+            audit, warned = warn_if_not_applied(
+                closed, self.policy, self.policy_spec, _input_names(state, batch)
+            )
+            if audit is not None:
+                self.compute_dtypes = audit.counts
+            self._policy_done |= warned  # warned once per step
+        self.traced = False
 
     def lower(self, state: TrainState, batch: Any):
         """`jax.jit(...).lower(state, batch)` of the step (for HLO inspection).
@@ -607,6 +673,13 @@ def make_train_step(
         traced): ``"bf16"`` means params, compute and output bfloat16, so
         over float32 params it is refused with the fix
         (``"mixed_bfloat16"``) rather than read as "compute in bfloat16".
+        After each trace the step counts the dtypes the loss's matmuls and
+        convolutions (forward and backward) ran in (``step.compute_dtypes``)
+        and warns once with a `jaxstable.precision.PolicyNotAppliedWarning`
+        when less than half ran in the compute dtype (a Flax module with
+        ``dtype=float32``, such as ``nnx.Embed`` built without ``dtype=``,
+        promotes them back), naming the first promotion and the fix. Trace
+        time only: the compiled step is unchanged.
       jit: jit the step.
       donate: donate the input state's buffers to the output (saves memory;
         the input state must not be used after the call).
@@ -724,10 +797,12 @@ def make_train_step(
         if pol is not None:
             params = pol.cast_to_compute(params)
             batch = pol.cast_to_compute(batch)
-        if has_state:
-            out, new_model_state = loss_fn(params, model_state, batch)
-        else:
-            out, new_model_state = loss_fn(params, batch), model_state
+        # The scope marks the loss's matmuls (forward and backward) for the
+        # policy audit; it changes no computation.
+        with jax.named_scope(LOSS_SCOPE):
+            out, new_model_state = _call_loss(
+                loss_fn, has_state, params, model_state, batch
+            )
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss, jnp.float32)
         if loss.shape != ():
@@ -814,6 +889,7 @@ def make_train_step(
         return (loss, (aux, model_state)), grads, finite
 
     def step(state: TrainState, batch: Any):
+        out.traced = True  # trace time only: the policy audit reads this trace
         if _find_accumulation(state.opt_state) is not None:
             raise ValueError(_ACCUMULATION_IN_TX)
         ls = state.loss_scale
@@ -884,6 +960,7 @@ def make_train_step(
         return reduced_grads(state, batch)[1]
 
     out = TrainStep(step, grads, jit=jit, donate=donate)
+    out.policy_spec = policy
     # What `diagnostics.locate` needs to re-run the loss op by op, off the
     # hot path (the jitted step does not read these).
     out.loss_fn, out.policy, out.has_state, out.has_aux = (

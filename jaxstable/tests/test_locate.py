@@ -291,6 +291,45 @@ def test_linen_module_paths():
     assert (loc.phase, loc.path, loc.op) == ("forward", "blocks_2.lin", "matmul")
 
 
+def _keras():
+    """Keras 3 on the JAX backend, or a skip (not installed, or already
+    imported with another backend in this process)."""
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    keras = pytest.importorskip("keras", minversion="3")
+    if keras.backend.backend() != "jax":
+        pytest.skip(f"keras runs on {keras.backend.backend()} here, not jax")
+    return keras
+
+
+def test_keras_layer_paths():
+    """Issue 35 item 8: a Keras 3 model trained through ``stateless_call``
+    had no layer named (phase "loss", path None); now the layers called are
+    named as Keras names them, joined with "/". The classes are restored."""
+    keras = _keras()
+    keras.utils.set_random_seed(0)
+    block = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, name="d")], name="block"
+    )
+    model = keras.Sequential(
+        [keras.Input((4,)), block, keras.layers.Dense(1, name="out")], name="net"
+    )
+    block.layers[0].kernel.assign(np.full((4, 8), 1e30, np.float32))
+
+    def loss_fn(params, x):
+        pred, _ = model.stateless_call(params, [], x)
+        return jnp.mean(pred**2)
+
+    params = [v.value for v in model.trainable_variables]
+    step = train.make_train_step(loss_fn)
+    state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
+    call = keras.Layer.__call__
+    loc = _locate(step, state, jnp.full((2, 4), 1e10))  # 4e40: float32 overflow
+    assert (loc.phase, loc.path, loc.op) == ("forward", "block/d", "matmul")
+    assert keras.Layer.__call__ is call
+
+
 def test_step_without_loss_fn_is_refused():
     with pytest.raises(TypeError, match="made by make_train_step"):
         diagnostics.locate(lambda s, b: (s, {}), None, None)

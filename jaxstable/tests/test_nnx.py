@@ -5,6 +5,8 @@ Batch norm and dropout state through `make_train_step` without
 RNG streams advance (a mask-dependent NaN is skipped once).
 """
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -144,3 +146,131 @@ def test_model_state_structure_mismatch_is_named():
     )
     with pytest.raises(ValueError, match="model state whose structure differs"):
         step(state, jnp.ones(1))
+
+
+# ------------------------------------------------ a policy the model ignores
+class _Block(nnx.Module):
+    def __init__(self, d, rngs, dtype):
+        self.ln = nnx.LayerNorm(d, dtype=dtype, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, d, dtype=dtype, decode=False, rngs=rngs)
+        self.mlp = nnx.Linear(d, d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.ln(x)
+        x = x + self.attn(h, h)
+        return x + self.mlp(x)
+
+
+class _LM(nnx.Module):
+    """A transformer as users write it: nnx.Embed first."""
+
+    def __init__(self, rngs, dtype=None, vocab=11, d=8):
+        self.embed = nnx.Embed(vocab, d, dtype=dtype, rngs=rngs)
+        self.block = _Block(d, rngs, dtype)
+        self.head = nnx.Linear(d, vocab, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.block(self.embed(tokens)))
+
+
+def _lm_loss(model, tokens):
+    logits = model(tokens).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+
+def _lm_step(model, **kw):
+    state = train.TrainState.from_nnx(model, optax.sgd(0.1))
+    step = train.make_train_step(train.nnx_loss(model, _lm_loss), has_state=True, **kw)
+    return state, step
+
+
+def test_policy_ignored_by_nnx_embed_warns_once_naming_it():
+    from jaxstable import precision
+
+    state, step = _lm_step(_LM(nnx.Rngs(0)), policy="mixed_bfloat16")
+    tokens = jnp.zeros((2, 5), jnp.int32)
+    with pytest.warns(precision.PolicyNotAppliedWarning) as got:
+        state, m = step(state, tokens)
+    assert bool(m["finite"])
+    # nnx.Embed's dtype is its embedding's float32: every matmul after it too.
+    assert set(step.compute_dtypes) == {"float32"}, step.compute_dtypes
+    text = str(got[0].message)
+    assert "only 0 of the 24 matmuls" in text, text
+    assert "params.embed.embedding" in text and "Embed.__call__" in text, text
+    assert "self.embed(tokens)" in text and "dtype=None" in text, text
+
+
+@pytest.mark.parametrize("fix", ["embed_dtype_none", "dtype_bf16"])
+def test_policy_applied_does_not_warn(fix):
+    from jaxstable import precision
+
+    model = _LM(nnx.Rngs(0), dtype=jnp.bfloat16 if fix == "dtype_bf16" else None)
+    if fix == "embed_dtype_none":
+        model.embed.dtype = None
+    state, step = _lm_step(model, policy="mixed_bfloat16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", precision.PolicyNotAppliedWarning)
+        step(state, jnp.zeros((2, 5), jnp.int32))
+    counts = step.compute_dtypes
+    assert counts["bfloat16"] >= 0.9 * sum(counts.values()), counts
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_policy_audit_of_a_plain_loss(jit):
+    from jaxstable import precision
+
+    def loss(p, b):
+        h = (b @ p["w"]).astype(jnp.float32)  # the user's own upcast
+        return jnp.sum(h @ p["v"])
+
+    params = {"w": jnp.ones((3, 4)), "v": jnp.ones((4, 2))}
+    state = train.TrainState.create(params=params, optimizer=optax.sgd(0.1))
+    step = train.make_train_step(loss, policy="mixed_float16", jit=jit)
+    with pytest.warns(precision.PolicyNotAppliedWarning, match="only 2 of the 5") as w:
+        state, _ = step(state, jnp.ones((2, 3)))
+    # forward h @ v and both its gradients in float32, b @ w and its
+    # gradient in float16
+    assert step.compute_dtypes == {"float16": 2, "float32": 3}
+    text = str(w[0].message)
+    assert "convert_element_type on batch, params.w at " in text, text
+    assert "test_nnx.py" in text and ".astype(jnp.float32)  # the user" in text, text
+    with warnings.catch_warnings():  # once per step, also on a re-trace
+        warnings.simplefilter("error", precision.PolicyNotAppliedWarning)
+        step(state, jnp.ones((4, 3)))
+
+
+def test_merge_of_outer_variables_names_the_fixes():
+    """Issue 35 item 6: ``nnx.merge(graphdef, params, stats)`` in a
+    has_state loss raised flax's bare "Cannot mutate BatchStat from a
+    different trace level"; the step re-raises it with the two fixes,
+    chained from flax's error. The second fix (copy=True) then trains."""
+    import flax.errors
+
+    model = _Net(nnx.Rngs(0))
+    model.eval()  # no dropout: only the batch norm mutates (in train mode)
+    model.bn.use_running_average = False
+    graphdef, params, stats = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(copy):
+        def loss(p, s, x):
+            m = nnx.merge(graphdef, p, s, copy=copy)
+            return jnp.mean(m(x) ** 2), nnx.split(m, nnx.Param, ...)[2]
+
+        return loss
+
+    state = train.TrainState.create(
+        params=params, optimizer=optax.sgd(0.1), model_state=stats
+    )
+    x = jnp.ones((4, 3))
+    step = train.make_train_step(loss_fn(False), has_state=True)
+    with pytest.raises(flax.errors.TraceContextError) as err:
+        step(state, x)
+    text = str(err.value)
+    assert "train.nnx_loss(model, loss)" in text, text
+    assert "nnx.merge(graphdef, params, model_state, copy=True)" in text, text
+    assert isinstance(err.value.__cause__, flax.errors.TraceContextError)
+    assert "Cannot mutate BatchStat" in str(err.value.__cause__)
+    step = train.make_train_step(loss_fn(True), has_state=True)
+    new, m = step(state, x)
+    assert bool(m["finite"])
+    assert not bool(jnp.all(new.model_state["bn"]["mean"][...] == 0.0))

@@ -84,7 +84,15 @@ def _box_terms(b1, b2, kind: str, eps: float):
     ch = jnp.maximum(y2, y2g) - jnp.minimum(y1, y1g)
     if kind == "giou":
         area_c = cw * ch
-        return 1.0 - iou + (area_c - union) / (area_c + eps)
+        # An enclosing box of zero area (both boxes on one line, or points)
+        # has union = area_c = 0 and the term's value 0 / eps = 0; its
+        # gradient would be (d area_c - d union) / eps, 1e7 times a side
+        # (inf in fp16), from the ties of max/min splitting d area_c in
+        # halves. Moving any coordinate the way that keeps the boxes valid
+        # keeps the term 0, so it is 0 there with a zero gradient.
+        flat = area_c > 0
+        c = jnp.where(flat, area_c, 1.0)
+        return 1.0 - iou + jnp.where(flat, (c - union) / (c + eps), 0.0)
     # DIoU: squared centre distance over the enclosing box's squared diagonal
     # (both halved centres: (x1 + x2) / 2, as torchvision)
     dx = (x2 + x1) / 2 - (x1g + x2g) / 2
@@ -131,12 +139,13 @@ def box_iou_loss(
     width and height) has a NaN CIoU in torchvision; here its aspect angle is
     0 (as a zero-width box), so the loss and gradient are finite. Coincident
     centres and zero-area unions are finite in both (the ``eps`` terms),
-    except through CIoU's angle of a zero-height box (above).
-    Kept from torchvision: the GIoU of two collinear zero-area boxes (an
-    enclosing box of zero area) has a gradient of the order of the
-    enclosing width / eps (2e7 for [0, 1, 4, 1] and [1, 1, 3, 1] at eps
-    1e-7): finite in float32, but above fp16's 65504, so for fp16 boxes it
-    comes back as inf (a skip guard skips the step).
+    except through CIoU's angle of a zero-height box (above). Where the
+    enclosing box has zero area (both boxes on one vertical or horizontal
+    line, or points: ``[3, 3, 3, 9]`` over itself) GIoU's term
+    ``(area(C) - union) / (area(C) + eps)`` is 0, as in torchvision, but
+    its gradient there is 0 too: torchvision's is of the order of a side /
+    eps (3e7 for that box, inf in fp16), from the ties of ``max``/``min``
+    splitting ``d area(C)`` in halves while ``d union`` is whole.
 
     Bad boxes: ``x2 < x1`` or ``y2 < y1`` raises ``ValueError`` naming the
     first such box when both box arrays are concrete (an eager call on
@@ -178,6 +187,10 @@ def box_iou_loss(
       >>> grad = jax.grad(lambda p: losses.box_iou_loss(p, gt, kind="ciou").sum())
       >>> bool(jnp.isfinite(grad(pred)).all())  # zero height: torchvision NaN
       True
+      >>> line = jnp.array([[3.0, 3.0, 3.0, 9.0]], jnp.float16)  # zero width
+      >>> g = jax.grad(lambda p: losses.box_iou_loss(p, line).sum())(line)
+      >>> g.tolist()  # torchvision: [[inf, 0, -inf, 0]] in fp16
+      [[0.0, 0.0, 0.0, 0.0]]
     """
     _check_kind(kind)
     _check_reduction(reduction)

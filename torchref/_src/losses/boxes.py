@@ -76,7 +76,16 @@ def _box_terms(b1, b2, kind: str, eps: float) -> torch.Tensor:
     ch = torch.maximum(y2, y2g) - torch.minimum(y1, y1g)
     if kind == "giou":
         area_c = cw * ch
-        return 1.0 - iou + (area_c - union) / (area_c + eps)
+        # An enclosing box of zero area (both boxes on one line, or points)
+        # has union = area_c = 0 and the term's value 0 / eps = 0; its
+        # gradient would be (d area_c - d union) / eps, 1e7 times a side
+        # (inf in fp16), from the ties of max/min splitting d area_c in
+        # halves. Moving any coordinate the way that keeps the boxes valid
+        # keeps the term 0, so it is 0 there with a zero gradient.
+        flat = area_c > 0
+        c = torch.where(flat, area_c, torch.ones_like(area_c))
+        term = torch.where(flat, (c - union) / (c + eps), torch.zeros_like(c))
+        return 1.0 - iou + term
     dx = (x2 + x1) / 2 - (x1g + x2g) / 2
     dy = (y2 + y1) / 2 - (y1g + y2g) / 2
     loss = 1.0 - iou + (dx * dx + dy * dy) / (cw * cw + ch * ch + eps)
@@ -109,11 +118,11 @@ def box_iou_loss(
     ``atan(w / h)`` is taken as the smaller side over the larger, so a box of
     zero height keeps the value pi/2 with a finite gradient (torchvision:
     NaN), and a point box gets the angle 0 and a finite loss (torchvision:
-    NaN). A NaN or infinite coordinate makes that pair's loss and gradient
-    NaN. A mean over zero boxes is 0.0 (as torchvision). Kept from torchvision: the GIoU
-    gradient of two collinear zero-area boxes is of the order of the
-    enclosing width / eps (2e7 for [0, 1, 4, 1] and [1, 1, 3, 1]), inf once
-    cast back to fp16 boxes (the skip guard skips the step).
+    NaN). Where the enclosing box has zero area (both boxes on one line, or
+    points: ``[3, 3, 3, 9]`` over itself) GIoU's enclosing term is 0 with a
+    zero gradient (torchvision: a side / eps, 3e7 there, inf in fp16). A NaN
+    or infinite coordinate makes that pair's loss and gradient NaN. A mean
+    over zero boxes is 0.0 (as torchvision).
 
     Bad boxes (``x2 < x1`` or ``y2 < y1``), as jaxstable's concrete-vs-traced
     rule: when neither box tensor requires grad (an eager call on values, as
