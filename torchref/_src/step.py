@@ -330,6 +330,7 @@ class TrainStep(_DeferredRecords):
         restore_buffers_on_skip: bool = True,
         check_update: bool = True,
         microbatches: int | None = None,
+        decide_on: str = "auto",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -388,6 +389,7 @@ class TrainStep(_DeferredRecords):
         self.check_update = _check_bool("check_update", check_update)
         self.microbatches = _check_microbatches(microbatches)
         self._guarded = _GuardedStep()
+        self._guarded.decide_on = decide_on
         self._buffer_copy = _DeviceSelect()
         # Under DDP/FSDP2: the process group's size, the loss share each
         # replica backpropagates and the hook that tells a loss_fn bypassing
@@ -400,6 +402,16 @@ class TrainStep(_DeferredRecords):
         self._stage = "ready"
 
     # --------------------------------------------------------------- helpers
+    @property
+    def decide_on(self) -> str:
+        """Where the skip is decided: ``"auto"``, ``"device"`` or ``"host"``
+        (see the class docstring, 6); settable."""
+        return self._guarded.decide_on
+
+    @decide_on.setter
+    def decide_on(self, value: str) -> None:
+        self._guarded.decide_on = value
+
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -582,35 +594,22 @@ class TrainStep(_DeferredRecords):
             # A spike is no overflow: found_inf keeps `bad`, the scale goes on.
             refuse = bad | spike.to(bad.device)
         self._stage = "optimizer step"
-        # GradScaler.step would read found_inf on the host (one sync) before
-        # a non-fused optimizer.step(); _GuardedStep skips on the device
-        # instead (a fused optimizer gets found_inf as GradScaler hands it).
-        skipped = self._guarded.run(opt, refuse, self.check_update).to(bad.device)
+        buffers_bad = self._check_buffers(buffers)
+        max_norm = None if self.clip is None else self.clip.max_norm
+        norm = grad_norm
+        if self._guarded.on_host(opt):
+            # GradScaler's own path: ONE read of the flag, the norm (a bound
+            # on every gradient entry) and the buffers' flag.
+            refuse, norm, buffers_bad = _to_host([refuse, grad_norm, buffers_bad])
+            refuse, buffers_bad = bool(refuse), bool(buffers_bad)
+        skipped = self._guarded.run(opt, refuse, self.check_update, max_norm, norm).to(
+            bad.device
+        )
         if self._scaler_enabled():
             scaler.update()
         if self.spikes is not None:
             self.spikes._decision.record(spike_values, spike, ~skipped)
-        # Buffers go back on a skipped step, and also when the forward wrote
-        # a non-finite one on an applied step (a batch-norm running_var of
-        # inf from a feature of 1e20, with finite gradients), as the JAX step
-        # keeps a non-finite model_state out.
-        if buffers:
-            # The buffers the model holds NOW: a forward may assign new ones
-            # (``self.mean = 0.9 * self.mean + ...``) instead of writing in
-            # place, and the snapshot's tensors would then be left behind.
-            now = list(model.buffers())
-            same = len(now) == len(buffers) and all(
-                a is b for a, b in zip(now, buffers, strict=True)
-            )
-            keep_old = skipped | ~_all_finite_t(now).to(bad.device)
-            if same or self._buffer_copy.retarget(now):
-                self._buffer_copy.put_back(keep_old)
-            elif bool(keep_old):  # a host read only for such a module
-                raise ValueError(
-                    "the forward replaced model buffers by ones of other shapes, "
-                    "dtypes or number: the skipped step cannot restore them; "
-                    "build the TrainStep with restore_buffers_on_skip=False"
-                )
+        self._put_buffers_back(buffers, skipped, buffers_bad)
         if self._skipped_dev is None:
             self._skipped_dev = torch.tensor(
                 self._skip_state.skipped_total, device=bad.device
@@ -639,6 +638,48 @@ class TrainStep(_DeferredRecords):
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics
+
+    def _check_buffers(self, buffers: list[torch.Tensor]) -> Any:
+        """After the forward: whether it made a buffer element non-finite
+        that was finite before (0-d bool tensor; False for nothing to
+        check). An element already non-finite before the step (an additive
+        ``-inf`` mask) is no bad write. The copy follows buffers the
+        forward assigned anew (``self.mean = 0.9 * self.mean + ...``)."""
+        if not buffers:
+            return False
+        now = list(self.model.buffers())
+        same = len(now) == len(buffers) and all(
+            a is b for a, b in zip(now, buffers, strict=True)
+        )
+        self._buffers_follow = same or self._buffer_copy.retarget(now)
+        if not self._buffers_follow:
+            return ~_all_finite_t(now)
+        bad = self._buffer_copy.new_non_finite()
+        return False if bad is None else bad
+
+    def _put_buffers_back(self, buffers: list, skipped: Any, bad: Any) -> None:
+        """Buffers go back on a skipped step, and also when the forward wrote
+        a non-finite value on an applied step (a batch-norm running_var of
+        inf from a feature of 1e20, with finite gradients), as the JAX step
+        keeps a non-finite model_state out: selected on the device, or
+        copied back when the host path already knows."""
+        if not buffers:
+            return
+        host = self._guarded.host_skipped
+        if not self._buffers_follow:
+            if bool(skipped | bad):  # a host read only for such a module
+                raise ValueError(
+                    "the forward replaced model buffers by ones of other shapes, "
+                    "dtypes or number: the skipped step cannot restore them; "
+                    "build the TrainStep with restore_buffers_on_skip=False"
+                )
+        elif host is not None and isinstance(bad, bool):
+            if host or bad:
+                self._buffer_copy.restore()
+        else:
+            self._buffer_copy.put_back(
+                skipped | torch.as_tensor(bad).to(skipped.device)
+            )
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """``loss_fn(model, batch)`` under autocast, checked: ``(loss, aux)``."""
