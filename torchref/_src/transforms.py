@@ -503,10 +503,12 @@ class _DeviceSelect:
         self._groups = _by_device_dtype([t.detach() for t in tensors])
         for key, group in self._groups.items():
             n = sum(t.numel() for t in group)
-            buf = self._flat.get(key)
-            if buf is None or buf.numel() != n:
-                buf = torch.empty(n, dtype=key[1], device=key[0])
-                self._flat[key] = buf
+            old = self._flat.get(key)
+            if old is None or old.numel() != n:
+                old = self._flat.pop(key, None)
+                del old  # freed first: never two copies at once
+                self._flat[key] = torch.empty(n, dtype=key[1], device=key[0])
+            buf = self._flat[key]
             torch.cat([t.reshape(-1) for t in group], out=buf)
         for key in [k for k in self._flat if k not in self._groups]:
             del self._flat[key]  # a group no longer stepped keeps no copy
