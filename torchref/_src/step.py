@@ -222,27 +222,40 @@ class TrainStep(_DeferredRecords):
        by `clip_grads_with_norm_`'s coefficient. On a non-finite step the
        coefficient is 1 (selected on the device), so the grad report still
        names the bad leaves.
-    6. The optimizer step, skipped on the device: GradScaler.step would read
-       found_inf on the host (a sync) before a non-fused ``step()``; here a
-       fused optimizer (``fused=True`` Adam/AdamW/SGD) gets found_inf as
-       GradScaler hands it, any other one steps on a flat copy of
-       parameters and state that `torch.where` selects back where the step
-       is skipped. With `check_update` (default) what the step wrote is
-       checked too, and selected back when not finite (finite gradients do
-       not make a finite Adam step in float16): such a step counts as
-       skipped, with ``grads_finite`` True. The step that creates the
-       optimizer state (the first) decides on the host once.
+    6. The optimizer step, on one of two paths (`decide_on`). Only the
+       parameters with a gradient and their state are copied or checked;
+       the others are not touched. Device path (no host sync; the default
+       on the CPU and for a fused optimizer): a fused optimizer
+       (``fused=True`` Adam/AdamW/SGD) gets found_inf as GradScaler hands
+       it, any other one steps on ONE copy of its parameters and state
+       that `torch.where` selects back where the step is skipped. Host
+       path (the default for a non-fused optimizer on an accelerator,
+       where GradScaler.step syncs too): the flag, the gradients' norm and
+       the buffers' flag are read in ONE transfer and a bad step does not
+       call ``optimizer.step()``. With `check_update` (default) what the
+       step wrote is checked too, and put back when not finite (finite
+       gradients do not make a finite Adam step in float16): such a step
+       counts as skipped, with ``grads_finite`` True; where the update is
+       proved finite (float32 SGD without weight decay, Adam with eps > 0
+       and no L2 decay, AdamW, under the clip or, on the host path, the
+       norm read there: `torchref.transforms.stable_optimizer`) nothing is
+       copied or checked. The step that creates the optimizer state (the
+       first) decides on the host once on the device path.
     7. ``scaler.update()`` (`DynamicGradScaler` also clamps to
        `min_loss_scale`): the scale reacts to the loss and gradients only,
        as GradScaler does (a non-finite update is no loss-scale overflow);
        counters (a device count, and `skip_state` when read); on a skipped
        step the buffers are selected back, as the JAX step keeps
        `model_state` unchanged (the forward already updated batch-norm
-       running stats), and so they are when the step was applied but left a
-       non-finite buffer.
+       running stats), and so they are when the step was applied but the
+       forward made a buffer element non-finite that was finite before (an
+       element non-finite before the step, such as an additive ``-inf``
+       causal mask, is no bad write).
 
-    No ``.item()`` and no ``bool(tensor)`` in 1-7 in one process (issue
-    24; `torchref/tests/test_train.py` profiles it): ``step(batch)`` reads
+    On the device path, no ``.item()`` and no ``bool(tensor)`` in 1-7 in
+    one process (issue 24; `torchref/tests/test_train.py` profiles it; the
+    host path reads once, twice where an unproved update is checked):
+    ``step(batch)`` reads
     its python metrics in ONE transfer at the end, ``step(batch,
     sync=False)`` returns them as 0-d tensors
     (`benchmarks/bench_torch_syncs.py` counts syncs and ops). Some places
@@ -252,7 +265,9 @@ class TrainStep(_DeferredRecords):
     the flag; no flat copy of DTensors) and the first step (Adam creates
     its state: one read of the flag), and a non-fused optimizer with step
     hooks (one read per step: it is not stepped when skipped, as under
-    GradScaler, so that its hooks never see a skipped step).
+    GradScaler, so that its hooks never see a skipped step), and a state
+    the guard did not write (``load_state_dict``: its largest magnitudes
+    are read once to prove the updates after it finite).
     `skip_spikes`' window and counters are device tensors too.
 
     Under DDP or FSDP2 (a process group of N ranks) the step also
@@ -281,9 +296,10 @@ class TrainStep(_DeferredRecords):
             assigned anew, ``self.buf = ...``; a ValueError when such a
             buffer changed shape and must be restored).
         check_update: undo a step that wrote a non-finite parameter or
-            optimizer-state value (default True; costs one read pass per
-            step, no host sync; a non-fused optimizer's parameters and state
-            are copied before every step either way, see 6).
+            optimizer-state value (default True; one read pass per step
+            where the update is not proved finite, see 6; a non-fused
+            optimizer's parameters and state are copied before every step
+            on the device path either way).
         microbatches: None, or k >= 1: gradient accumulation (see step 2-3;
             ``jaxstable.train.make_train_step(microbatches=k)`` does the
             same). One check, clip, skip decision, count and scaler update
@@ -293,6 +309,12 @@ class TrainStep(_DeferredRecords):
             were with the largest ``max_abs``). A tensor whose first
             dimension k does not divide raises ValueError, a k that is not
             an int >= 1 TypeError/ValueError (the JAX step's texts).
+        decide_on: ``"auto"`` (default), ``"device"`` or ``"host"``: where
+            the skip is decided (see 6); ``"auto"`` is ``"host"`` for an
+            optimizer without GradScaler's ``found_inf`` whose parameters
+            are on an accelerator, else ``"device"``. ``"host"`` on the CPU
+            saves the copy of a non-fused optimizer (a read there costs no
+            transfer). Also an attribute (``step.decide_on``).
 
     Example:
         >>> import torch

@@ -9,12 +9,15 @@ as `torch.amp.GradScaler.step` does. Finite gradients can still give a
 non-finite step (Adam's float16 second moment underflowing to 0, ``eps=0``),
 and torch cannot tell before `optimizer.step()` has written it: with
 ``check_update`` the wrappers check what the step wrote and select the
-values before it back when it is non-finite. Every decision is a device
-tensor (issue 24): a fused optimizer takes it as GradScaler's ``found_inf``,
-any other steps on a flat copy that `torch.where` selects back
-(`_GuardedStep`); the counters read the flags when they are read
-(`_DeferredRecords`). An optimizer that needs a closure (LBFGS) decides on
-the host (`_StepUndo`).
+values before it back when it is non-finite. Only parameters with a
+gradient and their state are copied or checked; where the update is proved
+finite (`_UpdateBound`) nothing is. On the device path every decision is a
+device tensor (issue 24): a fused optimizer takes it as GradScaler's
+``found_inf``, any other steps on one copy that `torch.where` selects back
+(`_GuardedStep`); the host path reads the flag once and skips
+``optimizer.step()`` as GradScaler does (`decide_on`). The counters read the
+flags when they are read (`_DeferredRecords`). An optimizer that needs a
+closure (LBFGS) decides on the host (`_StepUndo`).
 """
 
 from __future__ import annotations
