@@ -46,6 +46,7 @@ from torchref._src.transforms import (
     _norm_and_finite,
     _to_host,
     clip_by_global_norm,
+    norm_read_on_host,
 )
 
 __all__ = ["TrainStep"]
@@ -593,7 +594,14 @@ class TrainStep(_DeferredRecords):
         found = self._found_inf()
         for flag in found.values():
             finite = finite & (flag.to(finite.device) == 0)
-        if self.clip is not None:
+        host = self._guarded.on_host(opt)
+        buffers_bad = self._check_buffers(buffers)
+        read = (
+            norm_read_on_host(grads, [finite, buffers_bad], self.clip) if host else None
+        )
+        if read is not None:  # GradScaler's path: ONE read of flags and norm
+            grad_norm, grads_ok = read[0], torch.ones((), dtype=torch.bool)
+        elif self.clip is not None:
             grad_norm, grads_ok = _clip_in_place(
                 grads, self.clip.max_norm, self.clip.eps, apply=finite
             )
@@ -616,12 +624,14 @@ class TrainStep(_DeferredRecords):
             # A spike is no overflow: found_inf keeps `bad`, the scale goes on.
             refuse = bad | spike.to(bad.device)
         self._stage = "optimizer step"
-        buffers_bad = self._check_buffers(buffers)
         max_norm = None if self.clip is None else self.clip.max_norm
         norm = grad_norm
-        if self._guarded.on_host(opt):
-            # GradScaler's own path: ONE read of the flag, the norm (a bound
-            # on every gradient entry) and the buffers' flag.
+        if read is not None:
+            norm, buffers_bad = read[1], bool(read[2][1])
+            refuse = refuse if self.spikes is not None else not read[2][0]
+        elif host:
+            # The norm was not finite: the flag, the norm (a bound on every
+            # gradient entry) and the buffers' flag in one read.
             refuse, norm, buffers_bad = _to_host([refuse, grad_norm, buffers_bad])
             refuse, buffers_bad = bool(refuse), bool(buffers_bad)
         skipped = self._guarded.run(opt, refuse, self.check_update, max_norm, norm).to(

@@ -241,7 +241,13 @@ def _clip_in_place(
     wide = torch.clamp(max_norm / (norm64 + eps), max=1.0).to(coef.dtype)
     coef = torch.where(torch.isfinite(norm), coef, wide)
     ok = finite if apply is None else finite & apply.to(finite.device)
-    coef = torch.where(ok, coef, 1.0)
+    scale_in_place(dense, torch.where(ok, coef, 1.0))
+    return norm, finite
+
+
+def scale_in_place(dense: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """``g *= coef`` for dense floating/complex gradients: one
+    `_foreach_mul_` per (device, dtype), sparse ones by their values."""
     for (device, _), group in _by_device_dtype(
         [g for g in dense if not g.is_sparse]
     ).items():
@@ -249,7 +255,29 @@ def _clip_in_place(
     for g in dense:
         if g.is_sparse:  # no foreach kernel; scaling the values scales the sum
             g.mul_(coef.to(g.device))
-    return norm, finite
+
+
+def norm_read_on_host(
+    grads: list[torch.Tensor], others: list[Any], clip: Any
+) -> tuple[torch.Tensor, float, list[Any]] | None:
+    """The host path's check: torch's float32 norm read with `others` (0-d
+    flags, the first of which says the step may be applied) in ONE
+    transfer; ``(norm, its host value, host values of others)``, the
+    gradients clipped
+    (`clip_grads_with_norm_`'s coefficient, bit for bit `_clip_in_place`)
+    where the flag holds. A finite float32 norm says every gradient is
+    finite, so the float64 pass of `_finite_norms` (a float64 copy of every
+    gradient on the CPU) is skipped; None (nothing done) where the norm is
+    not finite: the caller takes the exact device path."""
+    ts = _norm_inputs(grads)
+    norm = _total_norm(ts)
+    *values, value = _to_host([*others, norm])
+    if not math.isfinite(value):
+        return None
+    dense = [g for g in grads if (g.is_floating_point() or g.is_complex())]
+    if clip is not None and values[0] and dense:
+        scale_in_place(dense, torch.clamp(clip.max_norm / (norm + clip.eps), max=1.0))
+    return norm, value, values
 
 
 def clip_by_global_norm(

@@ -283,3 +283,50 @@ def test_an_intentional_inf_buffer_does_not_freeze_batch_norm(decide_on):
     assert not step((x * math.nan, batch[1]))["finite"]
     for k, v in model.state_dict().items():
         assert torch.equal(v, stats[k]), k
+
+
+@pytest.mark.parametrize("make", ["adam", "sgd_noclip", "adam_spikes"])
+def test_host_and_device_paths_step_alike(make):
+    # The same batches through both paths: the same metrics, parameters and
+    # optimizer state, bit for bit: a NaN batch, an inf pixel, gradients of
+    # 1e20 whose float32 norm overflows (the host path's exact fallback
+    # clips them by the float64 norm too) and a loss scale backing off.
+    from torchref import loss_scale as ls
+
+    x = torch.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    inf = x.clone()
+    inf[0, 0] = math.inf
+    y = torch.zeros(4, 1)
+    batches = [x, x * math.nan, inf, x * 1e20, x, x]
+    got = {}
+    for decide_on in ("device", "host"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt, clip = torch.optim.Adam(model.parameters(), lr=0.1), 1.0
+        if make == "sgd_noclip":
+            opt, clip = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), None
+        if make == "adam_spikes":
+            opt = tr.skip_spikes(opt, window=4, min_history=2)
+        step = TrainStep(
+            model,
+            opt,
+            lambda m, b: m(b[0]).sum(),  # finite at 1e20, its gradients too
+            max_grad_norm=clip,
+            scaler=ls.DynamicLossScale(2.0**4),
+            decide_on=decide_on,
+        )
+        rows = [step((b, y)) for b in batches]
+        state = [t.clone() for s in step.optimizer.state.values() for t in s.values()]
+        got[decide_on] = (
+            repr(rows),
+            [p.detach().clone() for p in model.parameters()],
+            state,
+        )
+    assert got["device"][0] == got["host"][0]
+    for a, b in zip(
+        got["device"][1] + got["device"][2],
+        got["host"][1] + got["host"][2],
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    assert "'finite': False" in got["host"][0] and "'finite': True" in got["host"][0]
