@@ -737,17 +737,12 @@ class _UpdateBound:
             return False
         if not _dense_wide(optimizer, params):
             return False
-        self._learn(optimizer, params)
-        rules = {
-            id(g["params"][0]): _rule(kind, g, m)
-            for g in optimizer.param_groups
-            if g["params"]
-        }
-        owner = {
-            id(p): rules[id(g["params"][0])]
-            for g in optimizer.param_groups
-            for p in g["params"]
-        }
+        owner = {}
+        for g in optimizer.param_groups:
+            rule = _rule(kind, g, m)
+            owner.update((id(p), rule) for p in g["params"])
+        # Only a state a rule could prove is worth a read.
+        self._learn(optimizer, [p for p in params if owner[id(p)] is not None])
         ok = True
         for p in params:
             rule, a = owner[id(p)], self._bounds(optimizer, p)
@@ -788,6 +783,8 @@ class _UpdateBound:
             for p in params
             if optimizer.state.get(p) and self._bounds(optimizer, p) is None
         ]
+        if not unknown:
+            return
         found = [
             (p, k, optimizer.state[p][k])
             for p in unknown

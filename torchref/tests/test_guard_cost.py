@@ -3,6 +3,7 @@ and buffers it must not mistake for bad writes (issue 35 item 4)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
@@ -330,3 +331,34 @@ def test_host_and_device_paths_step_alike(make):
     ):
         assert torch.equal(a, b)
     assert "'finite': False" in got["host"][0] and "'finite': True" in got["host"][0]
+
+
+def test_device_path_reads_nothing_and_a_loaded_state_once(monkeypatch):
+    # The device path reads no value on the host in a step (sync=False),
+    # whether or not the update is proved (SGD with weight decay is not);
+    # a state loaded from a checkpoint is read once (its magnitudes), then
+    # proved from its bounds with no read.
+    from torchref._src import step as step_impl
+
+    reads = []
+
+    def counting(values, real=impl._to_host):
+        reads.append(len(values))
+        return real(values)
+
+    monkeypatch.setattr(impl, "_to_host", counting)
+    monkeypatch.setattr(step_impl, "_to_host", counting)
+    x, y = torch.ones(2, 3), torch.zeros(2, 1)
+    for wd in (1e-4, 0.0):
+        model = torch.nn.Linear(3, 1)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=wd)
+        step = TrainStep(model, sgd, _mse, max_grad_norm=1.0, decide_on="device")
+        step((x, y), sync=False)  # creates the state (one host decision)
+        reads.clear()
+        for _ in range(3):
+            step((x, y), sync=False)
+        assert reads == []
+    sgd.load_state_dict(copy.deepcopy(sgd.state_dict()))  # not ours
+    for _ in range(3):
+        step((x, y), sync=False)
+    assert reads == [2]  # two momentum buffers, read once
