@@ -1310,11 +1310,27 @@ class SkipNonFinite(_OptimizerView, _DeferredRecords):
             return torch.ones((), dtype=torch.bool, device=home)
         if grads_finite is not None:
             return _scalar_flag(grads_finite, home)
+        read = self._read_on_host(grads, None, None)
+        if read is not None:
+            return read[0]
         ts = _norm_inputs(grads)
         if not ts:
             return torch.ones((), dtype=torch.bool, device=home)
         finite, self._norm = _finite_norms(ts)
         return finite
+
+    def _read_on_host(self, grads: list, given: Any, clip: Any):
+        """The host path's check (`norm_read_on_host`): ``(flag as a CPU
+        tensor, norm)``, the norm's host value kept for the proof; None on
+        the device path or where the float32 norm is not finite (then the
+        exact check runs)."""
+        if not self._guarded.on_host(self.optimizer):
+            return None
+        read = norm_read_on_host(grads, [True if given is None else given], clip)
+        if read is None:
+            return None
+        self._norm = read[1]
+        return torch.tensor(bool(read[2][0])), read[0]
 
     def _prepare(self, finite: bool) -> None:
         """Runs between the check and a closure step (StableOptimizer records
@@ -1559,6 +1575,10 @@ class StableOptimizer(SkipNonFinite):
         given = None
         if grads_finite is not None:
             given = torch.as_tensor(grads_finite, device=_home(grads)).to(torch.bool)
+        read = self._read_on_host(grads, given, self.clip) if self.skip else None
+        if read is not None:
+            self.grad_norm = read[1].to(torch.float32)
+            return read[0]
         if self.clip is not None:
             norm, finite = _clip_in_place(
                 grads, self.clip.max_norm, self.clip.eps, apply=given

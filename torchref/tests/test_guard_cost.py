@@ -362,3 +362,33 @@ def test_device_path_reads_nothing_and_a_loaded_state_once(monkeypatch):
     for _ in range(3):
         step((x, y), sync=False)
     assert reads == [2]  # two momentum buffers, read once
+
+
+@pytest.mark.parametrize("wrap", ["skip_non_finite", "stable_optimizer", "skip_spikes"])
+def test_wrappers_step_alike_on_both_paths(wrap):
+    # The wrappers' host path (one read, no float64 pass where torch's norm
+    # is finite) against the device path: the same parameters, state and
+    # counters, bit for bit, through NaN, inf and 1e20 gradients (whose
+    # float32 norm overflows: the exact check and clip run then).
+    grads = [1.0, math.nan, 2.0, math.inf, 1e20, 0.5, 1.0]
+    got = {}
+    for decide_on in ("device", "host"):
+        w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 5))
+        adam = torch.optim.Adam([w], lr=0.1)
+        if wrap == "skip_non_finite":
+            opt = tr.skip_non_finite(adam, decide_on=decide_on)
+        else:
+            opt = tr.stable_optimizer(adam, max_grad_norm=1.0, decide_on=decide_on)
+        if wrap == "skip_spikes":
+            opt = tr.skip_spikes(opt, window=4, min_history=2)
+        norms = []
+        for g in grads:
+            w.grad = torch.full((5,), g)
+            opt.step()
+            norms.append(float(getattr(opt, "grad_norm", None) or 0.0))
+        state = [t.clone() for t in adam.state[w].values()]
+        got[decide_on] = (w.detach().clone(), state, opt.skip_state, norms)
+    (w1, s1, k1, n1), (w2, s2, k2, n2) = got["device"], got["host"]
+    assert torch.equal(w1, w2) and k1 == k2 and repr(n1) == repr(n2)
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2, strict=True))
+    assert k2.skipped_total >= 2
