@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -771,7 +772,7 @@ class _UpdateBound:
         if not state:
             return (0.0, 0.0)
         known = self._known.get(id(p))
-        if known is None or known[0] != _versions(state):
+        if known is None or not _unchanged(known[0], state):
             return None
         return known[1:]
 
@@ -818,9 +819,22 @@ def _state_tensors(optimizer, p) -> list[torch.Tensor]:
 
 
 def _versions(state: dict[str, Any]) -> tuple:
-    """Which tensors a state holds and how often each was written."""
+    """Which tensors a state holds (weak references: a tensor loaded in
+    place of a freed one may reuse its id) and how often each was written."""
     return tuple(
-        (k, id(v), v._version) for k, v in state.items() if isinstance(v, torch.Tensor)
+        (k, weakref.ref(v), v._version)
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _unchanged(recorded: tuple, state: dict[str, Any]) -> bool:
+    """Whether `state` holds the very tensors `_versions` recorded, unwritten
+    since."""
+    now = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+    return len(now) == len(recorded) and all(
+        k == rk and ref() is v and v._version == version
+        for (k, v), (rk, ref, version) in zip(now, recorded, strict=True)
     )
 
 
