@@ -242,11 +242,11 @@ def _clip_in_place(
     wide = torch.clamp(max_norm / (norm64 + eps), max=1.0).to(coef.dtype)
     coef = torch.where(torch.isfinite(norm), coef, wide)
     ok = finite if apply is None else finite & apply.to(finite.device)
-    scale_in_place(dense, torch.where(ok, coef, 1.0))
+    _scale_in_place(dense, torch.where(ok, coef, 1.0))
     return norm, finite
 
 
-def scale_in_place(dense: list[torch.Tensor], coef: torch.Tensor) -> None:
+def _scale_in_place(dense: list[torch.Tensor], coef: torch.Tensor) -> None:
     """``g *= coef`` for dense floating/complex gradients: one
     `_foreach_mul_` per (device, dtype), sparse ones by their values."""
     for (device, _), group in _by_device_dtype(
@@ -277,7 +277,7 @@ def norm_read_on_host(
         return None
     dense = [g for g in grads if (g.is_floating_point() or g.is_complex())]
     if clip is not None and values[0] and dense:
-        scale_in_place(dense, torch.clamp(clip.max_norm / (norm + clip.eps), max=1.0))
+        _scale_in_place(dense, torch.clamp(clip.max_norm / (norm + clip.eps), max=1.0))
     return norm, value, values
 
 
@@ -596,7 +596,7 @@ def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def stepped_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _stepped_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters this step writes: those with a gradient. torch's
     optimizers leave a parameter whose ``.grad`` is None alone, and its
     state too, so the guard neither copies nor checks them."""
@@ -838,7 +838,7 @@ def _unchanged(recorded: tuple, state: dict[str, Any]) -> bool:
     )
 
 
-DECIDE_ON = ("auto", "device", "host")
+_DECIDE_ON = ("auto", "device", "host")
 
 
 class _GuardedStep:
@@ -847,7 +847,7 @@ class _GuardedStep:
 
     ``run(optimizer, bad_grads, check_update, max_norm, norm) -> skipped``
     (0-d bool tensor). Only the parameters with a gradient and their state
-    are ever copied or checked (`stepped_params`): the others are not
+    are ever copied or checked (`_stepped_params`): the others are not
     touched by the step. Two paths, by `decide_on`:
 
     - **device** (no host sync): an optimizer that takes GradScaler's
@@ -898,8 +898,8 @@ class _GuardedStep:
 
     @decide_on.setter
     def decide_on(self, value: str) -> None:
-        if value not in DECIDE_ON:
-            raise ValueError(f"decide_on must be one of {DECIDE_ON}, got {value!r}")
+        if value not in _DECIDE_ON:
+            raise ValueError(f"decide_on must be one of {_DECIDE_ON}, got {value!r}")
         self._decide_on = value
 
     def on_host(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -920,7 +920,7 @@ class _GuardedStep:
         norm: Any = None,
     ) -> torch.Tensor:
         self.host_skipped = None
-        params = stepped_params(optimizer)
+        params = _stepped_params(optimizer)
         if any(_is_dtensor(p) for p in params) and not check_update:
             # Sharded (FSDP2) parameters: no flat copy of DTensors; the
             # (global) flag is read on the host, one sync per step.
