@@ -271,7 +271,7 @@ def norm_read_on_host(
     gradient on the CPU) is skipped; None (nothing done) where the norm is
     not finite: the caller takes the exact device path."""
     ts = _norm_inputs(grads)
-    norm = _total_norm(ts)
+    norm = _local(_total_norm(ts))  # a sharded norm: its global value
     *values, value = _to_host([*others, norm])
     if not math.isfinite(value):
         return None
