@@ -871,9 +871,11 @@ class _GuardedStep:
     that does not take ``found_inf`` and whose parameters live on an
     accelerator (there GradScaler.step syncs too, and the sync costs less
     than copying and selecting parameters and state), the device path
-    otherwise (on the CPU, where neither costs a transfer, the device path
-    keeps one behaviour for every optimizer; ``decide_on="host"`` saves
-    the copy there).
+    otherwise. On the CPU a read costs no transfer and ``decide_on="host"``
+    is the cheaper path (it saves a non-fused optimizer's copy and select
+    and the float64 norm pass, `benchmarks/bench_guard_paths.py`); the
+    default there stays the device path, which the CPU test suite pins
+    without a host read as the stand-in for the GPU's.
 
     The device path still asks the host once where the step created
     optimizer state (the first step; entries must be removed, not
