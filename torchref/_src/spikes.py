@@ -307,7 +307,13 @@ class SkipSpikes(_OptimizerView):
         norm = global_norm(self.optimizer.grads())
         finite = True if grads_finite is None else grads_finite
         finite, spike, values = self._decision.check(norm, value, finite)
-        self.optimizer.step(grads_finite=finite & ~spike)
+        # The norm bounds every gradient entry: the host path proves the
+        # update finite from it (held for this one step only).
+        self.optimizer._norm_hint = norm
+        try:
+            self.optimizer.step(grads_finite=finite & ~spike)
+        finally:
+            del self.optimizer._norm_hint
         # The guard's pending (applied, grads_finite) flags: no host read.
         pending = self.optimizer._pending
         applied = pending[-1][0] if pending else self.skip_state.last_finite

@@ -47,6 +47,7 @@ from torchref._src.transforms import (
     _norm_and_finite,
     _to_host,
     clip_by_global_norm,
+    norm_read_on_host,
 )
 
 __all__ = ["TrainStep"]
@@ -253,27 +254,40 @@ class TrainStep(_DeferredRecords):
        by `clip_grads_with_norm_`'s coefficient. On a non-finite step the
        coefficient is 1 (selected on the device), so the grad report still
        names the bad leaves.
-    6. The optimizer step, skipped on the device: GradScaler.step would read
-       found_inf on the host (a sync) before a non-fused ``step()``; here a
-       fused optimizer (``fused=True`` Adam/AdamW/SGD) gets found_inf as
-       GradScaler hands it, any other one steps on a flat copy of
-       parameters and state that `torch.where` selects back where the step
-       is skipped. With `check_update` (default) what the step wrote is
-       checked too, and selected back when not finite (finite gradients do
-       not make a finite Adam step in float16): such a step counts as
-       skipped, with ``grads_finite`` True. The step that creates the
-       optimizer state (the first) decides on the host once.
+    6. The optimizer step, on one of two paths (`decide_on`). Only the
+       parameters with a gradient and their state are copied or checked;
+       the others are not touched. Device path (no host sync; the default
+       on the CPU and for a fused optimizer): a fused optimizer
+       (``fused=True`` Adam/AdamW/SGD) gets found_inf as GradScaler hands
+       it, any other one steps on ONE copy of its parameters and state
+       that `torch.where` selects back where the step is skipped. Host
+       path (the default for a non-fused optimizer on an accelerator,
+       where GradScaler.step syncs too): the flag, the gradients' norm and
+       the buffers' flag are read in ONE transfer and a bad step does not
+       call ``optimizer.step()``. With `check_update` (default) what the
+       step wrote is checked too, and put back when not finite (finite
+       gradients do not make a finite Adam step in float16): such a step
+       counts as skipped, with ``grads_finite`` True; where the update is
+       proved finite (float32 SGD without weight decay, Adam with eps > 0
+       and no L2 decay, AdamW, under the clip or, on the host path, the
+       norm read there: `torchref.transforms.stable_optimizer`) nothing is
+       copied or checked. The step that creates the optimizer state (the
+       first) decides on the host once on the device path.
     7. ``scaler.update()`` (`DynamicGradScaler` also clamps to
        `min_loss_scale`): the scale reacts to the loss and gradients only,
        as GradScaler does (a non-finite update is no loss-scale overflow);
        counters (a device count, and `skip_state` when read); on a skipped
        step the buffers are selected back, as the JAX step keeps
        `model_state` unchanged (the forward already updated batch-norm
-       running stats), and so they are when the step was applied but left a
-       non-finite buffer.
+       running stats), and so they are when the step was applied but the
+       forward made a buffer element non-finite that was finite before (an
+       element non-finite before the step, such as an additive ``-inf``
+       causal mask, is no bad write).
 
-    No ``.item()`` and no ``bool(tensor)`` in 1-7 in one process (issue
-    24; `torchref/tests/test_train.py` profiles it): ``step(batch)`` reads
+    On the device path, no ``.item()`` and no ``bool(tensor)`` in 1-7 in
+    one process (issue 24; `torchref/tests/test_train.py` profiles it; the
+    host path reads once, twice where an unproved update is checked):
+    ``step(batch)`` reads
     its python metrics in ONE transfer at the end, ``step(batch,
     sync=False)`` returns them as 0-d tensors
     (`benchmarks/bench_torch_syncs.py` counts syncs and ops). Some places
@@ -283,7 +297,9 @@ class TrainStep(_DeferredRecords):
     the flag; no flat copy of DTensors) and the first step (Adam creates
     its state: one read of the flag), and a non-fused optimizer with step
     hooks (one read per step: it is not stepped when skipped, as under
-    GradScaler, so that its hooks never see a skipped step).
+    GradScaler, so that its hooks never see a skipped step), and a state
+    the guard did not write (``load_state_dict``: its largest magnitudes
+    are read once to prove the updates after it finite).
     `skip_spikes`' window and counters are device tensors too.
 
     Under DDP or FSDP2 (a process group of N ranks) the step also
@@ -314,9 +330,10 @@ class TrainStep(_DeferredRecords):
             assigned anew, ``self.buf = ...``; a ValueError when such a
             buffer changed shape and must be restored).
         check_update: undo a step that wrote a non-finite parameter or
-            optimizer-state value (default True; costs one read pass per
-            step, no host sync; a non-fused optimizer's parameters and state
-            are copied before every step either way, see 6).
+            optimizer-state value (default True; one read pass per step
+            where the update is not proved finite, see 6; a non-fused
+            optimizer's parameters and state are copied before every step
+            on the device path either way).
         microbatches: None, or k >= 1: gradient accumulation (see step 2-3;
             ``jaxstable.train.make_train_step(microbatches=k)`` does the
             same). One check, clip, skip decision, count and scaler update
@@ -326,6 +343,12 @@ class TrainStep(_DeferredRecords):
             were with the largest ``max_abs``). A tensor whose first
             dimension k does not divide raises ValueError, a k that is not
             an int >= 1 TypeError/ValueError (the JAX step's texts).
+        decide_on: ``"auto"`` (default), ``"device"`` or ``"host"``: where
+            the skip is decided (see 6); ``"auto"`` is ``"host"`` for an
+            optimizer without GradScaler's ``found_inf`` whose parameters
+            are on an accelerator, else ``"device"``. ``"host"`` on the CPU
+            saves the copy of a non-fused optimizer (a read there costs no
+            transfer). Also an attribute (``step.decide_on``).
 
     Example:
         >>> import torch
@@ -363,6 +386,7 @@ class TrainStep(_DeferredRecords):
         restore_buffers_on_skip: bool = True,
         check_update: bool = True,
         microbatches: int | None = None,
+        decide_on: str = "auto",
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -422,6 +446,7 @@ class TrainStep(_DeferredRecords):
         self.check_update = _check_bool("check_update", check_update)
         self.microbatches = _check_microbatches(microbatches)
         self._guarded = _GuardedStep()
+        self._guarded.decide_on = decide_on
         self._buffer_copy = _DeviceSelect()
         # Under DDP/FSDP2: the process group's size, the loss share each
         # replica backpropagates and the hook that tells a loss_fn bypassing
@@ -434,6 +459,16 @@ class TrainStep(_DeferredRecords):
         self._stage = "ready"
 
     # --------------------------------------------------------------- helpers
+    @property
+    def decide_on(self) -> str:
+        """Where the skip is decided: ``"auto"``, ``"device"`` or ``"host"``
+        (see the class docstring, 6); settable."""
+        return self._guarded.decide_on
+
+    @decide_on.setter
+    def decide_on(self, value: str) -> None:
+        self._guarded.decide_on = value
+
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -593,7 +628,14 @@ class TrainStep(_DeferredRecords):
         found = self._found_inf()
         for flag in found.values():
             finite = finite & (flag.to(finite.device) == 0)
-        if self.clip is not None:
+        host = self._guarded.on_host(opt)
+        buffers_bad = self._check_buffers(buffers)
+        read = (
+            norm_read_on_host(grads, [finite, buffers_bad], self.clip) if host else None
+        )
+        if read is not None:  # GradScaler's path: ONE read of flags and norm
+            grad_norm, grads_ok = read[0], torch.ones((), dtype=torch.bool)
+        elif self.clip is not None:
             grad_norm, grads_ok = _clip_in_place(
                 grads, self.clip.max_norm, self.clip.eps, apply=finite
             )
@@ -616,35 +658,24 @@ class TrainStep(_DeferredRecords):
             # A spike is no overflow: found_inf keeps `bad`, the scale goes on.
             refuse = bad | spike.to(bad.device)
         self._stage = "optimizer step"
-        # GradScaler.step would read found_inf on the host (one sync) before
-        # a non-fused optimizer.step(); _GuardedStep skips on the device
-        # instead (a fused optimizer gets found_inf as GradScaler hands it).
-        skipped = self._guarded.run(opt, refuse, self.check_update).to(bad.device)
+        max_norm = None if self.clip is None else self.clip.max_norm
+        norm = grad_norm
+        if read is not None:
+            norm, buffers_bad = read[1], bool(read[2][1])
+            refuse = refuse if self.spikes is not None else not read[2][0]
+        elif host:
+            # The norm was not finite: the flag, the norm (a bound on every
+            # gradient entry) and the buffers' flag in one read.
+            refuse, norm, buffers_bad = _to_host([refuse, grad_norm, buffers_bad])
+            refuse, buffers_bad = bool(refuse), bool(buffers_bad)
+        skipped = self._guarded.run(opt, refuse, self.check_update, max_norm, norm).to(
+            bad.device
+        )
         if self._scaler_enabled():
             scaler.update()
         if self.spikes is not None:
             self.spikes._decision.record(spike_values, spike, ~skipped)
-        # Buffers go back on a skipped step, and also when the forward wrote
-        # a non-finite one on an applied step (a batch-norm running_var of
-        # inf from a feature of 1e20, with finite gradients), as the JAX step
-        # keeps a non-finite model_state out.
-        if buffers:
-            # The buffers the model holds NOW: a forward may assign new ones
-            # (``self.mean = 0.9 * self.mean + ...``) instead of writing in
-            # place, and the snapshot's tensors would then be left behind.
-            now = list(model.buffers())
-            same = len(now) == len(buffers) and all(
-                a is b for a, b in zip(now, buffers, strict=True)
-            )
-            keep_old = skipped | ~_all_finite_t(now).to(bad.device)
-            if same or self._buffer_copy.retarget(now):
-                self._buffer_copy.put_back(keep_old)
-            elif bool(keep_old):  # a host read only for such a module
-                raise ValueError(
-                    "the forward replaced model buffers by ones of other shapes, "
-                    "dtypes or number: the skipped step cannot restore them; "
-                    "build the TrainStep with restore_buffers_on_skip=False"
-                )
+        self._put_buffers_back(buffers, skipped, buffers_bad)
         if self._skipped_dev is None:
             self._skipped_dev = torch.tensor(
                 self._skip_state.skipped_total, device=bad.device
@@ -673,6 +704,48 @@ class TrainStep(_DeferredRecords):
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics
+
+    def _check_buffers(self, buffers: list[torch.Tensor]) -> Any:
+        """After the forward: whether it made a buffer element non-finite
+        that was finite before (0-d bool tensor; False for nothing to
+        check). An element already non-finite before the step (an additive
+        ``-inf`` mask) is no bad write. The copy follows buffers the
+        forward assigned anew (``self.mean = 0.9 * self.mean + ...``)."""
+        if not buffers:
+            return False
+        now = list(self.model.buffers())
+        same = len(now) == len(buffers) and all(
+            a is b for a, b in zip(now, buffers, strict=True)
+        )
+        self._buffers_follow = same or self._buffer_copy.retarget(now)
+        if not self._buffers_follow:
+            return ~_all_finite_t(now)
+        bad = self._buffer_copy.new_non_finite()
+        return False if bad is None else bad
+
+    def _put_buffers_back(self, buffers: list, skipped: Any, bad: Any) -> None:
+        """Buffers go back on a skipped step, and also when the forward wrote
+        a non-finite value on an applied step (a batch-norm running_var of
+        inf from a feature of 1e20, with finite gradients), as the JAX step
+        keeps a non-finite model_state out: selected on the device, or
+        copied back when the host path already knows."""
+        if not buffers:
+            return
+        host = self._guarded.host_skipped
+        if not self._buffers_follow:
+            if bool(skipped | bad):  # a host read only for such a module
+                raise ValueError(
+                    "the forward replaced model buffers by ones of other shapes, "
+                    "dtypes or number: the skipped step cannot restore them; "
+                    "build the TrainStep with restore_buffers_on_skip=False"
+                )
+        elif host is not None and isinstance(bad, bool):
+            if host or bad:
+                self._buffer_copy.restore()
+        else:
+            self._buffer_copy.put_back(
+                skipped | torch.as_tensor(bad).to(skipped.device)
+            )
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any]:
         """``loss_fn(model, batch)`` under autocast, checked: ``(loss, aux)``."""

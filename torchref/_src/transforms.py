@@ -9,12 +9,15 @@ as `torch.amp.GradScaler.step` does. Finite gradients can still give a
 non-finite step (Adam's float16 second moment underflowing to 0, ``eps=0``),
 and torch cannot tell before `optimizer.step()` has written it: with
 ``check_update`` the wrappers check what the step wrote and select the
-values before it back when it is non-finite. Every decision is a device
-tensor (issue 24): a fused optimizer takes it as GradScaler's ``found_inf``,
-any other steps on a flat copy that `torch.where` selects back
-(`_GuardedStep`); the counters read the flags when they are read
-(`_DeferredRecords`). An optimizer that needs a closure (LBFGS) decides on
-the host (`_StepUndo`).
+values before it back when it is non-finite. Only parameters with a
+gradient and their state are copied or checked; where the update is proved
+finite (`_UpdateBound`) nothing is. On the device path every decision is a
+device tensor (issue 24): a fused optimizer takes it as GradScaler's
+``found_inf``, any other steps on one copy that `torch.where` selects back
+(`_GuardedStep`); the host path reads the flag once and skips
+``optimizer.step()`` as GradScaler does (`decide_on`). The counters read the
+flags when they are read (`_DeferredRecords`). An optimizer that needs a
+closure (LBFGS) decides on the host (`_StepUndo`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -237,7 +242,13 @@ def _clip_in_place(
     wide = torch.clamp(max_norm / (norm64 + eps), max=1.0).to(coef.dtype)
     coef = torch.where(torch.isfinite(norm), coef, wide)
     ok = finite if apply is None else finite & apply.to(finite.device)
-    coef = torch.where(ok, coef, 1.0)
+    _scale_in_place(dense, torch.where(ok, coef, 1.0))
+    return norm, finite
+
+
+def _scale_in_place(dense: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """``g *= coef`` for dense floating/complex gradients: one
+    `_foreach_mul_` per (device, dtype), sparse ones by their values."""
     for (device, _), group in _by_device_dtype(
         [g for g in dense if not g.is_sparse]
     ).items():
@@ -245,7 +256,29 @@ def _clip_in_place(
     for g in dense:
         if g.is_sparse:  # no foreach kernel; scaling the values scales the sum
             g.mul_(coef.to(g.device))
-    return norm, finite
+
+
+def norm_read_on_host(
+    grads: list[torch.Tensor], others: list[Any], clip: Any
+) -> tuple[torch.Tensor, float, list[Any]] | None:
+    """The host path's check: torch's float32 norm read with `others` (0-d
+    flags, the first of which says the step may be applied) in ONE
+    transfer; ``(norm, its host value, host values of others)``, the
+    gradients clipped
+    (`clip_grads_with_norm_`'s coefficient, bit for bit `_clip_in_place`)
+    where the flag holds. A finite float32 norm says every gradient is
+    finite, so the float64 pass of `_finite_norms` (a float64 copy of every
+    gradient on the CPU) is skipped; None (nothing done) where the norm is
+    not finite: the caller takes the exact device path."""
+    ts = _norm_inputs(grads)
+    norm = _local(_total_norm(ts))  # a sharded norm: its global value
+    *values, value = _to_host([*others, norm])
+    if not math.isfinite(value):
+        return None
+    dense = [g for g in grads if (g.is_floating_point() or g.is_complex())]
+    if clip is not None and values[0] and dense:
+        _scale_in_place(dense, torch.clamp(clip.max_norm / (norm + clip.eps), max=1.0))
+    return norm, value, values
 
 
 def clip_by_global_norm(
@@ -481,15 +514,16 @@ def _all_finite_t(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _DeviceSelect:
-    """Keeps a copy of some tensors and puts it back where a device flag says.
+    """Keeps a copy of some tensors and puts it back where a flag says.
 
     ``take(tensors)`` copies them into one flat buffer per (device, dtype),
-    allocated once and kept from step to step (one `torch.cat` each);
-    ``put_back(keep_old)`` sets ``t = keep_old ? saved : t`` for every tensor
-    with one `torch.cat`, one `torch.where` and one `torch._foreach_copy_`
-    per group: ~3 ops whatever the number of tensors, and no host sync
-    (`torch.where` selects, so a NaN the step wrote never mixes in; an
-    arithmetic blend ``t*(1-k) + saved*k`` would keep it: NaN * 0 is NaN).
+    allocated once and kept from step to step (one `torch.cat` each: the
+    one extra copy). ``put_back(keep_old)`` sets ``t = keep_old ? saved :
+    t`` with one in-place `torch.where` per tensor on a view of the flat
+    buffer: no temporary, no host sync (`torch.where` selects, so a NaN the
+    step wrote never mixes in; an arithmetic blend ``t*(1-k) + saved*k``
+    would keep it: NaN * 0 is NaN). ``restore()`` copies everything back
+    (a host that already knows), one `torch._foreach_copy_` per group.
     """
 
     def __init__(self) -> None:
@@ -501,11 +535,15 @@ class _DeviceSelect:
         self._groups = _by_device_dtype([t.detach() for t in tensors])
         for key, group in self._groups.items():
             n = sum(t.numel() for t in group)
-            buf = self._flat.get(key)
-            if buf is None or buf.numel() != n:
-                buf = torch.empty(n, dtype=key[1], device=key[0])
-                self._flat[key] = buf
+            old = self._flat.get(key)
+            if old is None or old.numel() != n:
+                old = self._flat.pop(key, None)
+                del old  # freed first: never two copies at once
+                self._flat[key] = torch.empty(n, dtype=key[1], device=key[0])
+            buf = self._flat[key]
             torch.cat([t.reshape(-1) for t in group], out=buf)
+        for key in [k for k in self._flat if k not in self._groups]:
+            del self._flat[key]  # a group no longer stepped keeps no copy
 
     def retarget(self, tensors: list[torch.Tensor]) -> bool:
         """Puts the copy back into `tensors` instead of the ones taken (a
@@ -518,15 +556,36 @@ class _DeviceSelect:
         self._groups = groups
         return True
 
+    def _saved(self, key: Any) -> list[torch.Tensor]:
+        group = self._groups[key]
+        parts = self._flat[key].split([t.numel() for t in group])
+        return [v.view(t.shape) for v, t in zip(parts, group, strict=True)]
+
     @torch.no_grad()
     def put_back(self, keep_old: torch.Tensor) -> None:
         for key, group in self._groups.items():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            torch.where(keep_old.to(key[0]), self._flat[key], flat, out=flat)
-            parts = flat.split([t.numel() for t in group])
-            torch._foreach_copy_(
-                group, [v.view(t.shape) for v, t in zip(parts, group, strict=True)]
-            )
+            flag = keep_old.to(key[0])
+            for t, old in zip(group, self._saved(key), strict=True):
+                torch.where(flag, old, t, out=t)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for key, group in self._groups.items():
+            torch._foreach_copy_(group, self._saved(key))
+
+    @torch.no_grad()
+    def new_non_finite(self) -> torch.Tensor | None:
+        """Whether an element the copy held finite is non-finite now (0-d
+        bool tensor; None for no floating tensor): an element that was
+        already non-finite (an additive ``-inf`` mask) is no bad write."""
+        flags = []
+        for key, group in self._groups.items():
+            if not (key[1].is_floating_point or key[1].is_complex):
+                continue
+            now = torch.cat([t.reshape(-1) for t in group])
+            was = torch.isfinite(self._flat[key])
+            flags.append((was & ~torch.isfinite(now)).any().to(_home(group)))
+        return torch.stack(flags).any() if flags else None
 
 
 def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
@@ -537,37 +596,321 @@ def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def _stepped_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters this step writes: those with a gradient. torch's
+    optimizers leave a parameter whose ``.grad`` is None alone, and its
+    state too, so the guard neither copies nor checks them."""
+    return [
+        p for g in optimizer.param_groups for p in g["params"] if p.grad is not None
+    ]
+
+
+def _written(optimizer: torch.optim.Optimizer, params: list) -> list[torch.Tensor]:
+    """`params` and every tensor of their optimizer state."""
+    return params + [
+        v
+        for p in params
+        for v in optimizer.state.get(p, {}).values()
+        if isinstance(v, torch.Tensor)
+    ]
+
+
+# An update whose every intermediate and step is below 2**100 in magnitude
+# cannot overflow a float32 parameter: p + d with |p| <= 3.4e38 and |d| <
+# 2**103 (half a unit in the last place of float32's largest binade) rounds
+# to at most float32's max. 8x of margin for the rounding of the bounds.
+_SAFE = 2.0**100
+_PROVABLE = {
+    torch.optim.SGD: "sgd",
+    torch.optim.Adam: "adam",
+    torch.optim.AdamW: "adam",
+}
+_MOMENTS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _number(x: Any, lo: float, hi: float) -> bool:
+    """A python number in [lo, hi] (a tensor hyper-parameter is not proved)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _sgd_rule(group: dict[str, Any], m: float):
+    lr, mu = group["lr"], group.get("momentum", 0)
+    damp = group.get("dampening", 0)
+    if group.get("weight_decay") != 0 or not (
+        _number(mu, 0.0, _SAFE) and _number(damp, -_SAFE, _SAFE)
+    ):
+        return None
+
+    def grow(a1: float, a2: float) -> tuple[float, float]:
+        # The first step's buffer is the gradient; |1 - d| <= 1 + |d|.
+        return (max(a1, mu * a1 + (1 + abs(damp)) * m) if mu else 0.0), 0.0
+
+    def fits(a1: float, a2: float) -> bool:
+        n1 = grow(a1, a2)[0]
+        return n1 <= _SAFE and lr * (m + n1) <= _SAFE  # Nesterov's g + mu * buf
+
+    return grow, fits
+
+
+def _adam_rule(group: dict[str, Any], m: float):
+    lr, eps, wd = group["lr"], group.get("eps"), group.get("weight_decay")
+    b1, b2 = (*group.get("betas", ()), None, None)[:2]
+    if group.get("capturable") or not (
+        _number(b1, 0.0, 1 - 1e-6)
+        and _number(b2, 0.0, 1 - 1e-6)
+        and _number(eps, 2.0**-100, _SAFE)
+        and m <= 2.0**50
+    ):
+        return None
+    decoupled = group.get("decoupled_weight_decay", False)
+    if not (wd == 0 or (decoupled and _number(lr * wd, 0.0, 1.0))):
+        return None
+
+    def grow(a1: float, a2: float) -> tuple[float, float]:
+        return max(a1, m) * 1.001, max(a2, m * m) * 1.001  # convex blends
+
+    def fits(a1: float, a2: float) -> bool:
+        n1, n2 = grow(a1, a2)
+        step = lr * n1 / ((1.0 - b1) * eps)  # lr / (1 - b1**t) * m1 / eps
+        return max(step, n1 / eps, n2 / (1.0 - b2)) <= _SAFE
+
+    return grow, fits
+
+
+def _rule(kind: str, group: dict[str, Any], m: float):
+    """``(grow, fits)`` of one parameter group under a bound `m` on every
+    |gradient| entry: ``grow(a1, a2)`` bounds the state after the step from
+    bounds before it, ``fits(a1, a2)`` says every value the step computes
+    stays below `_SAFE`; None where nothing is proved (see `_UpdateBound`)."""
+    if not _number(group.get("lr"), 0.0, _SAFE) or group.get("differentiable"):
+        return None
+    return (_sgd_rule if kind == "sgd" else _adam_rule)(group, m)
+
+
+class _UpdateBound:
+    """Proves on the host, per step, that an undo copy cannot be needed.
+
+    The step takes no copy (and makes no update check) where ALL of these
+    hold; anywhere else it copies and checks as before:
+
+    - the optimizer is exactly `torch.optim.SGD`, `Adam` or `AdamW` (a
+      subclass may change `step`); every parameter with a gradient, the
+      gradient and every tensor of its state are dense float32 or float64;
+      the hyper-parameters are python numbers (a tensor lr is not read),
+      finite, ``differentiable`` and ``capturable`` off;
+    - every gradient entry is at most ``m``: the clip's ``max_norm`` (a
+      clipped gradient's norm is at most it; a non-finite gradient skips
+      the step anyway), or on the host path ``min(norm, max_norm)`` with
+      the norm read in the same transfer as the flag;
+    - SGD: ``weight_decay == 0`` (an L2 term ``wd * p`` is as large as the
+      parameter, which is not read), momentum >= 0: the buffer's bound
+      grows as ``a' = momentum * a + (1 + |dampening|) * m`` (the first
+      buffer is the gradient) and the step is at most ``lr * (m + a')``
+      (Nesterov's ``g + momentum * buf`` included);
+    - Adam/AdamW: ``eps > 0``, betas in [0, 1), ``m <= 2**50`` (``g**2`` and
+      the second moment stay far below float32's max), weight decay 0 or
+      decoupled with ``0 <= lr * wd <= 1`` (``p * (1 - lr * wd)`` does not
+      grow): the moments are convex blends, ``|m1| <= max(a1, m)``, ``v <=
+      max(a2, m**2)``; the step ``lr / (1 - b1**t) * m1 / (sqrt(v_hat) +
+      eps)`` is at most ``lr * a1 / ((1 - b1) * eps)`` and ``v_hat <= a2 /
+      (1 - b2)``. float16/bfloat16 state is never proved: there ``eps =
+      1e-8`` is 0 and ``(1 - b2) * g**2`` underflows, the ``m / 0`` case;
+    - every bound, the step and each intermediate stay below 2**100: then
+      ``p + step`` rounds to at most float32's max (a step below half an
+      ulp of 3.4e38 cannot carry a finite parameter past it), so a finite
+      parameter stays finite.
+
+    The bounds ``(a1, a2)`` of each parameter's state are kept from the
+    step that created it, with its tensors' version counters: a state
+    written by anything else (``load_state_dict``, user code) is read once
+    (its largest magnitudes, one transfer) and bounded from there.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[tuple, float, float]] = {}
+        self._pre: dict[int, tuple[tuple[float, float], Any]] = {}
+
+    def proven(self, optimizer, params: list, m: float | None) -> bool:
+        """Whether this step cannot write a non-finite value (see above)."""
+        self._pre = {}
+        kind = _PROVABLE.get(type(optimizer))
+        if kind is None or m is None or not 0.0 <= m <= 2.0**50:
+            return False
+        if not _dense_wide(optimizer, params):
+            return False
+        owner = {}
+        for g in optimizer.param_groups:
+            rule = _rule(kind, g, m)
+            owner.update((id(p), rule) for p in g["params"])
+        # Only a state a rule could prove is worth a read.
+        self._learn(optimizer, [p for p in params if owner[id(p)] is not None])
+        ok = True
+        for p in params:
+            rule, a = owner[id(p)], self._bounds(optimizer, p)
+            if rule is None or a is None:
+                ok = False
+                continue
+            self._pre[id(p)] = (a, rule[0])
+            ok = ok and rule[1](*a)
+        return ok
+
+    def record(self, optimizer, params: list) -> None:
+        """After the step `proven` looked at: each state's bounds grown by
+        it (an upper bound whether it was applied or selected back), or
+        forgotten where nothing was proved."""
+        for p in params:
+            pre, state = self._pre.get(id(p)), optimizer.state.get(p)
+            if pre is None or not state:
+                self._known.pop(id(p), None)
+                continue
+            a, grow = pre
+            self._known[id(p)] = (_versions(state), *grow(*a))
+        self._pre = {}
+
+    def _bounds(self, optimizer, p) -> tuple[float, float] | None:
+        state = optimizer.state.get(p)
+        if not state:
+            return (0.0, 0.0)
+        known = self._known.get(id(p))
+        if known is None or not _unchanged(known[0], state):
+            return None
+        return known[1:]
+
+    def _learn(self, optimizer, params: list) -> None:
+        """State written outside this guard: its largest magnitudes, read
+        in one transfer, become its bounds (inf for a non-finite one)."""
+        unknown = [
+            p
+            for p in params
+            if optimizer.state.get(p) and self._bounds(optimizer, p) is None
+        ]
+        if not unknown:
+            return
+        found = [
+            (p, k, optimizer.state[p][k])
+            for p in unknown
+            for k in _MOMENTS
+            if isinstance(optimizer.state[p].get(k), torch.Tensor)
+        ]
+        values = _to_host([t.detach().abs().amax().double() for _, _, t in found])
+        bounds = {id(p): [0.0, 0.0] for p in unknown}
+        for (p, k, _), v in zip(found, values, strict=True):
+            i = 1 if k.endswith("sq") else 0
+            v = v if math.isfinite(v) else math.inf
+            bounds[id(p)][i] = max(bounds[id(p)][i], v * 1.001)
+        for p in unknown:
+            self._known[id(p)] = (_versions(optimizer.state[p]), *bounds[id(p)])
+
+
+def _dense_wide(optimizer, params: list) -> bool:
+    """Every parameter, gradient and state tensor dense float32/float64."""
+    wide = (torch.float32, torch.float64)
+    return all(
+        t.dtype in wide and not t.is_sparse
+        for p in params
+        for t in [p, p.grad, *_state_tensors(optimizer, p)]
+    )
+
+
+def _state_tensors(optimizer, p) -> list[torch.Tensor]:
+    return [
+        v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)
+    ]
+
+
+def _versions(state: dict[str, Any]) -> tuple:
+    """Which tensors a state holds (weak references: a tensor loaded in
+    place of a freed one may reuse its id) and how often each was written."""
+    return tuple(
+        (k, weakref.ref(v), v._version)
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _unchanged(recorded: tuple, state: dict[str, Any]) -> bool:
+    """Whether `state` holds the very tensors `_versions` recorded, unwritten
+    since."""
+    now = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+    return len(now) == len(recorded) and all(
+        k == rk and ref() is v and v._version == version
+        for (k, v), (rk, ref, version) in zip(now, recorded, strict=True)
+    )
+
+
+_DECIDE_ON = ("auto", "device", "host")
+
+
 class _GuardedStep:
     """``optimizer.step()`` that leaves parameters and state as they were
-    where a device flag says, with no host sync in the common case.
+    where a flag says; what it copies and where it decides.
 
-    ``run(optimizer, bad_grads, check_update) -> skipped`` (0-d bool tensor):
+    ``run(optimizer, bad_grads, check_update, max_norm, norm) -> skipped``
+    (0-d bool tensor). Only the parameters with a gradient and their state
+    are ever copied or checked (`_stepped_params`): the others are not
+    touched by the step. Two paths, by `decide_on`:
 
-    - An optimizer that takes GradScaler's ``found_inf`` (``fused=True``
-      Adam/AdamW/SGD) is handed ``bad_grads`` as float32 ``found_inf``: it
-      skips on the device, step count included (GradScaler's own path).
-    - Any other optimizer steps unconditionally on a copy taken just before
-      (`_DeviceSelect`), and the copy is selected back where ``bad_grads``.
-    - With `check_update`, the parameters and state the step wrote are
-      checked (one read pass, `_all_finite_t`) and selected back too when
-      not finite: the invariant "no step writes a non-finite value".
+    - **device** (no host sync): an optimizer that takes GradScaler's
+      ``found_inf`` (``fused=True`` Adam/AdamW/SGD) is handed ``bad_grads``
+      and skips on the device, step count included, with no copy when the
+      update is proved finite (`_UpdateBound`, with the clip's
+      ``max_norm``) or `check_update` is off; any other optimizer steps
+      unconditionally on parameters whose pre-step values were copied
+      (ONE copy, `_DeviceSelect`, kept from step to step) and a
+      `torch.where` per tensor selects the copy back where ``bad_grads``,
+      or (with `check_update`, unless proved) where what it wrote is not
+      finite: the invariant "no step writes a non-finite value".
+    - **host** (GradScaler's own path, one sync): the flag (and the
+      gradients' norm) is read in one transfer; on a bad step
+      ``optimizer.step()`` is not called at all; otherwise the step runs,
+      with no copy when the update is proved finite, else with the copy
+      and a check whose flag is read too (a second sync, only then) before
+      the copy goes back.
 
-    The host decides only what it cannot do on the device, once: state the
-    step created (Adam's first step; entries must be removed, not selected),
-    a python value in the state that changed, or a state tensor the step
-    replaced: then ONE ``bool(keep_old)`` sync (a fused optimizer's first
-    step too, whose state a skip must remove). Steady-state steps of the
-    torch optimizers do none of these. A non-fused optimizer with step hooks reads the
-    gradients' flag on the host and is not stepped when it is set (its
-    hooks would see the values before the select; GradScaler calls no
-    step()). On a GPU, a non-fused optimizer whose
-    state keeps CPU tensors (Adam's ``step`` with ``capturable=False``) gets
-    the flag copied to the CPU: a sync; ``fused=True`` or ``capturable=True``
-    avoids it.
+    ``decide_on="auto"`` (default) takes the host path for an optimizer
+    that does not take ``found_inf`` and whose parameters live on an
+    accelerator (there GradScaler.step syncs too, and the sync costs less
+    than copying and selecting parameters and state), the device path
+    otherwise. On the CPU a read costs no transfer and ``decide_on="host"``
+    is the cheaper path (it saves a non-fused optimizer's copy and select
+    and the float64 norm pass, `benchmarks/bench_guard_paths.py`); the
+    default there stays the device path, which the CPU test suite pins
+    without a host read as the stand-in for the GPU's.
+
+    The device path still asks the host once where the step created
+    optimizer state (the first step; entries must be removed, not
+    selected), changed a python value in the state or replaced a state
+    tensor: one ``bool(keep_old)``. A non-fused optimizer with step hooks
+    reads the gradients' flag on the host and is not stepped when it is
+    set (its hooks would see the values before the select). On a GPU, a
+    non-fused optimizer whose state keeps CPU tensors (Adam's ``step``
+    with ``capturable=False``) gets the flag copied to the CPU: a sync.
     """
 
     def __init__(self) -> None:
         self._select = _DeviceSelect()
+        self._bound = _UpdateBound()
+        self._decide_on = "auto"
+        self.host_skipped: bool | None = None  # the last step's, host path
+
+    @property
+    def decide_on(self) -> str:
+        """``"auto"``, ``"device"`` or ``"host"`` (see the class docstring)."""
+        return self._decide_on
+
+    @decide_on.setter
+    def decide_on(self, value: str) -> None:
+        if value not in _DECIDE_ON:
+            raise ValueError(f"decide_on must be one of {_DECIDE_ON}, got {value!r}")
+        self._decide_on = value
+
+    def on_host(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the next step decides on the host (see `decide_on`)."""
+        if self._decide_on != "auto":
+            return self._decide_on == "host"
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        on_accelerator = any(p.device.type != "cpu" for p in params[:1])
+        return on_accelerator and not _takes_found_inf(optimizer)
 
     @torch.no_grad()
     def run(
@@ -575,81 +918,133 @@ class _GuardedStep:
         optimizer: torch.optim.Optimizer,
         bad_grads: torch.Tensor,
         check_update: bool,
+        max_norm: float | None = None,
+        norm: Any = None,
     ) -> torch.Tensor:
-        fused = _takes_found_inf(optimizer)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if fused and not check_update:
-            fresh = [
-                p for p in params if p.grad is not None and not optimizer.state.get(p)
-            ]
-            _fused_step(optimizer, bad_grads)
-            # State a skipped step created goes (one host read, first step
-            # only): fused SGD's momentum buffers are torch.empty_like ones
-            # its kernel fills, so a skip (GradScaler's too) would leave
-            # uninitialised memory (3.5e35 seen) as the next step's momentum.
-            if any(optimizer.state.get(p) for p in fresh) and bool(bad_grads):
-                for p in fresh:
-                    optimizer.state.pop(p, None)
-            return bad_grads
-        if not fused and _has_step_hooks(optimizer) and bool(bad_grads):
-            # GradScaler calls no step() on a skip, so the optimizer's step
-            # hooks (an EMA update, a logger) never see one; here a post hook
-            # would read the values before they are selected back. With
-            # hooks, the gradients' flag is read on the host (one sync).
-            return bad_grads
+        self.host_skipped = None
+        params = _stepped_params(optimizer)
         if any(_is_dtensor(p) for p in params) and not check_update:
             # Sharded (FSDP2) parameters: no flat copy of DTensors; the
             # (global) flag is read on the host, one sync per step.
             if not bool(bad_grads):
                 optimizer.step()
             return bad_grads
-        _refuse_sharded_update_check(params)
-        before = {p: _snapshot_layout(optimizer.state.get(p)) for p in params}
-        tensors = params + [
-            v
-            for p in params
-            if before[p] is not None
-            for v in before[p].values()
-            if isinstance(v, torch.Tensor)
-        ]
-        self._select.take(tensors)
-        storage = [p.data_ptr() for p in params]
+        if check_update:
+            _refuse_sharded_update_check(params)
+        if self.on_host(optimizer):
+            return self._on_host(
+                optimizer, params, bad_grads, check_update, max_norm, norm
+            )
+        fused = _takes_found_inf(optimizer)
+        if not fused and _has_step_hooks(optimizer) and bool(bad_grads):
+            # GradScaler calls no step() on a skip, so the optimizer's step
+            # hooks (an EMA update, a logger) never see one; here a post hook
+            # would read the values before they are selected back. With
+            # hooks, the gradients' flag is read on the host (one sync).
+            return bad_grads
+        return self._on_device(optimizer, params, bad_grads, check_update, max_norm)
+
+    def _on_host(self, optimizer, params, bad_grads, check_update, max_norm, norm):
+        """GradScaler's path: one read of the flag (and the norm); no step
+        on a bad one; a copy only where the update is not proved finite."""
+        bad, m = _read_decision(bad_grads, norm, max_norm)
+        flag = torch.as_tensor(bad_grads, dtype=torch.bool)
+        self.host_skipped = bad
+        if bad:
+            return flag
+        if not check_update or self._bound.proven(optimizer, params, m):
+            optimizer.step()
+            self._bound.record(optimizer, params)
+            return flag
+        before = self._take(optimizer, params)
+        optimizer.step()
+        self._follow(optimizer, params)
+        wrote_bad = ~_all_finite_t(_written(optimizer, params)).to(flag.device)
+        if bool(wrote_bad):  # the second read, only with a copy taken
+            self._select.restore()
+            _restore_layout(optimizer, params, before, True)
+            self.host_skipped = True
+        self._bound.record(optimizer, params)
+        return flag | wrote_bad
+
+    def _on_device(self, optimizer, params, bad_grads, check_update, max_norm):
+        fused = _takes_found_inf(optimizer)
+        proven = not check_update or self._bound.proven(optimizer, params, max_norm)
+        if fused and proven:
+            _fused_without_copy(optimizer, params, bad_grads)
+            self._bound.record(optimizer, params)
+            return bad_grads
+        before = self._take(optimizer, params)
         if fused:
             _fused_step(optimizer, bad_grads)
         else:
             optimizer.step()
-        if any(p.data_ptr() != s for p, s in zip(params, storage, strict=True)):
-            # A step that assigned ``p.data`` (new storage): the copy goes
-            # back into what the parameters hold now.
-            now = [p.detach() for p in params] + tensors[len(params) :]
-            if not self._select.retarget(now):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}.step() changed a parameter's shape "
-                    "or dtype: the guard cannot select the old values back"
-                )
+        self._follow(optimizer, params)
         keep_old = bad_grads
-        if check_update:
-            written = params + [
-                v
-                for p in params
-                for v in optimizer.state.get(p, {}).values()
-                if isinstance(v, torch.Tensor)
-            ]
-            keep_old = bad_grads | ~_all_finite_t(written)
+        if not proven:
+            keep_old = bad_grads | ~_all_finite_t(_written(optimizer, params))
         self._select.put_back(keep_old)
-        changed = [
-            p for p in params if not _same_layout(optimizer.state.get(p), before[p])
-        ]
-        if changed and bool(keep_old):  # the one host decision (see above)
-            for p in changed:
-                if before[p] is None:
-                    optimizer.state.pop(p, None)
-                else:
-                    optimizer.state[p] = {
-                        k: copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v
-                        for k, v in before[p].items()
-                    }
+        _restore_layout(optimizer, params, before, keep_old)
+        self._bound.record(optimizer, params)
         return keep_old
+
+    def _take(self, optimizer, params: list) -> dict:
+        """Copies `params` and their state (the one undo copy); returns the
+        state's layout before the step."""
+        before = {p: _snapshot_layout(optimizer.state.get(p)) for p in params}
+        self._storage = [p.data_ptr() for p in params]
+        self._taken = _written(optimizer, params)
+        self._select.take(self._taken)
+        return before
+
+    def _follow(self, optimizer, params: list) -> None:
+        """A step that assigned ``p.data`` (new storage): the copy goes
+        back into what the parameters hold now."""
+        if all(p.data_ptr() == s for p, s in zip(params, self._storage, strict=True)):
+            return
+        now = [p.detach() for p in params] + self._taken[len(params) :]
+        if not self._select.retarget(now):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() changed a parameter's shape "
+                "or dtype: the guard cannot select the old values back"
+            )
+
+
+def _read_decision(bad_grads: Any, norm: Any, max_norm: float | None):
+    """``(bad, m)`` on the host in one transfer: the flag and the bound on
+    each gradient entry, ``min(norm, max_norm)`` (None when unknown)."""
+    bad, value = _to_host([bad_grads, norm if norm is not None else math.nan])
+    bounds = [b for b in (value, max_norm) if b is not None and math.isfinite(b)]
+    return bool(bad), (min(bounds) * 1.001 if bounds else None)
+
+
+def _fused_without_copy(optimizer, params: list, bad_grads: torch.Tensor) -> None:
+    """The fused step skipping on ``found_inf``; state a skipped step
+    created goes (one host read, first step only): fused SGD's momentum
+    buffers are torch.empty_like ones its kernel fills, so a skip
+    (GradScaler's too) would leave uninitialised memory (3.5e35 seen) as
+    the next step's momentum."""
+    fresh = [p for p in params if not optimizer.state.get(p)]
+    _fused_step(optimizer, bad_grads)
+    if any(optimizer.state.get(p) for p in fresh) and bool(bad_grads):
+        for p in fresh:
+            optimizer.state.pop(p, None)
+
+
+def _restore_layout(optimizer, params: list, before: dict, keep_old: Any) -> None:
+    """State entries the step created, replaced or changed as python values
+    go back to `before` where `keep_old` (read on the host only then)."""
+    changed = [p for p in params if not _same_layout(optimizer.state.get(p), before[p])]
+    if not changed or not bool(keep_old):
+        return
+    for p in changed:
+        if before[p] is None:
+            optimizer.state.pop(p, None)
+        else:
+            optimizer.state[p] = {
+                k: copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v
+                for k, v in before[p].items()
+            }
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -959,6 +1354,7 @@ class SkipNonFinite(_OptimizerView, _DeferredRecords):
         optimizer: torch.optim.Optimizer,
         max_consecutive: int | None,
         check_update: bool = True,
+        decide_on: str = "auto",
     ):
         _check_optimizer(optimizer, type(self).__name__)
         self.optimizer = optimizer
@@ -967,7 +1363,19 @@ class SkipNonFinite(_OptimizerView, _DeferredRecords):
         self.skip_state = SkipNonFiniteState()
         self._undo = _StepUndo()  # the closure path (LBFGS) decides on the host
         self._guarded = _GuardedStep()
+        self._guarded.decide_on = decide_on
         self._needs_closure = _needs_closure(optimizer)
+        self._norm: Any = None  # the last check's gradient norm (a bound)
+
+    @property
+    def decide_on(self) -> str:
+        """Where a step's skip is decided: ``"auto"``, ``"device"`` or
+        ``"host"`` (see `skip_non_finite`); settable."""
+        return self._guarded.decide_on
+
+    @decide_on.setter
+    def decide_on(self, value: str) -> None:
+        self._guarded.decide_on = value
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients of every parameter that has one."""
@@ -988,11 +1396,33 @@ class SkipNonFinite(_OptimizerView, _DeferredRecords):
         device; StableOptimizer also clips here."""
         grads = self.grads()
         home = _home(grads)
+        # skip_spikes hands its flag with the norm it computed.
+        self._norm = getattr(self, "_norm_hint", None)
         if not self._guards():
             return torch.ones((), dtype=torch.bool, device=home)
         if grads_finite is not None:
             return _scalar_flag(grads_finite, home)
-        return _all_finite_t(grads)
+        read = self._read_on_host(grads, None, None)
+        if read is not None:
+            return read[0]
+        ts = _norm_inputs(grads)
+        if not ts:
+            return torch.ones((), dtype=torch.bool, device=home)
+        finite, self._norm = _finite_norms(ts)
+        return finite
+
+    def _read_on_host(self, grads: list, given: Any, clip: Any):
+        """The host path's check (`norm_read_on_host`): ``(flag as a CPU
+        tensor, norm)``, the norm's host value kept for the proof; None on
+        the device path or where the float32 norm is not finite (then the
+        exact check runs)."""
+        if not self._guarded.on_host(self.optimizer):
+            return None
+        read = norm_read_on_host(grads, [True if given is None else given], clip)
+        if read is None:
+            return None
+        self._norm = read[1]
+        return torch.tensor(bool(read[2][0])), read[0]
 
     def _prepare(self, finite: bool) -> None:
         """Runs between the check and a closure step (StableOptimizer records
@@ -1005,7 +1435,14 @@ class SkipNonFinite(_OptimizerView, _DeferredRecords):
         if not self._guards():
             self.optimizer.step()
             return grads_ok
-        return ~self._guarded.run(self.optimizer, ~grads_ok, self.check_update)
+        clip = getattr(self, "clip", None)
+        return ~self._guarded.run(
+            self.optimizer,
+            ~grads_ok,
+            self.check_update,
+            None if clip is None else clip.max_norm,
+            self._norm,
+        )
 
     def step(
         self,
@@ -1095,6 +1532,7 @@ def skip_non_finite(
     *,
     max_consecutive: int | None = None,
     check_update: bool = True,
+    decide_on: str = "auto",
 ) -> SkipNonFinite:
     """Wraps an optimizer so that a non-finite step is never applied.
 
@@ -1107,14 +1545,24 @@ def skip_non_finite(
     to 0 and ``eps = 1e-8`` is 0 in float16, so ``m / 0``) is undone and
     counted the same way (``skip_state.non_finite_updates``).
 
-    No host sync in the step (issue 24): the flag stays a device tensor; a
-    fused optimizer (``fused=True`` Adam/AdamW/SGD) gets it as GradScaler's
-    ``found_inf`` and skips itself; any other one steps on a flat copy of
-    its parameters and state taken just before, which a `torch.where`
-    selects back (so `check_update=False` saves the check, not the copy,
-    unless the optimizer is fused). The step that creates the optimizer
-    state (the first) decides on the host once, a fused one included (its
-    skipped first step would keep uninitialised momentum buffers). An
+    What a step costs (`decide_on`): only the parameters with a gradient
+    and their state are ever copied or checked. On the device path (no
+    host sync, issue 24; the default on the CPU and for a fused optimizer)
+    the flag stays a device tensor; a fused optimizer (``fused=True``
+    Adam/AdamW/SGD) gets it as GradScaler's ``found_inf`` and skips
+    itself, with no copy where its update is proved finite (float32
+    SGD/Adam/AdamW under a clip, see `StableOptimizer`); any other one
+    steps on ONE copy of its parameters and state taken just before,
+    which a `torch.where` selects back (so `check_update=False` saves the
+    check, not the copy, unless the optimizer is fused). On the host path
+    (``decide_on="host"``, the default for a non-fused optimizer on an
+    accelerator, GradScaler's own one sync) the flag and the gradients'
+    norm are read in one transfer and a bad step does not call
+    ``optimizer.step()``; a copy is taken only where the update is not
+    proved finite (then its check is read too). The step that creates the
+    optimizer state (the first) decides on the host once on the device
+    path, a fused one included (its skipped first step would keep
+    uninitialised momentum buffers). An
     optimizer with step pre/post hooks (``register_step_post_hook``, an
     EMA) is not stepped on non-finite gradients, as under GradScaler: that
     flag is read on the host (one sync per step); a step undone by
@@ -1129,6 +1577,11 @@ def skip_non_finite(
             the wrapper still never applies a bad step). None: never.
         check_update: also undo a step that wrote a non-finite parameter or
             optimizer-state value (default True).
+        decide_on: ``"auto"`` (default), ``"device"`` (no host sync) or
+            ``"host"`` (one sync, no copy where the update is proved
+            finite); ``"auto"`` is ``"host"`` for an optimizer without
+            ``found_inf`` whose parameters are on an accelerator, else
+            ``"device"``. Also an attribute (``opt.decide_on``).
 
     Returns:
         A `SkipNonFinite` wrapper.
@@ -1148,7 +1601,7 @@ def skip_non_finite(
         >>> w.tolist(), opt.state == {}, opt.skip_state.non_finite_updates
         ([1.0, 1.0], True, 1)
     """
-    return SkipNonFinite(optimizer, max_consecutive, check_update)
+    return SkipNonFinite(optimizer, max_consecutive, check_update, decide_on)
 
 
 class StableOptimizer(SkipNonFinite):
@@ -1178,8 +1631,9 @@ class StableOptimizer(SkipNonFinite):
         max_consecutive: int | None,
         clip_eps: float,
         check_update: bool = True,
+        decide_on: str = "auto",
     ):
-        super().__init__(optimizer, max_consecutive, check_update)
+        super().__init__(optimizer, max_consecutive, check_update, decide_on)
         if max_grad_norm is not None and self._needs_closure:
             # Measured: LBFGS on a 2-parameter quadratic went to 1e6 with
             # max_grad_norm=1.0 and converged without it.
@@ -1213,13 +1667,17 @@ class StableOptimizer(SkipNonFinite):
         given = None
         if grads_finite is not None:
             given = torch.as_tensor(grads_finite, device=_home(grads)).to(torch.bool)
+        read = self._read_on_host(grads, given, self.clip) if self.skip else None
+        if read is not None:
+            self.grad_norm = read[1].to(torch.float32)
+            return read[0]
         if self.clip is not None:
             norm, finite = _clip_in_place(
                 grads, self.clip.max_norm, self.clip.eps, apply=given
             )
         else:
             norm, finite, _ = _norm_and_finite(grads)
-        self.grad_norm = norm.to(torch.float32)
+        self.grad_norm = self._norm = norm.to(torch.float32)
         if not self.skip:
             return torch.ones((), dtype=torch.bool, device=finite.device)
         return finite if given is None else given
@@ -1237,6 +1695,7 @@ def stable_optimizer(
     max_consecutive: int | None = None,
     clip_eps: float = 1e-6,
     check_update: bool = True,
+    decide_on: str = "auto",
 ) -> StableOptimizer:
     """Skip-non-finite around (clip by global norm, then the optimizer).
 
@@ -1257,7 +1716,12 @@ def stable_optimizer(
         max_consecutive: see `skip_non_finite`.
         clip_eps: eps of the clip formula.
         check_update: see `skip_non_finite` (default True; ignored when
-            `skip_non_finite` is False).
+            `skip_non_finite` is False). With `max_grad_norm` set, a
+            float32 SGD (no weight decay) / Adam (eps > 0, no L2 decay) /
+            AdamW step is proved finite on the host (`_UpdateBound`: every
+            value it computes stays below 2**100) and takes no copy and
+            no check on the host path, nor with a fused optimizer.
+        decide_on: see `skip_non_finite`.
 
     Returns:
         A `StableOptimizer` (``.grad_norm`` = last pre-clip norm).
@@ -1278,6 +1742,7 @@ def stable_optimizer(
         max_consecutive=max_consecutive,
         clip_eps=clip_eps,
         check_update=check_update,
+        decide_on=decide_on,
     )
 
 
