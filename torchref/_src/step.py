@@ -344,11 +344,13 @@ class TrainStep(_DeferredRecords):
             dimension k does not divide raises ValueError, a k that is not
             an int >= 1 TypeError/ValueError (the JAX step's texts).
         decide_on: ``"auto"`` (default), ``"device"`` or ``"host"``: where
-            the skip is decided (see 6); ``"auto"`` is ``"host"`` for an
-            optimizer without GradScaler's ``found_inf`` whose parameters
-            are on an accelerator, else ``"device"``. ``"host"`` on the CPU
-            saves the copy of a non-fused optimizer (a read there costs no
-            transfer). Also an attribute (``step.decide_on``).
+            the skip is decided (see 6); ``"auto"`` is ``"device"`` for an
+            optimizer that takes GradScaler's ``found_inf`` (fused: it
+            skips in its kernel, no copy, no sync), else ``"host"`` (one
+            read per step, as GradScaler.step; no copy where the update is
+            proved finite). ``"device"`` keeps a non-fused optimizer free
+            of host syncs at the price of one copy. Also an attribute
+            (``step.decide_on``).
 
     Example:
         >>> import torch

@@ -97,7 +97,10 @@ def test_parameters_without_gradients_are_never_copied_or_touched(monkeypatch):
     )
     model = _Net()
     adam = torch.optim.Adam(model.parameters(), lr=0.1)
-    opt = tr.skip_non_finite(adam)  # no clip: nothing proved, the copy is taken
+    # The device path (no clip: nothing proved, the copy is taken); the
+    # host path, the default for a non-fused Adam, bounds the update by the
+    # norm it reads and copies nothing here.
+    opt = tr.skip_non_finite(adam, decide_on="device")
     _set_grads(model, 1.0)
     model.unused.weight.grad = torch.ones_like(model.unused.weight)
     opt.step()  # the unused layer has state now, from a step with a gradient
@@ -122,7 +125,10 @@ def test_peak_extra_memory_is_one_copy_of_what_the_step_writes(fused):
     # then a second, temporary one.
     model = _Net()
     adam = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
-    opt = tr.skip_non_finite(adam)  # no clip: nothing proved, the copy is taken
+    # The device path (no clip: nothing proved, the copy is taken); the
+    # host path, the default for a non-fused Adam, bounds the update by the
+    # norm it reads and copies nothing here.
+    opt = tr.skip_non_finite(adam, decide_on="device")
     mode = _LiveBytes(adam)
     for value in (1.0, 1.0, math.nan, 1.0):
         _set_grads(model, value)  # the gradients are the backward's, not counted
@@ -412,3 +418,17 @@ def test_host_path_still_undoes_a_non_finite_update(dtype, make, grad):
     assert w.tolist() == [0.5] * 4 and opt.state == {}
     s = opt.skip_state
     assert (s.skipped_total, s.non_finite_updates, s.last_grads_finite) == (1, 1, True)
+
+
+def test_auto_decides_on_the_device_for_a_fused_optimizer_else_on_the_host():
+    # "auto": a fused optimizer takes GradScaler's found_inf and skips in
+    # its kernel (no copy, no read); any other reads the flag once per step,
+    # as GradScaler.step does, which on the CPU costs no transfer and saves
+    # the copy and select of the device path (bench_guard_paths.py).
+    w = torch.nn.Parameter(torch.ones(3))
+    fused = tr.skip_non_finite(torch.optim.Adam([w], lr=0.1, fused=True))
+    plain = tr.skip_non_finite(torch.optim.Adam([w], lr=0.1))
+    assert not fused._guarded.on_host(fused.optimizer)
+    assert plain._guarded.on_host(plain.optimizer)
+    plain.decide_on = "device"
+    assert not plain._guarded.on_host(plain.optimizer)

@@ -906,6 +906,9 @@ def test_trainstep_makes_no_host_sync(opt, check_update, kw):
         _bn_loss,
         max_grad_norm=1.0,
         check_update=check_update,
+        # The no-sync path (the default for a fused optimizer; a non-fused
+        # one reads its flag once per step by default, as GradScaler.step).
+        decide_on="device",
         **({"scaler": ls.DynamicLossScale(2.0**8)} | kw),
     )
     x = torch.randn(4, 1, 4, 4, generator=torch.Generator().manual_seed(0))

@@ -210,8 +210,12 @@ def test_update_check_reuses_its_copy_buffers_from_step_to_step():
     # The copy of params and Adam state taken before each step is written
     # into one flat buffer per (device, dtype), allocated once, not a new
     # set per step.
+    # (The device path's buffer; the host path, the default for a non-fused
+    # Adam, copies nothing where it proves the update finite.)
     model = torch.nn.Linear(4, 3)
-    opt = tr.stable_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    opt = tr.stable_optimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1), decide_on="device"
+    )
     seen = []
     for _ in range(5):
         for p in model.parameters():
@@ -396,10 +400,17 @@ def test_guarded_wrappers_make_no_host_sync(wrap, fused):
 
     model = torch.nn.Linear(4, 3)
     adam = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused or None)
+    # decide_on="device": the no-sync path (the default for a fused Adam;
+    # a non-fused one reads its flag once per step by default, as
+    # GradScaler.step does, which this count would not see: a .tolist()).
     opt = {
-        "skip_non_finite": lambda: tr.skip_non_finite(adam),
-        "stable_optimizer": lambda: tr.stable_optimizer(adam, max_grad_norm=1.0),
-        "skip_spikes": lambda: tr.skip_spikes(adam, window=4, min_history=1),
+        "skip_non_finite": lambda: tr.skip_non_finite(adam, decide_on="device"),
+        "stable_optimizer": lambda: tr.stable_optimizer(
+            adam, max_grad_norm=1.0, decide_on="device"
+        ),
+        "skip_spikes": lambda: tr.skip_spikes(
+            tr.skip_non_finite(adam, decide_on="device"), window=4, min_history=1
+        ),
     }[wrap]()
 
     def set_grads(value):
