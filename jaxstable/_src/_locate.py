@@ -1161,7 +1161,7 @@ def _eager(step: Any, state: Any, batch: Any, cls: type) -> Any:
     bad = _first_bad(grads)
     if bad is not None:
         return _grad_failure(step, state, batch, bad, run.grad_tags, cls)
-    return _update_phase(step, state, grads, run.model_state, cls)
+    return _update_phase(step, state, grads, run, cls)
 
 
 def _grad_failure(step, state, batch, bad, grad_tags, cls):
@@ -1187,11 +1187,13 @@ def _grad_failure(step, state, batch, bad, grad_tags, cls):
     return cls(phase="backward", path=name, detail=text, **_origin_fields(o))
 
 
-def _update_phase(step, state, grads, new_ms, cls):
+def _update_phase(step, state, grads, run, cls):
     """``state.tx.update`` op by op, guards off (see `_Interpreter`); each
     output leaf is checked as it is computed and dropped unless non-finite
     (or a float16 Adam ``nu``, for the message): no copy of the new
-    parameters and optimizer state is held."""
+    parameters and optimizer state is held. The update gets what the
+    step's does: ``value=`` the unscaled loss (`reduce_on_plateau` needs
+    it) besides ``grads_finite``."""
     import optax
 
     tx = state.tx
@@ -1199,7 +1201,7 @@ def _update_phase(step, state, grads, new_ms, cls):
     def apply(grads, opt_state, params):
         if isinstance(tx, optax.GradientTransformationExtraArgs):
             updates, new_opt = tx.update(
-                grads, opt_state, params, grads_finite=jnp.asarray(True)
+                grads, opt_state, params, grads_finite=jnp.asarray(True), value=run.loss
             )
         else:
             updates, new_opt = tx.update(grads, opt_state, params)
@@ -1248,7 +1250,7 @@ def _update_phase(step, state, grads, new_ms, cls):
         name, leaf, _, _ = first["opt_state"]
         where = join("opt_state", [name])
     else:
-        ms_bad = _first_bad(new_ms, masks_ok=True)
+        ms_bad = _first_bad(run.model_state, masks_ok=True)
         if ms_bad is not None:
             where, leaf = join("model_state", [dotted(ms_bad[0])]), ms_bad[1]
     if where is None:
