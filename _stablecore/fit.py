@@ -146,7 +146,7 @@ UPDATE_NOTE = (
 
 def policy_note(policy: NanPolicy) -> str:
     """The policy's part of a `NonFiniteError` message."""
-    used = f"(max_rollbacks={policy.max_restores}, the policy's max)"
+    used = f"(max_rollbacks={policy.max_restores})"
     if policy.kind == "rewind":
         return f"NanPolicy.rewind: rewinds exhausted {used}"
     if policy.kind == "rollback":
@@ -329,6 +329,11 @@ def _old_policy(kwargs: dict) -> None:
         f"rewind_window ({values['rewind_window']}) must be >= rewind_after "
         f"({values['rewind_after']}): a window of {values['rewind_window']} steps "
         f"never holds {values['rewind_after']} skipped ones",
+    )
+    check_needs(
+        values["rollback_to"] == "memory"
+        or kwargs.get("checkpoint_dir", kwargs.get("checkpoint")) is not None,
+        "rollback_to='disk' needs checkpoint_dir",
     )
     factory = getattr(NanPolicy, kind)
     accepted = {name for name, _ in ARGUMENTS[kind]}

@@ -67,3 +67,99 @@ def test_a_dataloader_resumes_on_the_batches_of_the_uninterrupted_run(
     assert seen == seen_full and sorted(seen) == list(range(24))
     for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def _linear_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return train.TrainStep(model, opt, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+
+
+def _linear_data(n=10, nan_at=()):
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(n):
+        x = torch.randn(8, 4, generator=g)
+        if i in nan_at:
+            x[0, 0] = float("nan")
+        out.append((x, x.sum(1, keepdim=True)))
+    return out
+
+
+def _one_cycle(step):
+    return torch.optim.lr_scheduler.OneCycleLR(
+        step.optimizer, max_lr=0.1, total_steps=10
+    )
+
+
+def test_a_one_cycle_run_resumed_uses_the_learning_rates_of_the_uninterrupted_one(
+    tmp_path,
+):
+    # The scheduler's state is in every checkpoint: the old way (stepped in
+    # on_step, not saved) resumed OneCycle at its first learning rate.
+    lrs = []
+
+    def record(rec, step):
+        lrs.append(step.optimizer.param_groups[0]["lr"])
+
+    full = _linear_step()
+    train.fit(full, _linear_data(), schedulers=_one_cycle(full), log=None)
+    first = _linear_step()
+    ckpt = train.Checkpointing(tmp_path, resume=True)
+    train.fit(
+        first, _linear_data(), steps=4, checkpoint=ckpt, log=None,
+        schedulers=_one_cycle(first), on_step=record,
+    )  # fmt: skip
+    resumed = _linear_step()
+    train.fit(
+        resumed, _linear_data(), checkpoint=ckpt, log=None,
+        schedulers=_one_cycle(resumed), on_step=record,
+    )  # fmt: skip
+    ref = _linear_step()
+    ref_lrs = []
+    train.fit(
+        ref, _linear_data(), schedulers=_one_cycle(ref), log=None,
+        on_step=lambda r, s: ref_lrs.append(s.optimizer.param_groups[0]["lr"]),
+    )  # fmt: skip
+    assert lrs == ref_lrs
+    for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_schedulers_step_on_applied_steps_unless_told_every_step():
+    step = _linear_step()
+    applied = torch.optim.lr_scheduler.StepLR(step.optimizer, 1, gamma=0.5)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    every = torch.optim.lr_scheduler.StepLR(other, 1, gamma=0.5)
+    train.fit(
+        step, _linear_data(5, nan_at={1, 2}), log=None,
+        schedulers=[applied, (every, "every")],
+    )  # fmt: skip
+    assert applied.last_epoch == 3 and every.last_epoch == 5
+
+
+def test_a_rollback_restores_the_schedulers_with_the_state():
+    step = _linear_step()
+    sched = torch.optim.lr_scheduler.StepLR(step.optimizer, 1, gamma=0.5)
+    policy = train.NanPolicy.rollback(max_consecutive=1, every=2, max=5)
+    hist = train.fit(
+        step, _linear_data(6, nan_at={3}), nan_policy=policy, log=None,
+        schedulers=[(sched, "every")],
+    )  # fmt: skip
+    # every step: 6 steps, but the rollback at step 3 went back to step 2
+    assert [h.get("rolled_back", False) for h in hist][3]
+    assert sched.last_epoch == 4
+    assert step.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**4
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (object(), "schedulers: each must have step"),
+        ([("x", "every")], "schedulers: each must have step"),
+    ],
+)
+def test_bad_schedulers_are_named(bad, match):
+    with pytest.raises(TypeError, match=match):
+        train.fit(_linear_step(), _linear_data(1), schedulers=bad, log=None)
