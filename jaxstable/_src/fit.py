@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import os
 import sys
@@ -19,7 +18,6 @@ from _stablecore.checks import check_callable as _check_callable
 from _stablecore.checks import check_int as _check_int
 from _stablecore.checks import check_needs as _check_needs
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
-from _stablecore.fit import RESTORES as _RESTORES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
@@ -32,11 +30,9 @@ from _stablecore.fit import as_policy as _as_policy
 from _stablecore.fit import batches_from as _batches_from
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
-from _stablecore.fit import show as _show
-from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
+from _stablecore.loop import FitLoop as _FitLoop
 from _stablecore.nan_policy import NanPolicy as NanPolicy
-from _stablecore.nan_policy import PolicyState as _PolicyState
 from jaxstable._src.checkpoint import CheckpointManager
 from jaxstable._src.diagnostics import (
     CheckPoints,
@@ -406,189 +402,139 @@ def _run(
     state, train_step, batches, steps, policy, log, checkpoint_every, eval_fn,
     eval_every, on_step, mgr, start, batch_transform, resumed, peers, **_,
 ):  # fmt: skip
-    """The loop of `fit` from global step `start` (its arguments checked)."""
+    """The loop of `fit` from global step `start` (its arguments checked):
+    `FitLoop` over a `_JaxAdapter`. Returns ``(state, history)``."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
 
     total = steps
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
-    book = _PolicyState(policy)
-    book.load(resumed.get("fit_state"), start)
-    if "snapshot" not in resumed:  # the snapshot is the state resumed
-        book.snapshot_at = start
-    # A run that stop_after ended before its checkpoint: no step.
-    ended = book.stop_due(start - 1)
-    it = _batches_from(batches, start, start if ended else steps)
-    if batch_transform is not None:
-        it = map(batch_transform, it)
-    # The lookahead needs each step's output state to outlive the next
-    # dispatch whenever fit reads it (policy, callback, eval, early stop):
-    # only a step that does not donate its input keeps it.
-    reads_state = policy.kind != "skip" or on_step is not None
-    reads_state = reads_state or eval_fn is not None
-    reads_state = reads_state or policy.stop_after is not None
-    time_steps = log.time_steps
-    pipeline = not time_steps and (not reads_state or not _may_donate(train_step))
-    history: list[dict[str, Any]] = []
+
+    def data_from(stop):
+        it = _batches_from(batches, start, stop)
+        return it if batch_transform is None else map(batch_transform, it)
+
     # Under jax.distributed process 0 alone writes the log and the progress.
     primary = jax.process_index() == 0
     bar = tqdm(
         total=total, initial=start, disable=not log.progress or not primary,
         desc="train",
     )  # fmt: skip
-    log_path = log.path if primary else None
-    out = _open_log(log_path, start if mgr is not None and start else None)
-    # A device copy: the step may donate `state`, never the snapshot. A
-    # resumed run goes on with the snapshot its checkpoint saved.
-    in_memory = policy.restores and policy.restore_to == "memory"
-    snapshot = resumed.get("snapshot", state) if in_memory else None
-    snapshot = jax.tree.map(jnp.copy, snapshot) if in_memory else None
-    stop_asked = False
+    resuming = mgr is not None and start
+    out = _open_log(log.path if primary else None, start if resuming else None)
+    adapter = _JaxAdapter(train_step, state, policy, log, eval_fn, on_step, mgr)
+    adapter.snapshot_from(resumed.get("snapshot", state))
+    adapter.peers = peers
+    at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
+    loop = _FitLoop(
+        adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
+        checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+    )  # fmt: skip
+    history = loop.run()
+    return adapter.state, history
 
-    def consume(pending, pulled: int = 0) -> str | None:
-        """Logs one step, applies the policy: "rollback", "rewind" or None
-        (a stop asked sets `stop_asked`). `pulled`: batches already taken
-        from the data after this step's (the lookahead's)."""
-        nonlocal snapshot, stop_asked
-        index, metrics, batch, state_out, seconds = pending
+
+class _JaxAdapter:
+    """`FitLoop`'s adapter for a JAX train step: it holds the state.
+
+    A pending step is ``(index, metrics, batch, state_out, seconds)``. The
+    lookahead (metrics of step k read after step k+1 is queued) is kept
+    unless fit reads each step's output state (policy, callback, eval, early
+    stop) and the step donates its input (it would be gone), or steps are
+    timed.
+    """
+
+    def __init__(self, train_step, state, policy, log, eval_fn, on_step, mgr):
+        self.train_step, self.state, self.policy = train_step, state, policy
+        self.eval_fn, self.mgr, self.time_steps = eval_fn, mgr, log.time_steps
+        reads_state = policy.kind != "skip" or on_step is not None
+        reads_state = reads_state or eval_fn is not None
+        reads_state = reads_state or policy.stop_after is not None
+        self.lookahead = not log.time_steps and (
+            not reads_state or not _may_donate(train_step)
+        )
+        self.in_memory = policy.restores and policy.restore_to == "memory"
+        self.snapshot_state = None
+        self.peers = None
+
+    def snapshot_from(self, state) -> None:
+        # A device copy: the step may donate `state`, never the snapshot. A
+        # resumed run goes on with the snapshot its checkpoint saved.
+        if self.in_memory:
+            self.snapshot_state = jax.tree.map(jnp.copy, state)
+
+    def run_step(self, index: int, batch: Any):
+        self.peers.step = index  # named if this process fails
+        t0 = time.perf_counter()
+        new_state, metrics = self.train_step(self.state, batch)
+        seconds = None
+        if self.time_steps:
+            jax.block_until_ready((new_state, metrics))
+            seconds = time.perf_counter() - t0
+        self.state = new_state
+        return index, metrics, batch, new_state, seconds
+
+    def record(self, pending) -> dict[str, Any]:
+        index, metrics, _, _, seconds = pending
         rec = _host_record(index, metrics)
         if seconds is not None:
             rec["time_s"] = seconds
-        if eval_fn is not None and (index + 1) % eval_every == 0:
-            rec.update(_scalar_record("eval", eval_fn(state_out)))
-        spike = rec.get("skip_reason") == "spike"
-        action = book.observe(index, rec["finite"], spike)
-        if action == "rollback":
-            rec["rolled_back"] = True
-            book.restored(index)
-        elif action == "rewind":
-            if not in_memory:
-                # An async save still in flight (the checkpoint of this very
-                # step's period) is not on disk yet, but the restore waits for
-                # it: wait here too, or the record names the one before it.
-                mgr.wait()
-            at = book.snapshot_at if in_memory else mgr.latest_step()
-            dropped = drop(policy.rewind_skip, pulled)
-            rec.update(book.rewind_record(index, at, dropped))
-            book.restored(index, dropped)
-        location = None
-        if book.wants_location(_located_kind(rec), action):
-            location = _locate_failed(train_step, state_out, metrics, batch, pipeline)
-            if location is not False:
-                book.located += 1
-                rec["location"] = None if location is None else location._asdict()
-        history.append(rec)
-        if out is not None:
-            out.write(json.dumps(rec) + "\n")
-            out.flush()
-        _show(bar, rec)
-        wants_stop = on_step is not None and on_step(rec, state_out) is True
-        stop_asked = wants_stop or book.stop_due(index)
-        if action in _RESTORES:
-            return action
-        if action == "raise":
-            _raise_non_finite(
-                train_step, rec, book.run, batch, state_out, metrics, history,
-                policy, location or None,
-            )  # fmt: skip
-        every = policy.snapshot_every
-        if in_memory and rec["finite"] and (index + 1) % every == 0:
-            # Read before the next step is queued (see snapshot_due), so a
-            # donating step has not consumed state_out yet.
-            snapshot = jax.tree.map(jnp.copy, state_out)
-            book.snapshot_at = index + 1
-        return None
+        return rec
 
-    def restored(current):
-        if not in_memory:  # the last good checkpoint on disk
-            return mgr.restore(current)[0]
+    def evaluate(self, pending) -> dict[str, float]:
+        return _scalar_record("eval", self.eval_fn(pending[3]))
+
+    def observed(self, rec) -> None:
+        del rec  # optax schedules follow the optimizer's own count
+
+    def locate(self, pending, rec):
+        del rec
+        _, metrics, batch, state_out, _ = pending
+        return _locate_failed(
+            self.train_step, state_out, metrics, batch, self.lookahead
+        )
+
+    def callback_arg(self, pending):
+        return pending[3]
+
+    def any(self, flag: bool) -> bool:
+        return flag  # every process computes the same records
+
+    def keep(self, pending) -> None:
+        self.state = pending[3]
+
+    def restore(self) -> None:
+        if not self.in_memory:  # the last good checkpoint on disk
+            self.state = self.mgr.restore(self.state)[0]
+            return
         # A copy again: a donating step must leave the snapshot intact for
         # the next rollback.
-        return jax.tree.map(jnp.copy, snapshot)
+        self.state = jax.tree.map(jnp.copy, self.snapshot_state)
 
-    def save(done, state, rec=None):
+    def snapshot(self, pending) -> None:
+        # Read before the next step is queued (the loop finishes a snapshot
+        # step at once), so a donating step has not consumed it yet.
+        self.snapshot_state = jax.tree.map(jnp.copy, pending[3])
+
+    def latest_checkpoint(self) -> int:
+        # An async save still in flight (the checkpoint of this very step's
+        # period) is not on disk yet, but the restore waits for it: wait
+        # here too, or the record names the one before it.
+        self.mgr.wait()
+        return self.mgr.latest_step()
+
+    def save(self, done: int, metrics, fit_state: dict, keep: bool) -> None:
         # With the NaN policy's state and, unless it is this very state, the
         # rollback snapshot: a resumed run goes on as the uninterrupted one.
-        # A step that restored an older state: its record's metrics (eval
-        # included) are the discarded state's, not the saved one's.
-        if rec is not None and (rec.get("rolled_back") or rec.get("rewound")):
-            rec = None
-        kept = snapshot if in_memory and book.snapshot_at != done else None
-        mgr._save(done, state, None, rec, book.state(), kept)
+        kept = self.snapshot_state if keep else None
+        self.mgr._save(done, self.state, None, metrics, fit_state, kept)
 
-    def drop(n: int, pulled: int = 0) -> int:
-        """Drops the next `n` batches (a rewind's data window), the first
-        `pulled` of them already taken (dispatched on the discarded state);
-        the number dropped (fewer when the data ends)."""
-        nonlocal done
-        first = min(n, pulled)
-        dropped = first + sum(1 for _ in itertools.islice(it, n - first))
-        done += dropped
-        bar.update(dropped)
-        return dropped
-
-    pending = None
-    done = start  # steps of the run dispatched so far
-    peers.step = done  # the step being loaded or run (named if this one fails)
-    at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
-    saved_at = start if at_start else None
-    stopped = ended  # by on_step or stop_after
-    try:
-        for batch in it:
-            t0 = time.perf_counter()
-            new_state, metrics = train_step(state, batch)
-            seconds = None
-            if time_steps:
-                jax.block_until_ready((new_state, metrics))
-                seconds = time.perf_counter() - t0
-            # Step done-1, read after step done is queued. If it rolled back,
-            # the step just queued ran on a discarded state: re-run its batch
-            # on the snapshot (it is the next batch, not a bad one retried),
-            # unless a rewind dropped it. If it stopped the run, the step
-            # just queued is dropped.
-            action = None if pending is None else consume(pending, 1)
-            if action in _RESTORES:
-                state = restored(new_state)
-            elif stop_asked:
-                state = pending[3]
-            if stop_asked:
-                pending, stopped = None, True
-                break
-            if action == "rewind" and policy.rewind_skip:
-                pending = None  # consume dropped the batch just queued
-                continue
-            if action in _RESTORES:
-                new_state, metrics = train_step(state, batch)
-            pending = (done, metrics, batch, new_state, seconds)
-            done += 1
-            peers.step = done
-            state = new_state
-            due = checkpoint_every is not None and done % checkpoint_every == 0
-            snapshot_due = in_memory and done % policy.snapshot_every == 0
-            if not pipeline or due or snapshot_due:
-                # A checkpoint is written only after its step passed the check.
-                action = consume(pending)
-                pending = None
-                if action in _RESTORES:
-                    state = restored(state)
-                if stop_asked:
-                    stopped = True
-                    break
-            if due:
-                save(done, state, history[-1] if history else None)
-                saved_at = done
-        if pending is not None and consume(pending) in _RESTORES:
-            state = restored(state)
-        stopped = stopped or stop_asked
-        if mgr is not None and saved_at != done:
-            save(done, state)  # the final checkpoint
-        if not stopped:
-            _warn_if_short(steps, start, done)
-    finally:
-        bar.close()
-        if out is not None:
-            out.close()
-    return state, history
+    def raise_non_finite(self, rec, run, pending, history, policy, location):
+        _, metrics, batch, state_out, _ = pending
+        _raise_non_finite(
+            self.train_step, rec, run, batch, state_out, metrics, history, policy,
+            location or None,
+        )  # fmt: skip
 
 
 def _directory(checkpoint_dir) -> str | None:
@@ -914,9 +860,3 @@ def _locate_failed(train_step, state_out, metrics, batch, pipeline):
     used = StaticLossScale(metrics["loss_scale"])
     # finite=False: the compiled step was not applied (no need to re-run it).
     return locate(train_step, state_out.replace(loss_scale=used), batch, finite=False)
-
-
-def _located_kind(rec: dict[str, Any]) -> bool:
-    """False when the step has non-finite values for `locate` to find: a
-    step skipped as a spike was finite (its re-run would find nothing)."""
-    return rec["finite"] or rec.get("skip_reason") == "spike"

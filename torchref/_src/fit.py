@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -16,7 +15,6 @@ from _stablecore.checks import check_callable as _check_callable
 from _stablecore.checks import check_int as _check_int
 from _stablecore.checks import check_needs as _check_needs
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
-from _stablecore.fit import RESTORES as _RESTORES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
@@ -29,11 +27,9 @@ from _stablecore.fit import as_policy as _as_policy
 from _stablecore.fit import batches_from as _batches_from
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
-from _stablecore.fit import show as _show
-from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
+from _stablecore.loop import FitLoop as _FitLoop
 from _stablecore.nan_policy import NanPolicy as NanPolicy
-from _stablecore.nan_policy import PolicyState as _PolicyState
 from torchref._src.checkpoint import CheckpointManager, _is_sharded
 from torchref._src.diagnostics import (
     check_record,
@@ -418,158 +414,150 @@ def _run(
     step, batches, steps, policy, log, checkpoint_every, eval_fn, eval_every,
     on_step, mgr, start, batch_transform, resumed, group, scheds, **_,
 ):  # fmt: skip
-    """The loop of `fit` from global step `start` (its arguments checked)."""
+    """The loop of `fit` from global step `start` (its arguments checked):
+    `FitLoop` over a `_TorchAdapter`. Returns the history."""
     from tqdm.auto import tqdm
 
     total = steps
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
-    book = _PolicyState(policy)
-    book.load(resumed.get("fit_state"), start)
-    if "snapshot" not in resumed:  # the snapshot is the state resumed
-        book.snapshot_at = start
-    # A run that stop_after ended before its checkpoint: no step.
-    ended = book.stop_due(start - 1)
-    it, data_rng = _data_iterator(batches, start, start if ended else steps, resumed)
-    if batch_transform is not None:
-        it = map(batch_transform, it)
+    adapter = _TorchAdapter(step, policy, log, eval_fn, mgr, group, scheds)
+    adapter.snapshot_from(resumed)
+
+    def data_from(stop):
+        it, adapter.data_rng = _data_iterator(batches, start, stop, resumed)
+        return it if batch_transform is None else map(batch_transform, it)
+
     # Under a process group rank 0 alone writes the log and checkpoints.
     writer = group.rank == 0
     log_path, progress = (log.path, log.progress) if writer else (None, False)
     out = _open_log(log_path, start if mgr is not None and start else None)
-    history: list[dict[str, Any]] = []
     bar = tqdm(total=total, initial=start, disable=not progress, desc="fit")
-    done = start
     at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
-    saved_at = start if at_start else None
-    stopped = ended  # by on_step or stop_after
-    in_memory = policy.restores and policy.restore_to == "memory"
-    # Deep copies: state_dict() holds references to the live tensors. A
-    # resumed run goes on with the snapshot its checkpoint saved.
-    snapshot = sched_snapshot = None
-    if in_memory:
-        snapshot = resumed.get("snapshot") or copy.deepcopy(step.state_dict())
-        sched_snapshot = (resumed.get("fit_extras") or {}).get("snapshot_schedulers")
-        if sched_snapshot is None:
-            sched_snapshot = copy.deepcopy([s.state_dict() for s, _ in scheds])
+    loop = _FitLoop(
+        adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
+        checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+    )  # fmt: skip
+    try:
+        return loop.run()
+    except BaseException as e:
+        group.failed(e, adapter.index)
+        raise
 
-    def extras():
-        kept = in_memory and book.snapshot_at != done
-        return {
-            "data_rng": data_rng,
-            "schedulers": [s.state_dict() for s, _ in scheds],
-            "snapshot_schedulers": sched_snapshot if kept else None,
-        }
 
-    def save(done, rec=None):
-        # With the NaN policy's state and, unless it is this very state, the
-        # rollback snapshot: a resumed run goes on as the uninterrupted one.
-        # FSDP2: every rank writes its shards (torch.distributed.checkpoint).
-        # A step that restored an older state: its record's metrics (eval
-        # included) are the discarded state's, not the saved one's.
-        if not writer and not _is_sharded(step):
+class _TorchAdapter:
+    """`FitLoop`'s adapter for a torch step (which holds its own state).
+
+    A pending step is ``(index, metrics, batch, rng, seconds)``, ``rng`` the
+    random state the step drew its dropout masks from (for `locate`). No
+    lookahead: the metrics are host numbers when the step returns.
+    """
+
+    lookahead = False
+
+    def __init__(self, step, policy, log, eval_fn, mgr, group, scheds):
+        self.step, self.policy, self.eval_fn = step, policy, eval_fn
+        self.mgr, self.group, self.scheds = mgr, group, scheds
+        self.time_steps = log.time_steps
+        self.in_memory = policy.restores and policy.restore_to == "memory"
+        # As jaxstable's fit; under DDP locate re-runs the step on this
+        # rank's unwrapped module (no collective: the ranks' re-runs take
+        # different paths, e.g. one stops at its non-finite batch rows).
+        self.locate_step = _locate_step(step)
+        self.snapshot_state = self.snapshot_scheds = None
+        self.data_rng = None
+        self.index = 0
+
+    def snapshot_from(self, resumed: dict) -> None:
+        # Deep copies: state_dict() holds references to the live tensors. A
+        # resumed run goes on with the snapshot its checkpoint saved.
+        if not self.in_memory:
             return
-        if rec is not None and (rec.get("rolled_back") or rec.get("rewound")):
-            rec = None
-        kept = snapshot if in_memory and book.snapshot_at != done else None
-        mgr._save(done, step, None, rec, book.state(), kept, extras())
+        saved = resumed.get("snapshot")
+        self.snapshot_state = saved or copy.deepcopy(self.step.state_dict())
+        extras = resumed.get("fit_extras") or {}
+        self.snapshot_scheds = extras.get("snapshot_schedulers")
+        if self.snapshot_scheds is None:
+            self.snapshot_scheds = self._sched_states()
 
-    def restore():
-        if in_memory:
+    def _sched_states(self) -> list:
+        return copy.deepcopy([s.state_dict() for s, _ in self.scheds])
+
+    def run_step(self, index: int, batch: Any):
+        self.index = index
+        # The random state the step draws its dropout masks from, for
+        # locate to re-run it with (a 5 kB copy, no device sync).
+        rng = rng_snapshot(self.step) if self.locate_step is not None else None
+        t0 = time.perf_counter()
+        metrics = self.step(batch)
+        return index, metrics, batch, rng, time.perf_counter() - t0
+
+    def record(self, pending) -> dict[str, Any]:
+        index, metrics, _, _, seconds = pending
+        rec = _host_record(index, metrics)
+        if self.time_steps:
+            rec["time_s"] = seconds
+        return rec
+
+    def evaluate(self, pending) -> dict[str, float]:
+        del pending
+        return {"eval" + p: v for p, v in _scalar_leaves(self.eval_fn(self.step))}
+
+    def observed(self, rec) -> None:
+        _step_schedulers(self.scheds, rec)
+
+    def locate(self, pending, rec):
+        # A skipped step left model and optimizer as they were; only the
+        # scaler backed off: re-run at the scale the step used.
+        if self.locate_step is None:
+            return False
+        _, _, batch, rng, _ = pending
+        scale = rec["loss_scale"]
+        return locate(self.locate_step, batch, loss_scale=scale, rng_state=rng)
+
+    def callback_arg(self, pending):
+        del pending
+        return self.step
+
+    def any(self, flag: bool) -> bool:
+        return self.group.any(flag)
+
+    def keep(self, pending) -> None:
+        del pending  # the step holds its state
+
+    def restore(self) -> None:
+        if self.in_memory:
             # A copy again: the optimizer may keep the loaded tensors and
             # update them in place, which must not reach the snapshot.
-            step.load_state_dict(copy.deepcopy(snapshot))
-            _load_schedulers(scheds, {"schedulers": sched_snapshot})
-        else:  # the last good checkpoint on disk
-            _, info = group.restore(mgr, step, restore_rng=False)
-            _load_schedulers(scheds, info.get("fit_extras"))
+            self.step.load_state_dict(copy.deepcopy(self.snapshot_state))
+            _load_schedulers(self.scheds, {"schedulers": self.snapshot_scheds})
+            return
+        # The last good checkpoint on disk, RNG states left as they are.
+        _, info = self.group.restore(self.mgr, self.step, restore_rng=False)
+        _load_schedulers(self.scheds, info.get("fit_extras"))
 
-    def drop(n: int) -> int:
-        """Skips the next `n` batches (a rewind's data window); how many
-        there were."""
-        nonlocal done
-        dropped = sum(1 for _ in itertools.islice(it, n))
-        done += dropped
-        bar.update(dropped)
-        return dropped
+    def snapshot(self, pending) -> None:
+        del pending
+        self.snapshot_state = copy.deepcopy(self.step.state_dict())
+        self.snapshot_scheds = self._sched_states()
 
-    # As jaxstable's fit; under DDP locate re-runs the step on this rank's
-    # unwrapped module (no collective: the ranks' re-runs take different
-    # paths, e.g. one stops at its non-finite batch rows).
-    locate_step = _locate_step(step)
-    locatable = locate_step is not None
-    i = start
-    try:
-        for batch in it:
-            i = done
-            # The random state the step draws its dropout masks from, for
-            # locate to re-run it with (a 5 kB copy, no device sync).
-            rng = rng_snapshot(step) if locatable else None
-            t0 = time.perf_counter()
-            metrics = step(batch)
-            done = i + 1
-            entry = _host_record(i, metrics)
-            if log.time_steps:
-                entry["time_s"] = time.perf_counter() - t0
-            if eval_fn is not None and done % eval_every == 0:
-                for path, value in _scalar_leaves(eval_fn(step)):
-                    entry["eval" + path] = value
-            _step_schedulers(scheds, entry)
-            spike = entry.get("skip_reason") == "spike"
-            action = book.observe(i, entry["finite"], spike)
-            if action == "rollback":
-                entry["rolled_back"] = True
-                book.restored(i)
-            elif action == "rewind":
-                at = book.snapshot_at if in_memory else mgr.latest_step()
-                dropped = drop(policy.rewind_skip)
-                entry.update(book.rewind_record(i, at, dropped))
-                book.restored(i, dropped)
-            location = None
-            # A skipped step left model and optimizer as they were; only the
-            # scaler backed off: re-run at the scale the step used.
-            if locatable and book.wants_location(_located_kind(entry), action):
-                location = locate(
-                    locate_step, batch, loss_scale=entry["loss_scale"], rng_state=rng
-                )
-                book.located += 1
-                entry["location"] = None if location is None else location._asdict()
-            history.append(entry)
-            if out is not None:
-                out.write(json.dumps(entry) + "\n")
-                out.flush()
-            _show(bar, entry)
-            wants_stop = on_step is not None and on_step(entry, step) is True
-            if on_step is not None:
-                wants_stop = group.any(wants_stop)  # every rank stops together
-            if action in _RESTORES:
-                restore()
-            elif action == "raise":
-                _raise_non_finite(
-                    step, entry, book.run, batch, history, policy, location
-                )
-            elif in_memory and entry["finite"] and done % policy.snapshot_every == 0:
-                snapshot = copy.deepcopy(step.state_dict())
-                sched_snapshot = copy.deepcopy([s.state_dict() for s, _ in scheds])
-                book.snapshot_at = done
-            if checkpoint_every is not None and done % checkpoint_every == 0:
-                save(done, entry)
-                saved_at = done
-            if wants_stop or book.stop_due(i):
-                stopped = True
-                break
-        if mgr is not None and saved_at != done:
-            save(done)  # the final checkpoint
-        if not stopped:
-            _warn_if_short(steps, start, done)
-    except BaseException as e:
-        group.failed(e, i)
-        raise
-    finally:
-        bar.close()
-        if out is not None:
-            out.close()
-    return history
+    def latest_checkpoint(self) -> int:
+        return self.mgr.latest_step()
+
+    def save(self, done: int, metrics, fit_state: dict, keep: bool) -> None:
+        # FSDP2: every rank writes its shards (torch.distributed.checkpoint).
+        if self.group.rank != 0 and not _is_sharded(self.step):
+            return
+        extras = {
+            "data_rng": self.data_rng,
+            "schedulers": [s.state_dict() for s, _ in self.scheds],
+            "snapshot_schedulers": self.snapshot_scheds if keep else None,
+        }
+        kept = self.snapshot_state if keep else None
+        self.mgr._save(done, self.step, None, metrics, fit_state, kept, extras)
+
+    def raise_non_finite(self, rec, run, pending, history, policy, location):
+        _raise_non_finite(self.step, rec, run, pending[2], history, policy, location)
 
 
 def _locate_step(step: Any) -> TrainStep | None:
@@ -822,9 +810,3 @@ def _raise_non_finite(
         history=history,
         location=location,
     )
-
-
-def _located_kind(rec: dict[str, Any]) -> bool:
-    """False when the step has non-finite values for `locate` to find: a
-    step skipped as a spike was finite (its re-run would find nothing)."""
-    return rec["finite"] or rec.get("skip_reason") == "spike"
