@@ -168,7 +168,7 @@ class Checkpointing:
     ``resume=False``).
 
     Example:
-      >>> from jaxstable.train import Checkpointing
+      >>> # from jaxstable.train (or torchref.train) import Checkpointing
       >>> c = Checkpointing("runs/ckpt", every=100, resume=True)
       >>> c.every, c.resume
       (100, True)
@@ -204,7 +204,7 @@ class Log:
     file and no bar, and a bare path for ``Log(path)``.
 
     Example:
-      >>> from jaxstable.train import Log
+      >>> # from jaxstable.train (or torchref.train) import Log
       >>> Log("run.jsonl", progress=False)
       Log(path='run.jsonl', progress=False, time_steps=False)
     """
@@ -216,6 +216,41 @@ class Log:
     def __post_init__(self) -> None:
         check_bool("Log: progress", self.progress)
         check_bool("Log: time_steps", self.time_steps)
+
+
+def checked_options(
+    nan_policy,
+    checkpoint,
+    evaluate,
+    on_step,
+    log,
+    batch_transform,
+    steps,
+    manager_type: type,
+) -> dict[str, Any]:
+    """fit's arguments checked, each a value (the same in both packages):
+    ``policy``, ``log``, ``eval_fn``, ``eval_every`` and, from
+    ``checkpoint``, ``checkpoint_dir``, ``checkpoint_every`` and ``resume``.
+    """
+    policy = as_policy(nan_policy)
+    ckpt = as_checkpointing(checkpoint, manager_type)
+    eval_fn, eval_every = as_evaluation(evaluate)
+    check_int("steps", steps, 0, optional=True)
+    check_callable("on_step", on_step)
+    check_callable("batch_transform", batch_transform)
+    check_needs(
+        not policy.restores or policy.restore_to == "memory" or ckpt is not None,
+        f"nan_policy={policy!r} restores from disk: it needs checkpoint=",
+    )
+    return {
+        "policy": policy,
+        "log": as_log(log),
+        "eval_fn": eval_fn,
+        "eval_every": eval_every,
+        "checkpoint_dir": None if ckpt is None else ckpt.directory,
+        "checkpoint_every": None if ckpt is None else ckpt.every,
+        "resume": ckpt is not None and ckpt.resume,
+    }
 
 
 def as_checkpointing(value: Any, manager_type: type) -> Checkpointing | None:
@@ -371,6 +406,8 @@ def _old_eval(kwargs: dict) -> None:
     old = _pop(kwargs, _OLD_EVAL)
     if not old:
         return
+    if kwargs.get("evaluate") is not None:
+        raise TypeError(f"fit: pass evaluate= or {sorted(old)}, not both")
     fn, every = old.get("eval_fn"), old.get("eval_every")
     check_callable("eval_fn", fn)
     check_needs(
@@ -387,11 +424,18 @@ def _old_log(kwargs: dict) -> None:
     old = _pop(kwargs, _OLD_LOG)
     if not old:
         return
+    if "log" in kwargs:
+        raise TypeError(f"fit: pass log= or {sorted(old)}, not both")
     values = {**_OLD_LOG, **old}
     check_bool("time_steps", values["time_steps"])
     check_bool("progress", values["progress"])
-    kwargs["log"] = Log(values["log_path"], values["progress"], values["time_steps"])
-    _deprecated(old, f"log={kwargs['log']!r}")
+    log = Log(values["log_path"], values["progress"], values["time_steps"])
+    kwargs["log"] = log
+    args = [] if log.path is None else [repr(log.path)]
+    args += [f"{k}={getattr(log, k)!r}" for k in ("progress", "time_steps")
+             if getattr(log, k) != getattr(Log(), k)]  # fmt: skip
+    quiet = log == Log(progress=False)
+    _deprecated(old, "log=None" if quiet else f"log=Log({', '.join(args)})")
 
 
 def accepts_old_keywords(fit):

@@ -52,7 +52,7 @@ class NanPolicy:
     counts it (PaLM's recipe is for spikes).
 
     Example:
-      >>> from jaxstable.train import NanPolicy
+      >>> # from jaxstable.train (or torchref.train) import NanPolicy
       >>> NanPolicy.skip().kind
       'skip'
       >>> p = NanPolicy.rollback(max_consecutive=2, every=50)

@@ -5,6 +5,7 @@ DeprecationWarning naming the new form."""
 
 from __future__ import annotations
 
+import doctest
 import inspect
 import warnings
 
@@ -13,6 +14,8 @@ import optax
 import pytest
 import torch
 
+from _stablecore import fit as core_fit
+from _stablecore import nan_policy
 from jaxstable import train as jtrain
 from jaxstable import transforms as jtx
 from torchref import train as ttrain
@@ -62,7 +65,7 @@ def test_both_packages_export_the_same_values():
         ),
         (dict(stop_after_nonfinite=1), "nan_policy=NanPolicy.skip(stop_after=1)"),
         (dict(eval_fn=lambda s: {}, eval_every=2), "evaluate=(eval_fn, every)"),
-        (dict(progress=False), "log=Log(path=None, progress=False"),
+        (dict(progress=False), "pass log=None"),
     ],
     ids=["policy", "stop_after", "eval", "log"],
 )
@@ -148,3 +151,12 @@ def test_a_policy_shows_the_call_that_makes_it():
     assert repr(P.skip()) == "NanPolicy.skip()"
     assert repr(P.rewind(after=2, skip=1)) == "NanPolicy.rewind(after=2, skip=1)"
     assert P.rollback(max=5) == P.rollback(max=5) != P.rollback()
+
+
+@pytest.mark.parametrize("module", [nan_policy, core_fit])
+def test_the_shared_values_docstring_examples_run(module):
+    # The values live once in _stablecore (both packages re-export them):
+    # tests/test_doctests.py runs the packages' own modules only.
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(module, optionflags=flags, verbose=False)
+    assert result.attempted and not result.failed

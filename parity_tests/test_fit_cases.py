@@ -22,6 +22,8 @@ from torchref import loss_scale as tls
 from torchref import train as ttrain
 from torchref import transforms as ttx
 
+NanPolicy = jtrain.NanPolicy
+
 
 def _batches(nan_at, n, scale_from=None):
     rng = np.random.default_rng(1)
@@ -64,13 +66,13 @@ def _fit_both(batches, spikes=False, **kwargs):
     state, jstep, tstep = _parts(spikes)
     try:
         jout = jtrain.fit(
-            state, jstep, [jnp.asarray(b) for b in batches], progress=False, **kwargs
+            state, jstep, [jnp.asarray(b) for b in batches], log=None, **kwargs
         )[1]
     except jtrain.NonFiniteError as e:
         jout = ("raised", e.step)
     try:
         tout = ttrain.fit(
-            tstep, [torch.from_numpy(b) for b in batches], progress=False, **kwargs
+            tstep, [torch.from_numpy(b) for b in batches], log=None, **kwargs
         )
     except ttrain.NonFiniteError as e:
         tout = ("raised", e.step)
@@ -82,15 +84,19 @@ def _steps(hist):
 
 
 @pytest.mark.parametrize(
-    "policy", [dict(nan_policy="rollback"), dict(nan_policy="rewind", rewind_after=2)]
+    "policy",
+    [
+        NanPolicy.rollback(max_consecutive=2, locate_first=0),
+        NanPolicy.rewind(after=2, locate_first=0),
+    ],
+    ids=repr,
 )
 def test_on_step_stops_on_the_step_that_restores(policy):
     # NaN at 4 and 5: step 5 triggers the rollback (2 in a row) or the
     # rewind (2 in the window); on_step asks to stop there, so step 5 is the
     # last record (the old loop ignored it and ran to 11).
-    kw = dict(max_consecutive_nonfinite=2, locate_first=0, **policy)
     for hist in _fit_both(
-        _batches({4, 5}, 12), on_step=lambda r, s: r["step"] == 5, **kw
+        _batches({4, 5}, 12), on_step=lambda r, s: r["step"] == 5, nan_policy=policy
     ):
         assert _steps(hist) == [0, 1, 2, 3, 4, 5]
         assert hist[-1].get("rolled_back") or hist[-1].get("rewound")
@@ -101,10 +107,7 @@ def test_stop_after_nonfinite_zero_on_the_trigger_step():
     # stops there (the old loop ran step 5 too).
     for hist in _fit_both(
         _batches({4, 5}, 12),
-        nan_policy="rollback",
-        max_consecutive_nonfinite=1,
-        stop_after_nonfinite=0,
-        locate_first=0,
+        nan_policy=NanPolicy.rollback(max_consecutive=1, stop_after=0, locate_first=0),
     ):
         assert _steps(hist) == [0, 1, 2, 3, 4]
         assert hist[-1]["rolled_back"]
@@ -116,12 +119,7 @@ def test_batches_skipped_when_the_data_ends_inside_the_window():
     # left: batches 4 and 5 are dropped, not 4 + 3.
     for hist in _fit_both(
         _batches({4}, 6),
-        nan_policy="rewind",
-        rewind_after=1,
-        rewind_window=1,
-        rewind_skip=3,
-        rollback_every=2,
-        locate_first=0,
+        nan_policy=NanPolicy.rewind(after=1, window=1, skip=3, every=2, locate_first=0),
     ):
         assert [(r["rewind_to"], r["batches_skipped"]) for r in hist[-1:]] == [(4, 2)]
 
@@ -132,10 +130,7 @@ def test_batches_skipped_counts_only_new_batches_on_a_second_rewind():
     # are the new ones dropped (the old loop said 6, counting 0..2 twice).
     for hist in _fit_both(
         _batches({2, 5}, 8),
-        nan_policy="rewind",
-        rewind_after=1,
-        rewind_window=1,
-        locate_first=0,
+        nan_policy=NanPolicy.rewind(after=1, window=1, locate_first=0),
     ):
         rewound = [r for r in hist if r.get("rewound")]
         assert [(r["step"], r["rewind_to"], r["batches_skipped"]) for r in rewound] == [
@@ -153,9 +148,7 @@ def test_spikes_do_not_count_toward_stop_or_rollback(policy):
     jhist, thist = _fit_both(
         _batches(set(), 20, scale_from=6),
         spikes=True,
-        nan_policy=policy,
-        max_consecutive_nonfinite=2,
-        locate_first=0,
+        nan_policy=getattr(NanPolicy, policy)(max_consecutive=2, locate_first=0),
     )
     for hist in (jhist, thist):
         assert hist != ("raised", hist[1]) and len(hist) == 20
@@ -170,38 +163,38 @@ def test_spikes_still_count_toward_rewind():
     for hist in _fit_both(
         _batches(set(), 12, scale_from=6),
         spikes=True,
-        nan_policy="rewind",
-        rewind_after=2,
-        rewind_window=4,
-        locate_first=0,
+        nan_policy=NanPolicy.rewind(after=2, window=4, locate_first=0),
     ):
         assert any(r.get("rewound") for r in hist)
 
 
 @pytest.mark.parametrize(
     "policy",
-    [dict(nan_policy="rollback"), dict(nan_policy="rewind", rewind_after=1)],
+    [
+        NanPolicy.rollback(max_consecutive=1, every=2, locate_first=0),
+        NanPolicy.rewind(after=1, every=2, locate_first=0),
+    ],
+    ids=repr,
 )
 def test_best_checkpoint_records_the_metric_of_the_state_it_holds(policy, tmp_path):
     # NaN at 5 restores the snapshot of step 4; checkpoint 6 then holds the
     # state of 4 steps. The old loop gave it the metric of the discarded
     # state (6 steps), so best_step() named a checkpoint holding another.
     state, jstep, tstep = _parts()
-    kw = dict(
-        max_consecutive_nonfinite=1, rollback_every=2, checkpoint_every=1,
-        locate_first=0, progress=False, **policy,
-    )  # fmt: skip
+    kw = dict(nan_policy=policy, log=None)
     opts = dict(max_to_keep=10, best_metric="eval['n']", best_mode="max")
     batches = _batches({5}, 6)
     jmgr = jtrain.CheckpointManager(tmp_path / "jax", **opts)
     _, jhist = jtrain.fit(
-        state, jstep, [jnp.asarray(b) for b in batches], checkpoint_dir=jmgr,
-        eval_fn=lambda s: {"n": s.step}, eval_every=1, **kw,
+        state, jstep, [jnp.asarray(b) for b in batches],
+        checkpoint=jtrain.Checkpointing(jmgr, every=1),
+        evaluate=(lambda s: {"n": s.step}, 1), **kw,
     )  # fmt: skip
     tmgr = ttrain.CheckpointManager(tmp_path / "torch", **opts)
     thist = ttrain.fit(
-        tstep, [torch.from_numpy(b) for b in batches], checkpoint_dir=tmgr,
-        eval_fn=lambda s: {"n": s.steps_done}, eval_every=1, **kw,
+        tstep, [torch.from_numpy(b) for b in batches],
+        checkpoint=ttrain.Checkpointing(tmgr, every=1),
+        evaluate=(lambda s: {"n": s.steps_done}, 1), **kw,
     )  # fmt: skip
     assert jmgr.best_step() == tmgr.best_step() == 5
     held = jmgr.restore(state, 5)[0]

@@ -14,20 +14,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from _stablecore.checks import check_callable as _check_callable
-from _stablecore.checks import check_int as _check_int
-from _stablecore.checks import check_needs as _check_needs
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
 from _stablecore.fit import accepts_old_keywords
 from _stablecore.fit import add_skip_reason as _add_skip_reason
-from _stablecore.fit import as_checkpointing as _as_checkpointing
-from _stablecore.fit import as_evaluation as _as_evaluation
-from _stablecore.fit import as_log as _as_log
-from _stablecore.fit import as_policy as _as_policy
 from _stablecore.fit import batches_from as _batches_from
+from _stablecore.fit import checked_options as _checked_options
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
 from _stablecore.lock import DirectoryLock
@@ -352,20 +346,13 @@ def fit(
       >>> hist[3]["eval['p0']"] == float(state.params[0]), hist[0]["time_s"] > 0
       (True, True)
     """
-    policy = _as_policy(nan_policy)
-    ckpt = _as_checkpointing(checkpoint, CheckpointManager)
-    log = _as_log(log)
-    eval_fn, eval_every = _as_evaluation(evaluate)
-    _check_int("steps", steps, 0, optional=True)
-    _check_callable("on_step", on_step)
-    _check_callable("batch_transform", batch_transform)
-    _check_needs(
-        not policy.restores or policy.restore_to == "memory" or ckpt is not None,
-        f"nan_policy={policy!r} restores from disk: it needs checkpoint=",
-    )
-    checkpoint_dir = None if ckpt is None else ckpt.directory
-    checkpoint_every = None if ckpt is None else ckpt.every
-    resume = ckpt is not None and ckpt.resume
+    opts = _checked_options(
+        nan_policy, checkpoint, evaluate, on_step, log, batch_transform, steps,
+        CheckpointManager,
+    )  # fmt: skip
+    policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
+    checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
+    log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
     if jax.process_count() > 1:
         _check_same_on_every_process(
             checkpoint_dir=_directory(checkpoint_dir),
@@ -380,7 +367,11 @@ def fit(
         to_disk = policy.restores and policy.restore_to == "disk"
         if mgr is not None and to_disk and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
-        return _run(**locals())
+        return _run(
+            state, train_step, batches, steps, policy, log, checkpoint_every,
+            eval_fn, eval_every, on_step, mgr, start, batch_transform, resumed,
+            peers,
+        )  # fmt: skip
     except BaseException as e:
         message = peers.failed(e)
         if message is not None:
@@ -400,7 +391,7 @@ def fit(
 
 def _run(
     state, train_step, batches, steps, policy, log, checkpoint_every, eval_fn,
-    eval_every, on_step, mgr, start, batch_transform, resumed, peers, **_,
+    eval_every, on_step, mgr, start, batch_transform, resumed, peers,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked):
     `FitLoop` over a `_JaxAdapter`. Returns ``(state, history)``."""

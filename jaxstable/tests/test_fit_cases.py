@@ -30,9 +30,13 @@ def test_async_checkpoints_of_a_rewinding_run_pass_their_checksums(tmp_path):
     data = [jnp.array([jnp.nan, 1.0]) if i % 2 == 0 else jnp.ones(2) for i in range(20)]
     mgr = train.CheckpointManager(tmp_path, max_to_keep=20)
     train.fit(
-        state, step, data, nan_policy="rewind", rewind_after=50, rewind_window=50,
-        checkpoint_dir=mgr, checkpoint_every=2, locate_first=0, progress=False,
-    )  # fmt: skip
+        state,
+        step,
+        data,
+        nan_policy=train.NanPolicy.rewind(after=50, window=50, locate_first=0),
+        checkpoint=train.Checkpointing(mgr, every=2),
+        log=None,
+    )
     mgr.wait()
     assert mgr.steps() == list(range(2, 21, 2))
     with warnings.catch_warnings():
@@ -64,9 +68,13 @@ def test_fit_hands_no_live_object_to_a_save(tmp_path):
     data = [jnp.array([jnp.nan, 1.0]) if i % 2 == 0 else jnp.ones(2) for i in range(8)]
     mgr = _Recording(tmp_path)
     train.fit(
-        state, step, data, nan_policy="rewind", rewind_after=50, rewind_window=50,
-        checkpoint_dir=mgr, checkpoint_every=2, locate_first=0, progress=False,
-    )  # fmt: skip
+        state,
+        step,
+        data,
+        nan_policy=train.NanPolicy.rewind(after=50, window=50, locate_first=0),
+        checkpoint=train.Checkpointing(mgr, every=2),
+        log=None,
+    )
     mgr.close()
     assert len(mgr.handed) == 4
     for handed, then in mgr.handed:
@@ -82,7 +90,7 @@ def test_fit_locates_an_update_of_an_optimizer_that_takes_value(tmp_path):
     tx = transforms.stable_optimizer(optax.chain(optax.adam(0.1, eps=0.0), plateau))
     state = train.TrainState.create(params=jnp.ones(2), optimizer=tx)
     step = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
-    _, hist = train.fit(state, step, [jnp.ones(2), jnp.zeros(2)], progress=False)
+    _, hist = train.fit(state, step, [jnp.ones(2), jnp.zeros(2)], log=None)
     assert [r["finite"] for r in hist] == [False, True]
     assert hist[0]["skip_reason"] == "non-finite update"
     assert hist[0]["location"]["phase"] == "update"

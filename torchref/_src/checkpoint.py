@@ -674,7 +674,9 @@ class CheckpointManager:
           ``(train_step, info)`` with ``info = {"step": n, "data_position": p}``;
           for a checkpoint written by `fit`, also ``"fit_state"`` (its
           NaN-policy state) and, when it saved one, ``"snapshot"`` (its
-          rollback snapshot, a ``state_dict`` for this `train_step`).
+          rollback snapshot, a ``state_dict`` for this `train_step`) and
+          ``"fit_extras"`` (its schedulers' states, the RNG state its data
+          was iterated with).
 
         Raises:
           FileNotFoundError: no intact checkpoint (each damaged one warned of).

@@ -11,20 +11,14 @@ from typing import Any
 
 import torch
 
-from _stablecore.checks import check_callable as _check_callable
-from _stablecore.checks import check_int as _check_int
-from _stablecore.checks import check_needs as _check_needs
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
 from _stablecore.fit import accepts_old_keywords
 from _stablecore.fit import add_skip_reason as _add_skip_reason
-from _stablecore.fit import as_checkpointing as _as_checkpointing
-from _stablecore.fit import as_evaluation as _as_evaluation
-from _stablecore.fit import as_log as _as_log
-from _stablecore.fit import as_policy as _as_policy
 from _stablecore.fit import batches_from as _batches_from
+from _stablecore.fit import checked_options as _checked_options
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
 from _stablecore.lock import DirectoryLock
@@ -279,21 +273,14 @@ def fit(
             "step must be a torchref.train.TrainStep or a callable "
             f"step(batch) -> metrics, got {type(step).__name__}"
         )
-    policy = _as_policy(nan_policy)
-    ckpt = _as_checkpointing(checkpoint, CheckpointManager)
-    log = _as_log(log)
-    eval_fn, eval_every = _as_evaluation(evaluate)
+    opts = _checked_options(
+        nan_policy, checkpoint, evaluate, on_step, log, batch_transform, steps,
+        CheckpointManager,
+    )  # fmt: skip
     scheds = _as_schedulers(schedulers)
-    _check_int("steps", steps, 0, optional=True)
-    _check_callable("on_step", on_step)
-    _check_callable("batch_transform", batch_transform)
-    _check_needs(
-        not policy.restores or policy.restore_to == "memory" or ckpt is not None,
-        f"nan_policy={policy!r} restores from disk: it needs checkpoint=",
-    )
-    checkpoint_dir = None if ckpt is None else ckpt.directory
-    checkpoint_every = None if ckpt is None else ckpt.every
-    resume = ckpt is not None and ckpt.resume
+    policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
+    checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
+    log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
     stateful = hasattr(step, "state_dict") and hasattr(step, "load_state_dict")
     if not stateful and (policy.restores or checkpoint_dir is not None):
         raise TypeError(
@@ -314,7 +301,11 @@ def fit(
                 extras = {"schedulers": [s.state_dict() for s, _ in scheds]}
                 # what the first rollback goes back to
                 mgr._save(start, step, None, None, None, None, extras)
-        return _run(**locals())
+        return _run(
+            step, batches, steps, policy, log, checkpoint_every, eval_fn,
+            eval_every, on_step, mgr, start, batch_transform, resumed, group,
+            scheds,
+        )  # fmt: skip
     finally:
         try:
             if own_mgr:
@@ -412,7 +403,7 @@ def _data_iterator(batches, start: int, steps, resumed: dict):
 
 def _run(
     step, batches, steps, policy, log, checkpoint_every, eval_fn, eval_every,
-    on_step, mgr, start, batch_transform, resumed, group, scheds, **_,
+    on_step, mgr, start, batch_transform, resumed, group, scheds,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked):
     `FitLoop` over a `_TorchAdapter`. Returns the history."""

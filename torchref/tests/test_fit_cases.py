@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from torchref import train
+from torchref.transforms import skip_spikes
 
 
 class _Noisy(Dataset):
@@ -144,9 +145,12 @@ def test_a_rollback_restores_the_schedulers_with_the_state():
     sched = torch.optim.lr_scheduler.StepLR(step.optimizer, 1, gamma=0.5)
     policy = train.NanPolicy.rollback(max_consecutive=1, every=2, max=5)
     hist = train.fit(
-        step, _linear_data(6, nan_at={3}), nan_policy=policy, log=None,
+        step,
+        _linear_data(6, nan_at={3}),
+        nan_policy=policy,
+        log=None,
         schedulers=[(sched, "every")],
-    )  # fmt: skip
+    )
     # every step: 6 steps, but the rollback at step 3 went back to step 2
     assert [h.get("rolled_back", False) for h in hist][3]
     assert sched.last_epoch == 4
@@ -163,3 +167,28 @@ def test_a_rollback_restores_the_schedulers_with_the_state():
 def test_bad_schedulers_are_named(bad, match):
     with pytest.raises(TypeError, match=match):
         train.fit(_linear_step(), _linear_data(1), schedulers=bad, log=None)
+
+
+def test_a_scheduler_over_a_wrapper_is_stepped_and_checkpointed(tmp_path):
+    # Needs the wrappers accepted by torch.optim.lr_scheduler (issue 34
+    # item 9, the torch-ckpt-sched branch): StepLR(skip_spikes(SGD)) raised
+    # "SkipSpikes is not an Optimizer" before it.
+    def parts():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = skip_spikes(torch.optim.SGD(model.parameters(), lr=0.1))
+        step = train.TrainStep(model, opt, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        return step, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    data = _linear_data(6, nan_at={2})
+    full, sched = parts()
+    train.fit(full, data, schedulers=sched, log=None)
+    assert sched.last_epoch == 5  # the NaN step was skipped: not stepped
+    ckpt = train.Checkpointing(tmp_path, resume=True)
+    first, sched = parts()
+    train.fit(first, data, steps=3, checkpoint=ckpt, schedulers=sched, log=None)
+    resumed, sched = parts()
+    train.fit(resumed, data, checkpoint=ckpt, schedulers=sched, log=None)
+    assert sched.last_epoch == 5
+    for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
