@@ -215,6 +215,7 @@ def fit(
             e.g. this rank's rows of a global batch under DDP:
             ``lambda b: torchref.distributed.shard_batch(b, mesh)``.
         schedulers: None, a scheduler, or a list (see above).
+        The same records and options as `jaxstable.train.fit`.
 
     The keywords of the old form (``max_consecutive_nonfinite``,
     ``checkpoint_dir``, ``eval_fn``, ``log_path``, ``progress`` ...) and a
