@@ -220,9 +220,7 @@ def _fit_ddp(params, batches, folder):
         [(torch.tensor(x), torch.tensor(y)) for x, y in batches],
         log=train.Log(log if rank0 else None, progress=False),
         batch_transform=lambda b: distributed.shard_batch(b, mesh),
-        checkpoint=train.Checkpointing(
-            ckpt if rank0 else None, every=20 if rank0 else None
-        ),
+        checkpoint=train.Checkpointing(ckpt, every=20) if rank0 else None,
     )
     out = {k: np.array([h[k] for h in hist]) for k in ("loss_scale", "finite")}
     out["skipped_total"] = np.array([h["skipped_total"] for h in hist])
