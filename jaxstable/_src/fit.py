@@ -416,6 +416,7 @@ def _run(
     adapter = _JaxAdapter(train_step, state, policy, log, eval_fn, on_step, mgr)
     adapter.snapshot_from(resumed.get("snapshot", state))
     adapter.peers = peers
+    peers.step = start  # the step being loaded or run (named if this one fails)
     at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
     loop = _FitLoop(
         adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
@@ -455,9 +456,10 @@ class _JaxAdapter:
             self.snapshot_state = jax.tree.map(jnp.copy, state)
 
     def run_step(self, index: int, batch: Any):
-        self.peers.step = index  # named if this process fails
         t0 = time.perf_counter()
         new_state, metrics = self.train_step(self.state, batch)
+        # The step being run or saved next, named if this process fails.
+        self.peers.step = index + 1
         seconds = None
         if self.time_steps:
             jax.block_until_ready((new_state, metrics))
