@@ -5,7 +5,8 @@ Eight batches, NaN at step 5; snapshot every 4 steps (so at 4). Each policy
 acts at step 5 (``max_consecutive=1``, ``after=1``); ``on_step`` stops the
 run there, and the state is read: the optimizer's count (Adam's), the
 learning-rate schedule's count (optax's `scale_by_schedule`; torch's
-scheduler handed to fit), the loss scale, the global step and skip count,
+scheduler handed to fit), the loss scale, the spike window (`skip_spikes`'s
+values), the global step and skip count,
 and the data position (the final checkpoint's step). A run stopped there,
 checkpointed and resumed must end where the uninterrupted run ends.
 """
@@ -23,17 +24,21 @@ from jaxstable import train as jtrain
 from jaxstable import transforms as jtx
 from torchref import loss_scale as tls
 from torchref import train as ttrain
+from torchref import transforms as ttx
 
 N, BAD, SCALE = 8, 5, 2.0**15
 
 # After the trigger step (step 5 of the run: 5 applied steps before it, the
-# snapshot holds 4): (optimizer count, schedule count, loss scale, global
-# step, skipped_total, data position).
+# snapshot holds 4): (optimizer count, schedule count, loss scale, spike
+# window (values in it), global step, skipped_total, data position).
 TABLE = {
-    "skip": (5, 5, SCALE / 2, 6, 1, 6),
-    "rollback": (4, 4, SCALE, 4, 0, 6),
-    "rewind": (4, 4, SCALE, 4, 0, 7),  # skip=1: batch 6 dropped too
+    "skip": (5, 5, SCALE / 2, 5, 6, 1, 6),
+    "rollback": (4, 4, SCALE, 4, 4, 0, 6),
+    "rewind": (4, 4, SCALE, 4, 4, 0, 7),  # skip=1: batch 6 dropped too
 }
+# A spike guard that checks no step of this run (min_history = the 8
+# steps): its window only fills.
+SPIKES = dict(window=8, min_history=8)
 POLICIES = {
     "skip": jtrain.NanPolicy.skip(locate_first=0),
     "rollback": jtrain.NanPolicy.rollback(max_consecutive=1, every=4, locate_first=0),
@@ -56,6 +61,7 @@ def _data():
 
 def _jax_fit(policy, checkpoint, **kw):
     tx = jtx.stable_optimizer(optax.adam(optax.exponential_decay(0.01, 1, 0.9)))
+    tx = jtx.skip_spikes(tx, **SPIKES)
     state = jtrain.TrainState.create(
         params={"w": jnp.ones(3)},
         optimizer=tx,
@@ -74,6 +80,7 @@ def _jax_fit(policy, checkpoint, **kw):
         counts["ScaleByAdamState"],
         counts["ScaleByScheduleState"],
         float(state.loss_scale.loss_scale),
+        int(optax.tree_utils.tree_get(state.opt_state, "norm_count")),
         int(state.step),
         int(state.skipped_total),
     ), np.asarray(state.params["w"])
@@ -87,7 +94,7 @@ def _torch_fit(policy, checkpoint, **kw):
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)
     step = ttrain.TrainStep(
         model,
-        opt,
+        ttx.skip_spikes(opt, **SPIKES),
         lambda m, x: ((m(x)[:, 0] - 1.0) ** 2).mean(),
         scaler=tls.DynamicLossScale(SCALE),
     )
@@ -101,6 +108,7 @@ def _torch_fit(policy, checkpoint, **kw):
         int(adam["step"]),
         sched.last_epoch,
         float(step.scaler.get_scale()),
+        int(step.spike_state.norm_count),
         step.steps_done,
         int(step.skip_state.skipped_total),
     ), model.weight.detach().numpy()[0].copy()
