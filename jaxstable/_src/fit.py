@@ -45,8 +45,8 @@ from jaxstable._src.step import TrainState, TrainStep
 class NonFiniteError(FloatingPointError):
     """Raised by `fit` after too many non-finite steps in a row.
 
-    With ``nan_policy="stop"`` at the first such run; with ``"rollback"``
-    once ``max_rollbacks`` rollbacks have been used.
+    With `NanPolicy.stop` at the first such run; with `NanPolicy.rollback`
+    or `NanPolicy.rewind` once its ``max`` rollbacks have been used.
 
     Attributes:
       step: 0-based index (in the run, see `fit`) of the step that hit the

@@ -41,9 +41,9 @@ from torchref._src.step import TrainStep
 class NonFiniteError(FloatingPointError):
     """Training stopped on non-finite gradients.
 
-    Raised by `fit` with ``nan_policy="stop"`` at the first run of
-    ``max_consecutive_nonfinite`` non-finite steps; with ``"rollback"`` once
-    ``max_rollbacks`` rollbacks have been used.
+    Raised by `fit` with `NanPolicy.stop` at the first run of
+    ``max_consecutive`` non-finite steps; with `NanPolicy.rollback` or
+    `NanPolicy.rewind` once its ``max`` rollbacks have been used.
 
     Attributes:
         step: 0-based index (in the run, see `fit`) of the step that hit the
