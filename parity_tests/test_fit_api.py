@@ -23,13 +23,16 @@ from torchref import train as ttrain
 TRAINS = {"jax": jtrain, "torch": ttrain}
 
 
+_JSTEP = jtrain.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
+
+
 def _fit(framework, data, **kw):
     """The history of a tiny fit (y = x @ w) in `framework`."""
     if framework == "jax":
         state = jtrain.TrainState.create(
             params=jnp.zeros(2), optimizer=jtx.stable_optimizer(optax.sgd(0.1))
         )
-        step = jtrain.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
+        step = _JSTEP
         return jtrain.fit(state, step, [jnp.asarray(b) for b in data], **kw)[1]
     model = torch.nn.Linear(2, 1, bias=False)
     step = ttrain.TrainStep(

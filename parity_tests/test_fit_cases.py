@@ -38,6 +38,10 @@ def _batches(nan_at, n, scale_from=None):
     return out
 
 
+# One jitted step for every JAX fit here (compiled once per state type).
+_JSTEP = jtrain.make_train_step(lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2))
+
+
 def _parts(spikes=False):
     tx = jtx.stable_optimizer(optax.sgd(0.01))
     if spikes:
@@ -45,7 +49,7 @@ def _parts(spikes=False):
     state = jtrain.TrainState.create(
         params={"w": jnp.ones((3,))}, optimizer=tx, loss_scale=jls.DynamicLossScale()
     )
-    jstep = jtrain.make_train_step(lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2))
+    jstep = _JSTEP
     model = torch.nn.Linear(3, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)

@@ -10,14 +10,15 @@ import warnings
 import jax.numpy as jnp
 import optax
 
-from jaxstable import diagnostics, train, transforms
+from jaxstable import train, transforms
+
+_STEP = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
 
 
 def _linear():
     tx = transforms.stable_optimizer(optax.sgd(0.1))
     state = train.TrainState.create(params=jnp.zeros(2), optimizer=tx)
-    step = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
-    return state, step
+    return state, _STEP
 
 
 def test_async_checkpoints_of_a_rewinding_run_pass_their_checksums(tmp_path):
@@ -27,8 +28,8 @@ def test_async_checkpoints_of_a_rewinding_run_pass_their_checksums(tmp_path):
     # checkpoint's meta was written after the next step appended to it and
     # failed its own sha256.
     state, step = _linear()
-    data = [jnp.array([jnp.nan, 1.0]) if i % 2 == 0 else jnp.ones(2) for i in range(20)]
-    mgr = train.CheckpointManager(tmp_path, max_to_keep=20)
+    data = [jnp.array([jnp.nan, 1.0]) if i % 2 == 0 else jnp.ones(2) for i in range(12)]
+    mgr = train.CheckpointManager(tmp_path, max_to_keep=6)
     train.fit(
         state,
         step,
@@ -38,7 +39,7 @@ def test_async_checkpoints_of_a_rewinding_run_pass_their_checksums(tmp_path):
         log=None,
     )
     mgr.wait()
-    assert mgr.steps() == list(range(2, 21, 2))
+    assert mgr.steps() == list(range(2, 13, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a damaged checkpoint is a warning
         for n in mgr.steps():
@@ -94,5 +95,3 @@ def test_fit_locates_an_update_of_an_optimizer_that_takes_value(tmp_path):
     assert [r["finite"] for r in hist] == [False, True]
     assert hist[0]["skip_reason"] == "non-finite update"
     assert hist[0]["location"]["phase"] == "update"
-    where = diagnostics.locate(step, state, jnp.ones(2))
-    assert where is not None and where.phase == "update"
