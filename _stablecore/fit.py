@@ -5,6 +5,8 @@ batches of a resumed run, the JSONL log, argument checks and message texts
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -18,11 +20,10 @@ from _stablecore.checks import (
     check_int,
     check_needs,
 )
-
-NAN_POLICIES = ("skip", "stop", "rollback", "rewind")
-# The policies that restore a saved state.
-RESTORES = ("rollback", "rewind")
-ROLLBACK_TARGETS = ("memory", "disk")
+from _stablecore.nan_policy import ARGUMENTS, NanPolicy
+from _stablecore.nan_policy import KINDS as NAN_POLICIES
+from _stablecore.nan_policy import RESTORES as RESTORES
+from _stablecore.nan_policy import ROLLBACK_TARGETS as ROLLBACK_TARGETS
 
 
 def add_skip_reason(rec: dict[str, Any], grads_finite: Any, spike: Any = None) -> None:
@@ -50,91 +51,6 @@ def show(bar, rec) -> None:
         refresh=False,
     )
     bar.update(1)
-
-
-class NanPolicy:
-    """The NaN-policy bookkeeping of a run, checkpointed with it.
-
-    ``run``: non-finite steps in a row; ``rollbacks``: rollbacks used;
-    ``located``: non-finite steps located; ``first_bad``: index of the
-    run's first non-finite step (for ``stop_after_nonfinite``);
-    ``snapshot_at``: the step of the run the rollback snapshot holds;
-    ``recent``: indices of the skipped steps among the last
-    ``rewind_window`` (for "rewind"; rewinds count in ``rollbacks``). A
-    resumed `fit` loads them from its checkpoint (`load`), so that a run
-    killed and resumed counts, stops and rolls back as the uninterrupted one.
-    """
-
-    _SAVED = ("run", "rollbacks", "located", "first_bad", "snapshot_at", "recent")
-
-    def __init__(
-        self, policy, limit, max_rollbacks, locate_first, stop_after,
-        rewind=(3, 100, 0),
-    ):  # fmt: skip
-        self.policy, self.limit, self.max_rollbacks = policy, limit, max_rollbacks
-        self.locate_first, self.stop_after = locate_first, stop_after
-        self.rewind_after, self.rewind_window, self.rewind_skip = rewind
-        self.run = self.rollbacks = self.located = self.snapshot_at = 0
-        self.first_bad = None
-        self.recent: list[int] = []
-
-    def state(self) -> dict[str, int | None]:
-        """What a checkpoint keeps (JSON, under its checksum)."""
-        return {k: getattr(self, k) for k in self._SAVED}
-
-    def load(self, saved: dict | None, start: int) -> None:
-        """The state of a checkpoint at step `start` (None: a new run, or a
-        checkpoint written before fit saved it: counts from 0)."""
-        self.snapshot_at = start
-        for k in self._SAVED:
-            if saved and k in saved:
-                setattr(self, k, saved[k])
-
-    def observe(self, index: int, finite: bool) -> str | None:
-        """What the step just recorded triggers: "rollback", "rewind",
-        "raise" or None."""
-        self.run = 0 if finite else self.run + 1
-        if not finite and self.first_bad is None:
-            self.first_bad = index
-        if self.policy == "rewind":
-            return self._observe_rewind(index, finite)
-        if self.policy == "skip" or self.run < self.limit:
-            return None
-        if self.policy == "rollback" and self.rollbacks < self.max_rollbacks:
-            self.rollbacks, self.run = self.rollbacks + 1, 0
-            return "rollback"
-        return "raise"
-
-    def _observe_rewind(self, index: int, finite: bool) -> str | None:
-        # rewind_after skipped steps among the last rewind_window steps.
-        if not finite:
-            self.recent.append(index)
-        self.recent = [i for i in self.recent if i > index - self.rewind_window]
-        if len(self.recent) < self.rewind_after:
-            return None
-        if self.rollbacks < self.max_rollbacks:
-            self.rollbacks, self.run, self.recent = self.rollbacks + 1, 0, []
-            return "rewind"
-        return "raise"
-
-    def rewind_record(self, index: int, restored_at: int) -> dict[str, Any]:
-        """The keys a rewind adds to its trigger step's record."""
-        return {
-            "rewound": True,
-            "rewind_from": index,
-            "rewind_to": restored_at,
-            "batches_skipped": index + 1 - restored_at + self.rewind_skip,
-        }
-
-    def wants_location(self, finite: bool, action: str | None) -> bool:
-        # `finite`: nothing to locate (a spike skipped with finite values
-        # counts as finite here, see _located_kind).
-        return not finite and (action is not None or self.located < self.locate_first)
-
-    def stop_due(self, index: int) -> bool:
-        if self.stop_after is None or self.first_bad is None:
-            return False
-        return index - self.first_bad >= self.stop_after
 
 
 def batches_from(batches, position: int, steps: int | None):
@@ -221,41 +137,6 @@ def warn_if_short(steps: int | None, start: int, done: int) -> None:
     warnings.warn(why, UserWarning, 4)
 
 
-def check_fit_args(
-    nan_policy, max_consecutive, rollback_every, max_rollbacks, steps,
-    locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
-    time_steps, eval_fn, eval_every, on_step, stop_after,
-):  # fmt: skip
-    check_bool("time_steps", time_steps)
-    check_bool("resume", resume)
-    check_callable("eval_fn", eval_fn)
-    check_callable("on_step", on_step)
-    check_needs(
-        (eval_fn is None) == (eval_every is None),
-        "eval_fn and eval_every go together: pass both or neither, got "
-        f"eval_fn={eval_fn!r}, eval_every={eval_every!r}",
-    )
-    check_int("eval_every", eval_every, 1, optional=True)
-    check_int("stop_after_nonfinite", stop_after, 0, optional=True)
-    check_choice("nan_policy", nan_policy, NAN_POLICIES)
-    check_choice("rollback_to", rollback_to, ROLLBACK_TARGETS)
-    check_int("max_consecutive_nonfinite", max_consecutive, 1)
-    check_int("rollback_every", rollback_every, 1)
-    check_int("max_rollbacks", max_rollbacks, 1)
-    check_int("steps", steps, 0, optional=True)
-    check_int("locate_first", locate_first, 0)
-    check_int("checkpoint_every", checkpoint_every, 1, optional=True)
-    check_needs(
-        checkpoint_every is None or checkpoint_dir is not None,
-        "checkpoint_every needs checkpoint_dir",
-    )
-    check_needs(not resume or checkpoint_dir is not None, "resume needs checkpoint_dir")
-    check_needs(
-        rollback_to == "memory" or checkpoint_dir is not None,
-        "rollback_to='disk' needs checkpoint_dir",
-    )
-
-
 UPDATE_NOTE = (
     "its gradients were finite: the update it computed (new parameters or "
     "optimizer state) was non-finite, e.g. float16 Adam state whose second "
@@ -263,24 +144,310 @@ UPDATE_NOTE = (
 )
 
 
-def policy_note(nan_policy: str, max_rollbacks: int) -> str:
-    if nan_policy == "rewind":
-        return f"nan_policy='rewind': rewinds exhausted (max_rollbacks={max_rollbacks})"
-    if nan_policy == "rollback":
-        return (
-            "nan_policy='rollback': rollbacks exhausted "
-            f"(max_rollbacks={max_rollbacks})"
+def policy_note(policy: NanPolicy) -> str:
+    """The policy's part of a `NonFiniteError` message."""
+    used = f"(max_rollbacks={policy.max_restores})"
+    if policy.kind == "rewind":
+        return f"NanPolicy.rewind: rewinds exhausted {used}"
+    if policy.kind == "rollback":
+        return f"NanPolicy.rollback: rollbacks exhausted {used}"
+    return f"NanPolicy.{policy.kind}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """Where and when `fit` writes checkpoints, and whether it resumes.
+
+    ``directory``: a directory (str or path), or the framework's
+    ``CheckpointManager`` for other retention, a best-by-metric checkpoint
+    or synchronous saves. ``every``: None (only the final checkpoint) or an
+    int >= 1, a checkpoint every this many steps of the run. ``resume``:
+    first restore the latest intact checkpoint there and go on from its
+    position (with no checkpoint yet, start the run). `fit` also takes a
+    bare directory or manager as ``checkpoint=`` (``every=None``,
+    ``resume=False``).
+
+    Example:
+      >>> # from jaxstable.train (or torchref.train) import Checkpointing
+      >>> c = Checkpointing("runs/ckpt", every=100, resume=True)
+      >>> c.every, c.resume
+      (100, True)
+      >>> Checkpointing("runs/ckpt", every=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: Checkpointing: every must be None or an int >= 1, got 0
+    """
+
+    directory: Any
+    every: int | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        check_needs(
+            self.directory is not None,
+            "Checkpointing: directory must be a path or a CheckpointManager, got None",
         )
-    return f"nan_policy={nan_policy!r}"
+        check_int("Checkpointing: every", self.every, 1, optional=True)
+        check_bool("Checkpointing: resume", self.resume)
 
 
-def check_rewind_args(rewind_after, rewind_window, rewind_skip) -> None:
-    check_int("rewind_after", rewind_after, 1)
-    check_int("rewind_window", rewind_window, 1)
-    check_int("rewind_skip", rewind_skip, 0)
+@dataclasses.dataclass(frozen=True)
+class Log:
+    """What `fit` reports as it runs.
+
+    ``path``: None, or a JSONL file, one record per step (overwritten by a
+    run that does not resume; kept up to the resumed step and appended to by
+    one that does). ``progress``: a tqdm progress bar with loss, grad_norm,
+    loss_scale and skipped. ``time_steps``: add ``"time_s"`` to each record
+    (the wall time until the step's results are ready: it waits for every
+    step, so JAX's lookahead is dropped). `fit` takes ``log=None`` for no
+    file and no bar, and a bare path for ``Log(path)``.
+
+    Example:
+      >>> # from jaxstable.train (or torchref.train) import Log
+      >>> Log("run.jsonl", progress=False)
+      Log(path='run.jsonl', progress=False, time_steps=False)
+    """
+
+    path: Any = None
+    progress: bool = True
+    time_steps: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool("Log: progress", self.progress)
+        check_bool("Log: time_steps", self.time_steps)
+
+
+def checked_options(
+    nan_policy,
+    checkpoint,
+    evaluate,
+    on_step,
+    log,
+    batch_transform,
+    steps,
+    manager_type: type,
+) -> dict[str, Any]:
+    """fit's arguments checked, each a value (the same in both packages):
+    ``policy``, ``log``, ``eval_fn``, ``eval_every`` and, from
+    ``checkpoint``, ``checkpoint_dir``, ``checkpoint_every`` and ``resume``.
+    """
+    policy = as_policy(nan_policy)
+    ckpt = as_checkpointing(checkpoint, manager_type)
+    eval_fn, eval_every = as_evaluation(evaluate)
+    check_int("steps", steps, 0, optional=True)
+    check_callable("on_step", on_step)
+    check_callable("batch_transform", batch_transform)
     check_needs(
-        rewind_window >= rewind_after,
-        f"rewind_window ({rewind_window}) must be >= rewind_after "
-        f"({rewind_after}): a window of {rewind_window} steps never holds "
-        f"{rewind_after} skipped ones",
+        not policy.restores or policy.restore_to == "memory" or ckpt is not None,
+        f"nan_policy={policy!r} restores from disk: it needs checkpoint=",
     )
+    return {
+        "policy": policy,
+        "log": as_log(log),
+        "eval_fn": eval_fn,
+        "eval_every": eval_every,
+        "checkpoint_dir": None if ckpt is None else ckpt.directory,
+        "checkpoint_every": None if ckpt is None else ckpt.every,
+        "resume": ckpt is not None and ckpt.resume,
+    }
+
+
+def as_checkpointing(value: Any, manager_type: type) -> Checkpointing | None:
+    """`fit`'s ``checkpoint=`` as a `Checkpointing` (None: no checkpoints)."""
+    if value is None or isinstance(value, Checkpointing):
+        return value
+    if isinstance(value, str | os.PathLike | manager_type):
+        return Checkpointing(value)
+    raise TypeError(
+        "checkpoint must be None, a directory, a CheckpointManager or a "
+        f"Checkpointing, got {value!r}"
+    )
+
+
+def as_log(value: Any) -> Log:
+    """`fit`'s ``log=`` as a `Log` (None: no file, no progress bar)."""
+    if value is None:
+        return Log(progress=False)
+    if isinstance(value, Log):
+        return value
+    if isinstance(value, str | os.PathLike):
+        return Log(value)
+    raise TypeError(f"log must be None, a path or a Log, got {value!r}")
+
+
+def as_evaluation(value: Any) -> tuple[Any, int | None]:
+    """`fit`'s ``evaluate=(eval_fn, every)`` as ``(eval_fn, every)``
+    (``(None, None)``: no evaluation)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        raise TypeError(
+            "evaluate must be None or a pair (eval_fn, every): eval_fn(state) "
+            f"-> {{name: scalar}} called every `every` steps, got {value!r}"
+        )
+    fn, every = value
+    if not callable(fn):
+        raise TypeError(f"evaluate's eval_fn must be a callable, got {fn!r}")
+    check_int("evaluate's every", every, 1)
+    return fn, every
+
+
+def as_policy(value: Any) -> NanPolicy:
+    if value is None:
+        return NanPolicy.skip()
+    if not isinstance(value, NanPolicy):
+        raise TypeError(
+            "nan_policy must be a NanPolicy (NanPolicy.skip(), .stop(...), "
+            f".rollback(...) or .rewind(...)), got {value!r}"
+        )
+    return value
+
+
+# The keywords fit took before NanPolicy, Checkpointing, Log and evaluate=
+# (accepted for one release, with a DeprecationWarning naming the new form).
+_OLD_POLICY = {
+    "max_consecutive_nonfinite": ("max_consecutive", 5),
+    "rollback_every": ("every", 100),
+    "max_rollbacks": ("max", 3),
+    "rollback_to": ("to", "memory"),
+    "rewind_after": ("after", 3),
+    "rewind_window": ("window", 100),
+    "rewind_skip": ("skip", 0),
+    "locate_first": ("locate_first", 1),
+    "stop_after_nonfinite": ("stop_after", None),
+}
+_OLD_CHECKPOINT = {"checkpoint_dir": None, "checkpoint_every": None, "resume": False}
+_OLD_EVAL = {"eval_fn": None, "eval_every": None}
+_OLD_LOG = {"log_path": None, "progress": True, "time_steps": False}
+OLD_KEYWORDS = (*_OLD_POLICY, *_OLD_CHECKPOINT, *_OLD_EVAL, *_OLD_LOG)
+
+
+def _deprecated(old: dict, new: str) -> None:
+    given = ", ".join(f"{k}={v!r}" for k, v in old.items())
+    warnings.warn(
+        f"fit({given}) is deprecated and will be removed in the next release: "
+        f"pass {new}",
+        DeprecationWarning,
+        4,
+    )
+
+
+def _pop(kwargs: dict, names: dict) -> dict:
+    return {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+
+
+def _old_policy(kwargs: dict) -> None:
+    old = _pop(kwargs, _OLD_POLICY)
+    kind = kwargs.get("nan_policy")
+    if not old and not isinstance(kind, str):
+        return
+    if kind is None:
+        kind = "skip"
+    elif not isinstance(kind, str):
+        raise TypeError(
+            f"fit: {sorted(old)} belong to the old form; with a NanPolicy pass "
+            "them to it"
+        )
+    check_choice("nan_policy", kind, NAN_POLICIES)
+    values = {k: old.get(k, default) for k, (_, default) in _OLD_POLICY.items()}
+    for name, low in (
+        ("max_consecutive_nonfinite", 1), ("rollback_every", 1),
+        ("max_rollbacks", 1), ("locate_first", 0), ("rewind_after", 1),
+        ("rewind_window", 1), ("rewind_skip", 0),
+    ):  # fmt: skip
+        check_int(name, values[name], low)
+    check_int("stop_after_nonfinite", values["stop_after_nonfinite"], 0, optional=True)
+    check_choice("rollback_to", values["rollback_to"], ROLLBACK_TARGETS)
+    check_needs(
+        values["rewind_window"] >= values["rewind_after"],
+        f"rewind_window ({values['rewind_window']}) must be >= rewind_after "
+        f"({values['rewind_after']}): a window of {values['rewind_window']} steps "
+        f"never holds {values['rewind_after']} skipped ones",
+    )
+    check_needs(
+        values["rollback_to"] == "memory"
+        or kwargs.get("checkpoint_dir", kwargs.get("checkpoint")) is not None,
+        "rollback_to='disk' needs checkpoint_dir",
+    )
+    factory = getattr(NanPolicy, kind)
+    accepted = {name for name, _ in ARGUMENTS[kind]}
+    new = {arg: values[k] for k, (arg, _) in _OLD_POLICY.items() if arg in accepted}
+    kwargs["nan_policy"] = factory(**new)
+    _deprecated({"nan_policy": kind, **old}, f"nan_policy={kwargs['nan_policy']!r}")
+
+
+def _old_checkpoint(kwargs: dict) -> None:
+    old = _pop(kwargs, _OLD_CHECKPOINT)
+    if not old:
+        return
+    if kwargs.get("checkpoint") is not None:
+        raise TypeError(f"fit: pass checkpoint= or {sorted(old)}, not both")
+    values = {**_OLD_CHECKPOINT, **old}
+    check_bool("resume", values["resume"])
+    check_int("checkpoint_every", values["checkpoint_every"], 1, optional=True)
+    missing = values["checkpoint_dir"] is None
+    check_needs(
+        values["checkpoint_every"] is None or not missing,
+        "checkpoint_every needs checkpoint_dir",
+    )
+    check_needs(not values["resume"] or not missing, "resume needs checkpoint_dir")
+    if missing:
+        _deprecated(old, "checkpoint=None")
+        return
+    kwargs["checkpoint"] = Checkpointing(
+        values["checkpoint_dir"], values["checkpoint_every"], values["resume"]
+    )
+    new = "checkpoint=Checkpointing(directory, every=..., resume=...)"
+    _deprecated(old, new)
+
+
+def _old_eval(kwargs: dict) -> None:
+    old = _pop(kwargs, _OLD_EVAL)
+    if not old:
+        return
+    if kwargs.get("evaluate") is not None:
+        raise TypeError(f"fit: pass evaluate= or {sorted(old)}, not both")
+    fn, every = old.get("eval_fn"), old.get("eval_every")
+    check_callable("eval_fn", fn)
+    check_needs(
+        (fn is None) == (every is None),
+        "eval_fn and eval_every go together: pass both or neither, got "
+        f"eval_fn={fn!r}, eval_every={every!r}",
+    )
+    check_int("eval_every", every, 1, optional=True)
+    kwargs["evaluate"] = None if fn is None else (fn, every)
+    _deprecated(old, "evaluate=(eval_fn, every)")
+
+
+def _old_log(kwargs: dict) -> None:
+    old = _pop(kwargs, _OLD_LOG)
+    if not old:
+        return
+    if "log" in kwargs:
+        raise TypeError(f"fit: pass log= or {sorted(old)}, not both")
+    values = {**_OLD_LOG, **old}
+    check_bool("time_steps", values["time_steps"])
+    check_bool("progress", values["progress"])
+    log = Log(values["log_path"], values["progress"], values["time_steps"])
+    kwargs["log"] = log
+    args = [] if log.path is None else [repr(log.path)]
+    args += [f"{k}={getattr(log, k)!r}" for k in ("progress", "time_steps")
+             if getattr(log, k) != getattr(Log(), k)]  # fmt: skip
+    quiet = log == Log(progress=False)
+    _deprecated(old, "log=None" if quiet else f"log=Log({', '.join(args)})")
+
+
+def accepts_old_keywords(fit):
+    """`fit` taking, for one release, the keywords of its old form (each
+    group with a DeprecationWarning naming the new form)."""
+
+    @functools.wraps(fit)
+    def wrapper(*args, **kwargs):
+        _old_policy(kwargs)
+        _old_checkpoint(kwargs)
+        _old_eval(kwargs)
+        _old_log(kwargs)
+        return fit(*args, **kwargs)
+
+    return wrapper

@@ -8,6 +8,9 @@ from jaxstable._src.checkpoint import CheckpointManager as CheckpointManager
 from jaxstable._src.checkpoint import load_checkpoint as load_checkpoint
 from jaxstable._src.checkpoint import save_checkpoint as save_checkpoint
 from jaxstable._src.fit import NAN_POLICIES as NAN_POLICIES
+from jaxstable._src.fit import Checkpointing as Checkpointing
+from jaxstable._src.fit import Log as Log
+from jaxstable._src.fit import NanPolicy as NanPolicy
 from jaxstable._src.fit import NonFiniteError as NonFiniteError
 from jaxstable._src.fit import fit as fit
 from jaxstable._src.step import TrainState as TrainState

@@ -319,12 +319,18 @@ def test_fit_runs_microbatch_steps_with_the_same_record_keys():
     keys = set()
     for k in (None, _K):
         state, step = _jax_setup(model, 2.0**10, 2, k)
-        _, hist = jtrain.fit(state, step, data, progress=False, locate_first=0)
+        _, hist = jtrain.fit(
+            state,
+            step,
+            data,
+            log=None,
+            nan_policy=jtrain.NanPolicy.skip(locate_first=0),
+        )
         thist = ttrain.fit(
             _torch_setup(_TorchMLP(), 2.0**10, 2, k),
             [tuple(map(torch.from_numpy, b)) for b in data],
-            progress=False,
-            locate_first=0,
+            log=None,
+            nan_policy=ttrain.NanPolicy.skip(locate_first=0),
         )
         assert [r["finite"] for r in hist] == [r["finite"] for r in thist]
         keys.add(frozenset(hist[2]))

@@ -266,8 +266,7 @@ def test_float16_parameters_with_default_adam_never_become_nan(tmp_path):
         state,
         step,
         [jax.device_put(b) for b in batches],
-        progress=False,
-        log_path=tmp_path / "jax.jsonl",
+        log=jtrain.Log(tmp_path / "jax.jsonl", progress=False),
     )
     chex.assert_tree_all_finite((state.params, state.opt_state))
     model = _Linear(w0, torch.float16)
@@ -277,8 +276,7 @@ def test_float16_parameters_with_default_adam_never_become_nan(tmp_path):
     thist = ttrain.fit(
         tstep,
         [tuple(torch.from_numpy(a) for a in b) for b in batches],
-        progress=False,
-        log_path=tmp_path / "torch.jsonl",
+        log=ttrain.Log(tmp_path / "torch.jsonl", progress=False),
     )
     assert torch.isfinite(model.w).all()
     for hist in (jhist, thist):

@@ -787,20 +787,20 @@ def test_fit_stop_records_the_same_location(tmp_path):
         autocast_dtype=torch.float16,
         scaler=tls.DynamicLossScale(),
     )
-    kw = dict(nan_policy="stop", max_consecutive_nonfinite=1, progress=False)
+    kw = dict(nan_policy=jt.NanPolicy.stop(max_consecutive=1))
     with pytest.raises(jt.NonFiniteError) as jerr:
         jt.fit(
             jstate,
             jstep,
             [{"x": jnp.ones((4, 8)), "y": jnp.zeros((4, 8))}],
-            log_path=tmp_path / "j.jsonl",
+            log=jt.Log(tmp_path / "j.jsonl", progress=False),
             **kw,
         )
     with pytest.raises(tt.NonFiniteError) as terr:
         tt.fit(
             tstep,
             [{"x": torch.ones(4, 8), "y": torch.zeros(4, 8)}],
-            log_path=tmp_path / "t.jsonl",
+            log=tt.Log(tmp_path / "t.jsonl", progress=False),
             **kw,
         )
     jloc, tloc = jerr.value.location, terr.value.location

@@ -421,7 +421,7 @@ def test_fit_records_say_spike_in_both(tmp_path):
     data = [
         (jnp.asarray(a), jnp.asarray(b)) for a, b in zip(x[:21], y[:21], strict=True)
     ]
-    _, hist = jtrain.fit(state, step, data, progress=False)
+    _, hist = jtrain.fit(state, step, data, log=None)
     model = torch.nn.Linear(3, 1, bias=False)
     topt = ttx.skip_spikes(torch.optim.SGD(model.parameters(), lr=1e-2), **kw)
     tstep = ttrain.TrainStep(model, topt, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
@@ -429,7 +429,7 @@ def test_fit_records_say_spike_in_both(tmp_path):
         (torch.from_numpy(a), torch.from_numpy(b))
         for a, b in zip(x[:21], y[:21], strict=True)
     ]
-    thist = ttrain.fit(tstep, tdata, progress=False)
+    thist = ttrain.fit(tstep, tdata, log=None)
     for h in (hist, thist):
         reasons = {r["step"]: r["skip_reason"] for r in h if "skip_reason" in r}
         assert reasons == {

@@ -135,7 +135,7 @@ def test_jax_check_points_inside_the_jitted_steps(inputs):
     naive = QUICK.replace(precision="bfloat16", mode="naive")
     step, state = jax_runner.naive_step(naive, TASK.jax_parts(naive, weights))
     data_ = [jax.tree.map(np.asarray, b) for b in batches[: at + 1]]
-    _, hist = train.fit(state, step, data_, progress=False)
+    _, hist = train.fit(state, step, data_, log=None)
     assert [r["finite"] for r in hist] == [True] * at + [False]
     assert [r["first_non_finite_check"] for r in hist] == [None] * at + ["text_emb"]
     assert hist[at]["non_finite_checks"] == ["text_emb", "logits", "loss"]
@@ -219,8 +219,9 @@ def test_fit_stop_policy_and_preflight_checks(inputs):
     step = train.TrainStep(parts.model, opt, parts.loss_fn, scaler=None)
     data_ = [parts.to_torch(b) for b in batches]
     with pytest.raises(train.NonFiniteError) as err:
-        train.fit(step, data_, nan_policy="stop", max_consecutive_nonfinite=1,
-                  progress=False)  # fmt: skip
+        train.fit(
+            step, data_, nan_policy=train.NanPolicy.stop(max_consecutive=1), log=None
+        )
     # TrainStep skipped the empty caption's step (the model is intact) and
     # "stop" raised there, with where it went non-finite
     assert err.value.step == step_at

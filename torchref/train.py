@@ -8,6 +8,9 @@ from torchref._src.checkpoint import CheckpointManager as CheckpointManager
 from torchref._src.checkpoint import load_checkpoint as load_checkpoint
 from torchref._src.checkpoint import save_checkpoint as save_checkpoint
 from torchref._src.fit import NAN_POLICIES as NAN_POLICIES
+from torchref._src.fit import Checkpointing as Checkpointing
+from torchref._src.fit import Log as Log
+from torchref._src.fit import NanPolicy as NanPolicy
 from torchref._src.fit import NonFiniteError as NonFiniteError
 from torchref._src.fit import fit as fit
 from torchref._src.step import TrainStep as TrainStep

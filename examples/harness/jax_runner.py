@@ -245,7 +245,7 @@ def run_jax(
 
     parts = task.jax_parts(config, weights)
     batches = [jax.tree.map(np.asarray, b) for b in batches[: config.steps]]
-    fit_args = dict(progress=progress, time_steps=True)
+    fit_args = dict(log=train.Log(progress=progress, time_steps=True))
     dtype = jax_dtype(config.precision)
     if config.eval_every is not None:
 
@@ -258,7 +258,7 @@ def run_jax(
             params = _eval_params(parts, params, opt_state)
             return parts.evaluate(cast_floats(params, dtype), model_state, heldout)
 
-        fit_args.update(eval_fn=eval_fn, eval_every=config.eval_every)
+        fit_args.update(evaluate=(eval_fn, config.eval_every))
     if config.mode == "naive":
         step, state = naive_step(config, parts)
         state, batches = devices.jax_distribute(config, state, batches)
@@ -285,7 +285,7 @@ def run_jax(
             step,
             batches,
             on_step=on_step,
-            stop_after_nonfinite=config.stop_after_nonfinite,
+            nan_policy=train.NanPolicy.skip(stop_after=config.stop_after_nonfinite),
             **fit_args,
         )
         first_bad, text = box["first"], box["text"]

@@ -281,11 +281,10 @@ def _run(task, config, weights, batches, heldout, progress, log, wrap) -> RunRes
     if wrap is not None:
         parts = wrap(parts)
     batches = batches[: config.steps]
-    fit_args = dict(progress=progress, time_steps=True)
+    fit_args = dict(log=train.Log(progress=progress, time_steps=True))
     if config.eval_every is not None:
         fit_args.update(
-            eval_fn=lambda _step: evaluate(config, parts, heldout),
-            eval_every=config.eval_every,
+            evaluate=(lambda _step: evaluate(config, parts, heldout), config.eval_every)
         )
     if config.mode == "naive":
         step, report, locate = naive_step(config, parts)
@@ -302,7 +301,7 @@ def _run(task, config, weights, batches, heldout, progress, log, wrap) -> RunRes
             step,
             batches,
             on_step=on_step,
-            stop_after_nonfinite=config.stop_after_nonfinite,
+            nan_policy=train.NanPolicy.skip(stop_after=config.stop_after_nonfinite),
             **fit_args,
         )
         first_bad, text = box["first"], box["text"]
@@ -322,15 +321,13 @@ def _run(task, config, weights, batches, heldout, progress, log, wrap) -> RunRes
 
         watch = Watch(config, lambda s: not _finite_model(s.model), stable_report, log)
 
-        def on_step(record, st):
-            if scheduler is not None and record["finite"]:
-                scheduler.step()  # a skipped step keeps the schedule (as optax)
-            return watch(record, st)
-
+        # fit steps the scheduler after applied steps only: a skipped step
+        # keeps the schedule (as optax's count does), and checkpoints it.
         to_torch = parts.to_torch
         history = train.fit(
-            step, [to_torch(b) for b in batches], on_step=on_step, **fit_args
-        )
+            step, [to_torch(b) for b in batches], on_step=watch,
+            schedulers=scheduler, **fit_args,
+        )  # fmt: skip
         first_bad, text = watch.first_bad, watch.text
         located = None  # fit located the first skipped step (its record)
     scores = evaluate(config, parts, heldout)

@@ -1198,13 +1198,13 @@ def _eager(step: Any, state: Any, batch: Any, cls: type) -> Any:
     run = _grads_run(step, ls, state, batch)
     seen = _outcome(run, ls)
     if seen[0] == "finite":
-        loc = _update_phase(step, state, ls.unscale(run.grads), run.model_state, cls)
+        loc = _update_phase(step, state, ls.unscale(run.grads), run, cls)
         if loc is None:
             return None
         del run
         rerun = _grads_run(step, ls, state, batch)
         same = _outcome(rerun, ls)[0] == "finite" and _same_place(
-            _update_phase(step, state, ls.unscale(rerun.grads), rerun.model_state, cls),
+            _update_phase(step, state, ls.unscale(rerun.grads), rerun, cls),
             loc,
         )
         return _checked(loc, scale, 1, int(same))
@@ -1242,11 +1242,13 @@ def _failure(run: _Run, ls: Any, cls: type) -> Any:
     return cls(phase="backward", path=name, detail=text, **_origin_fields(o))
 
 
-def _update_phase(step, state, grads, new_ms, cls):
+def _update_phase(step, state, grads, run, cls):
     """``state.tx.update`` op by op, guards off (see `_Interpreter`); each
     output leaf is checked as it is computed and dropped unless non-finite
     (or a float16 Adam ``nu``, for the message): no copy of the new
-    parameters and optimizer state is held."""
+    parameters and optimizer state is held. The update gets what the
+    step's does: ``value=`` the unscaled loss (`reduce_on_plateau` needs
+    it) besides ``grads_finite``."""
     import optax
 
     tx = state.tx
@@ -1254,7 +1256,7 @@ def _update_phase(step, state, grads, new_ms, cls):
     def apply(grads, opt_state, params):
         if isinstance(tx, optax.GradientTransformationExtraArgs):
             updates, new_opt = tx.update(
-                grads, opt_state, params, grads_finite=jnp.asarray(True)
+                grads, opt_state, params, grads_finite=jnp.asarray(True), value=run.loss
             )
         else:
             updates, new_opt = tx.update(grads, opt_state, params)
@@ -1303,7 +1305,7 @@ def _update_phase(step, state, grads, new_ms, cls):
         name, leaf, _, _ = first["opt_state"]
         where = join("opt_state", [name])
     else:
-        ms_bad = _first_bad(new_ms, masks_ok=True)
+        ms_bad = _first_bad(run.model_state, masks_ok=True)
         if ms_bad is not None:
             where, leaf = join("model_state", [dotted(ms_bad[0])]), ms_bad[1]
     if where is None:

@@ -249,6 +249,10 @@ def _payload(
 ):
     """The two orbax items of a checkpoint: the arrays and their JSON meta."""
     entries, arrays = _encode(state)
+    # A copy of fit's bookkeeping: orbax writes the meta in the background,
+    # after the loop has gone on (and would have changed a live list).
+    fit_state = json.loads(json.dumps(fit_state))
+    metrics = json.loads(json.dumps(metrics))
     body = {
         "format": _FORMAT,
         "step": step,

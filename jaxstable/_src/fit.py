@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import os
 import sys
@@ -15,20 +14,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from _stablecore.checks import check_callable as _check_callable
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
-from _stablecore.fit import RESTORES as _RESTORES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
-from _stablecore.fit import NanPolicy as _NanPolicy
+from _stablecore.fit import Checkpointing as Checkpointing
+from _stablecore.fit import Log as Log
+from _stablecore.fit import accepts_old_keywords
 from _stablecore.fit import add_skip_reason as _add_skip_reason
 from _stablecore.fit import batches_from as _batches_from
-from _stablecore.fit import check_fit_args as _check_fit_args
-from _stablecore.fit import check_rewind_args as _check_rewind_args
+from _stablecore.fit import checked_options as _checked_options
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
-from _stablecore.fit import show as _show
-from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
+from _stablecore.loop import FitLoop as _FitLoop
+from _stablecore.nan_policy import NanPolicy as NanPolicy
 from jaxstable._src.checkpoint import CheckpointManager
 from jaxstable._src.diagnostics import (
     CheckPoints,
@@ -47,8 +45,8 @@ from jaxstable._src.step import TrainState, TrainStep
 class NonFiniteError(FloatingPointError):
     """Raised by `fit` after too many non-finite steps in a row.
 
-    With ``nan_policy="stop"`` at the first such run; with ``"rollback"``
-    once ``max_rollbacks`` rollbacks have been used.
+    With `NanPolicy.stop` at the first such run; with `NanPolicy.rollback`
+    or `NanPolicy.rewind` once its ``max`` rollbacks have been used.
 
     Attributes:
       step: 0-based index (in the run, see `fit`) of the step that hit the
@@ -80,6 +78,10 @@ class NonFiniteError(FloatingPointError):
         self.location = location
 
 
+_SKIP = NanPolicy.skip()
+_LOG = Log()
+
+
 def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     m = jax.device_get(metrics)
     rec = {
@@ -108,32 +110,19 @@ def _may_donate(train_step: Callable) -> bool:
     return True
 
 
+@accepts_old_keywords
 def fit(
     state: TrainState,
     train_step: Callable,
     batches: Iterable[Any],
     *,
     steps: int | None = None,
-    nan_policy: str = "skip",
-    max_consecutive_nonfinite: int = 5,
-    log_path: str | os.PathLike | None = None,
-    progress: bool = True,
-    checkpoint_dir: str | os.PathLike | CheckpointManager | None = None,
-    checkpoint_every: int | None = None,
-    rollback_every: int = 100,
-    max_rollbacks: int = 3,
-    locate_first: int = 1,
-    time_steps: bool = False,
-    eval_fn: Callable[[Any], Any] | None = None,
-    eval_every: int | None = None,
+    nan_policy: NanPolicy = _SKIP,
+    checkpoint: Checkpointing | str | os.PathLike | CheckpointManager | None = None,
+    evaluate: tuple[Callable[[Any], Any], int] | None = None,
     on_step: Callable[[dict[str, Any], Any], Any] | None = None,
-    stop_after_nonfinite: int | None = None,
-    resume: bool = False,
-    rollback_to: str = "memory",
+    log: Log | str | os.PathLike | None = _LOG,
     batch_transform: Callable[[Any], Any] | None = None,
-    rewind_after: int = 3,
-    rewind_window: int = 100,
-    rewind_skip: int = 0,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -141,14 +130,16 @@ def fit(
     those of `torchref.train.fit`: step indices are 0-based and count from
     the start of the run (a resumed call goes on where the checkpoint
     left off), checkpoints are named by the run's global step n (batches
-    of the run consumed): ``checkpoint_dir/step_{n:08d}``.
+    of the run consumed): ``checkpoint_dir/step_{n:08d}``. What advances on
+    a skipped, rolled back or rewound step is tabled in docs/semantics.md.
 
-    Checkpoints and resume: with ``checkpoint_dir`` (a directory, or a
-    `CheckpointManager` for other retention, a best-by-metric checkpoint or
-    synchronous saves; by default the last 3 are kept and saves run in the
-    background) the whole `TrainState` and the data position are saved
-    every ``checkpoint_every`` steps of the run and once at the end (not
-    when fit raises). With ``resume=True`` fit first restores the latest
+    Checkpoints and resume: with ``checkpoint=`` (a directory, a
+    `Checkpointing` or a `CheckpointManager` for other retention, a
+    best-by-metric checkpoint or synchronous saves; by default the last 3
+    are kept and saves run in the background) the whole `TrainState` and
+    the data position are saved every ``Checkpointing.every`` steps of the
+    run and once at the end (not when fit raises). With
+    ``Checkpointing(..., resume=True)`` fit first restores the latest
     intact checkpoint there (a damaged one is warned of and skipped) and
     goes on from its position: ``steps`` and the position in ``batches``
     count from the start of the run (a sequence is indexed from there, an
@@ -196,7 +187,7 @@ def fit(
 
     Pipelining: the metrics of step k are read to the host only after step
     k+1 has been dispatched, so the device is never idle waiting for the
-    host (the step itself never syncs). With ``nan_policy="stop"`` this
+    host (the step itself never syncs). With `NanPolicy.stop` this
     lookahead is kept only when the step does not donate its input (a
     `TrainStep` made with ``donate=False``): the state produced by the
     failing step must still exist when its metrics are read. With a donating
@@ -207,39 +198,41 @@ def fit(
     the lookahead is kept and a rollback happens, the step already queued on
     the discarded state is dropped and its batch re-run on the snapshot.
 
-    Rollback (``nan_policy="rollback"``): fit keeps an on-device copy of the
+    Rollback (`NanPolicy.rollback`): fit keeps an on-device copy of the
     last state known good (``jax.tree.map(jnp.copy, state)``: no host
     transfer, and a donating step cannot invalidate it), taken before the
     first step and after every step n (n steps of the run done) with
-    ``n % rollback_every == 0`` whose result was finite; each snapshot step
-    is read before the next is queued. When ``max_consecutive_nonfinite``
+    ``n % every == 0`` whose result was finite; each snapshot step
+    is read before the next is queued. When ``max_consecutive``
     non-finite steps happen in a row, a copy of the snapshot replaces the
     state (params, optimizer state, loss scale, model state and the
     ``step``/``skipped_total`` counters: all of the `TrainState`), the run
     counter restarts, that step's record gets ``"rolled_back": True`` (the
     only record with that key) and training goes on with the NEXT batch
-    (the bad ones are not retried). The trigger after ``max_rollbacks``
+    (the bad ones are not retried). The trigger after ``max``
     rollbacks raises `NonFiniteError` as "stop" does. With
-    ``rollback_to="disk"`` the state goes back to the last intact checkpoint
+    ``to="disk"`` the state goes back to the last intact checkpoint
     in ``checkpoint_dir`` instead (one is written before the first step if
-    there is none; ``rollback_every`` is then unused): no copy in device
+    there is none; ``every`` is then unused): no copy in device
     memory. The in-memory snapshot costs one more
     copy of the state in device memory.
 
-    Rewind (``nan_policy="rewind"``, PaLM's recipe for loss spikes): when
-    ``rewind_after`` of the last ``rewind_window`` steps were skipped
+    Rewind (`NanPolicy.rewind`, PaLM's recipe for loss spikes): when
+    ``after`` of the last ``window`` steps were skipped
     (non-finite, or spikes with `transforms.skip_spikes`), not necessarily
     in a row, the state goes back to the same snapshot as "rollback" (the
     in-memory copy, or the last intact checkpoint with
-    ``rollback_to="disk"``) and the data goes on after the trigger step and
-    ``rewind_skip`` more batches: the batches from the restore point to
+    ``to="disk"``) and the data goes on after the trigger step and
+    ``skip`` more batches: the batches from the restore point to
     the trigger are not replayed and the next ``rewind_skip`` are dropped,
     so the rewound run equals a run that never saw them (bit for bit, for
     a deterministic step). The trigger step's record gets ``"rewound":
     True``, ``"rewind_from"`` (its step), ``"rewind_to"`` (the step of the
-    run restored) and ``"batches_skipped"`` (``rewind_from + 1 - rewind_to
-    + rewind_skip``; fewer when the data ends first). Rewinds count
-    against ``max_rollbacks``; the trigger after the last raises
+    run restored) and ``"batches_skipped"`` (the batches trained since the
+    restore point, or since the last rewind when a second one goes back to
+    the same snapshot, plus those dropped after the trigger: fewer than
+    ``skip`` when the data ends). Rewinds count
+    against ``max``; the trigger after the last raises
     `NonFiniteError`. The window of skipped steps is checkpointed with the
     NaN policy's state, so a resumed run rewinds as the uninterrupted one.
 
@@ -248,80 +241,56 @@ def fit(
       train_step: ``train_step(state, batch) -> (state, metrics)``, usually
         from `make_train_step`.
       batches: an iterable of batches.
-      steps: stop after this many steps (None: until ``batches`` ends).
-      nan_policy: ``"skip"`` (non-finite steps are skipped, training goes on),
-        ``"stop"`` (raise `NonFiniteError` after
-        ``max_consecutive_nonfinite`` non-finite steps in a row) or
-        ``"rollback"`` (restore the last good snapshot instead, see above)
-        or ``"rewind"`` (restore it and skip a window of data, see above).
-      max_consecutive_nonfinite: the limit for ``"stop"`` and
-        ``"rollback"``, >= 1.
-      log_path: JSONL file, overwritten at the start of a call that does not
-        resume (see above for one that does): one line
-        per step (keys ``step, loss, grad_norm, loss_scale, finite,
-        skipped_total`` and ``aux[...]`` scalars; with a step that reports
-        ``grads_finite``, as `make_train_step`'s does, that key too, and a
-        skipped step has ``skip_reason``: ``"non-finite gradients"`` or
-        ``"non-finite update"``; when ``aux`` holds a
-        `jaxstable.diagnostics.CheckPoints`, its ``checks[...]``,
-        ``non_finite_checks`` and ``first_non_finite_check`` keys, see
-        `jaxstable.diagnostics.check_record`).
-      progress: show a tqdm progress bar with loss, grad_norm, loss_scale,
-        skipped.
-      checkpoint_dir: None, a directory or a `CheckpointManager` (see
-        above); a final checkpoint is always written when the loop ends (not
-        when it raises).
-      checkpoint_every: also write one every this many steps of the run
-        (needs ``checkpoint_dir``). Without it, only the final checkpoint.
-      rollback_every: snapshot period in steps for ``"rollback"``, int >= 1
-        (accepted, unused, with the other policies).
-      max_rollbacks: rollbacks allowed in the run for ``"rollback"``,
-        int >= 1 (accepted, unused, with the other policies).
-      locate_first: the first this many non-finite steps of the run (int
-        >= 0) get ``"location"``: `jaxstable.diagnostics.locate` of the step
-        (at the loss scale it used) as a dict of `NonFiniteLocation` fields,
-        or None when the op-by-op re-run is finite; the step that makes
-        "stop" raise or "rollback" roll back always gets it (and the error
-        its ``location``). Costs one op-by-op re-run per located step, only
-        on non-finite steps. With "skip" and a step that donates its input
-        (``donate=True``) the input is gone when the step is read: such
-        steps are not located.
-      time_steps: add ``"time_s"`` to each record: the wall time from the
-        call of ``train_step`` until its new state and metrics are ready
-        (`jax.block_until_ready`). Off by default: it waits for every step,
-        so the lookahead described above is dropped.
-      eval_fn: ``eval_fn(state) -> {name: scalar}``, e.g. a held-out
-        evaluation; called after every ``eval_every``-th step (n steps of
-        the run done, ``n % eval_every == 0``) on that step's state, its
-        scalars added to that step's record as ``eval[...]`` keys (named as
-        ``aux``'s). Needs ``eval_every``.
-      eval_every: int >= 1, the period of ``eval_fn`` (needs ``eval_fn``).
+      steps: stop after this many steps of the run (None: until ``batches``
+        ends).
+      nan_policy: a `NanPolicy`: `NanPolicy.skip` (the default: non-finite
+        steps are skipped, training goes on), `NanPolicy.stop` (raise
+        `NonFiniteError`), `NanPolicy.rollback` or `NanPolicy.rewind` (see
+        above); its ``locate_first`` (the first this many non-finite steps
+        of the run get ``"location"``: `jaxstable.diagnostics.locate` of the
+        step, at the loss scale it used, as a dict of `NonFiniteLocation`
+        fields, or None when the op-by-op re-run is finite; the step that
+        makes a policy act always gets it, and the error its ``location``;
+        with "skip" and a donating step, ``donate=True``, the input is gone
+        when the step is read: such steps are not located) and its
+        ``stop_after`` (fit returns normally this many steps after the run's
+        first non-finite step, 0: at that step; a run resumed after that
+        step runs none: for runs meant to fail).
+      checkpoint: None, a directory, a `CheckpointManager` or a
+        `Checkpointing` (``every``, ``resume``; see above); a final
+        checkpoint is always written when the loop ends (not when it
+        raises).
+      evaluate: None, or a pair ``(eval_fn, every)``: ``eval_fn(state) ->
+        {name: scalar}`` (e.g. a held-out evaluation) is called after every
+        ``every``-th step (n steps of the run done, ``n % every == 0``) on
+        that step's state, its scalars added to that step's record as
+        ``eval[...]`` keys (named as ``aux``'s).
       on_step: ``on_step(record, state)``, called once per step with the
         step's record (after it is logged) and the state that step produced;
-        if it returns True, fit stops after that step and returns normally.
-      resume: continue the run from the latest intact checkpoint in
-        ``checkpoint_dir`` (see above).
-      rollback_to: ``"memory"`` (the in-memory snapshot) or ``"disk"`` (the
-        last intact checkpoint; needs ``checkpoint_dir``).
+        if it returns True, fit stops after that step and returns normally
+        (on a step that rolls back or rewinds, with the state restored).
+      log: a `Log` (``path``: the JSONL file, one line per step with keys
+        ``step, loss, grad_norm, loss_scale, finite, skipped_total`` and
+        ``aux[...]`` scalars; with a step that reports ``grads_finite``, as
+        `make_train_step`'s does, that key too, and a skipped step has
+        ``skip_reason``: ``"non-finite gradients"``, ``"non-finite update"``
+        or ``"spike"``; when ``aux`` holds a
+        `jaxstable.diagnostics.CheckPoints`, its ``checks[...]``,
+        ``non_finite_checks`` and ``first_non_finite_check`` keys;
+        ``progress``: a tqdm bar; ``time_steps``: ``"time_s"`` in each
+        record, see `Log`), a bare path (``Log(path)``) or None (no file, no
+        bar).
       batch_transform: None, or ``batch_transform(batch) -> batch`` applied
         to each batch right before the step (after a resume's skip: skipped
         batches are not transformed), e.g. placing a global batch on a mesh:
         ``functools.partial(jaxstable.distributed.shard_batch, mesh=mesh)``
         with a state placed by ``distributed.shard_state`` (checkpoints are
         then written from, and restored onto, the sharded state).
-      rewind_after: skipped steps (non-finite or spikes) among the last
-        ``rewind_window`` that trigger a rewind, int >= 1 (used by
-        ``"rewind"`` only).
-      rewind_window: the window of steps those are counted in, int >=
-        ``rewind_after``.
-      rewind_skip: batches dropped after the trigger step, besides those
-        from the restore point to it, int >= 0.
-      stop_after_nonfinite: None, or an int >= 0: fit returns normally
-        (nothing raised) this many steps after the first step of the run
-        whose record has ``finite == False`` (0: stop at that step; a run
-        resumed after that step runs none). For runs
-        that are meant to fail (a naive low-precision baseline): a few steps
-        show what follows, then nothing more is learned from NaN weights.
+
+    The keywords of the old form (``max_consecutive_nonfinite``,
+    ``rollback_every``, ``checkpoint_dir``, ``eval_fn``, ``log_path``,
+    ``progress`` ...) and a string ``nan_policy`` still work for one release,
+    with a DeprecationWarning naming the new form.
 
     Any ``train_step`` with the contract above works, a pure function over a
     plain dict (or any pytree) state included; the metrics must hold
@@ -337,11 +306,12 @@ def fit(
       recorded step: a step queued after it is dropped.
 
     Raises:
-      NonFiniteError: with ``nan_policy="stop"``, or ``"rollback"`` once the
-        rollbacks are used up (the message says so); the message names the step,
-        the loss scale it used, and lists the non-finite gradient leaves
+      NonFiniteError: with `NanPolicy.stop`, or a rollback or rewind once
+        the policy's ``max`` is used up (the message says so); the message
+        names the step, the loss scale it used, and lists the non-finite gradient leaves
         (recomputed at that scale) and batch inputs.
-      ValueError: bad ``nan_policy`` (lists the valid values) or limits.
+      TypeError, ValueError: a bad argument (the message names it and what
+        is allowed).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -350,56 +320,58 @@ def fit(
       >>> state = train.TrainState.create(params=jnp.zeros(2), optimizer=tx)
       >>> step = train.make_train_step(lambda p, b: jnp.sum((p - b) ** 2))
       >>> data = [jnp.ones(2), jnp.array([jnp.nan, 1.0]), jnp.ones(2)]
-      >>> state, hist = train.fit(state, step, data, progress=False)
+      >>> state, hist = train.fit(state, step, data, log=None)
       >>> [h["finite"] for h in hist], hist[-1]["skipped_total"]
       ([True, False, True], 1)
       >>> try:
-      ...     train.fit(state, step, data[1:], nan_policy="stop",
-      ...               max_consecutive_nonfinite=1, progress=False)
+      ...     train.fit(state, step, data[1:], log=None,
+      ...               nan_policy=train.NanPolicy.stop(max_consecutive=1))
       ... except train.NonFiniteError as e:
       ...     print(e.step, "|", str(e).split(";")[0])
       0 | 1 non-finite step(s) in a row, the last at step 0
       >>> data = [jnp.ones(2), jnp.ones(2), jnp.array([jnp.nan, 1.0]), jnp.ones(2)]
       >>> before = int(state.step)
-      >>> state, hist = train.fit(state, step, data, nan_policy="rollback",
-      ...                         max_consecutive_nonfinite=1, rollback_every=2,
-      ...                         progress=False)
+      >>> policy = train.NanPolicy.rollback(max_consecutive=1, every=2)
+      >>> state, hist = train.fit(state, step, data, nan_policy=policy, log=None)
       >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
       >>> [h.get("rolled_back", False) for h in hist], int(state.step) - before
       ([False, False, True, False], 3)
       >>> data = [jnp.ones(2), jnp.array([jnp.nan, 1.0])] + [jnp.ones(2)] * 5
-      >>> state, hist = train.fit(state, step, data, progress=False, time_steps=True,
-      ...                         eval_fn=lambda s: {"p0": s.params[0]}, eval_every=2,
-      ...                         stop_after_nonfinite=2)
+      >>> state, hist = train.fit(
+      ...     state, step, data, log=train.Log(progress=False, time_steps=True),
+      ...     evaluate=(lambda s: {"p0": s.params[0]}, 2),
+      ...     nan_policy=train.NanPolicy.skip(stop_after=2))
       >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stopped 2 after step 1
       (4, ['skip_reason', "eval['p0']", 'location'])
       >>> hist[3]["eval['p0']"] == float(state.params[0]), hist[0]["time_s"] > 0
       (True, True)
     """
-    _check_fit_args(
-        nan_policy, max_consecutive_nonfinite, rollback_every, max_rollbacks, steps,
-        locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
-        time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
+    opts = _checked_options(
+        nan_policy, checkpoint, evaluate, on_step, log, batch_transform, steps,
+        CheckpointManager,
     )  # fmt: skip
-    _check_callable("batch_transform", batch_transform)
+    policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
+    checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
+    log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
     if jax.process_count() > 1:
         _check_same_on_every_process(
             checkpoint_dir=_directory(checkpoint_dir),
             checkpoint_every=checkpoint_every,
-            resume=resume, steps=steps, nan_policy=nan_policy,
-            max_consecutive_nonfinite=max_consecutive_nonfinite,
-            rollback_to=rollback_to, rollback_every=rollback_every,
-            locate_first=locate_first, eval_every=eval_every,
-            stop_after_nonfinite=stop_after_nonfinite,
+            resume=resume, steps=steps, nan_policy=repr(policy),
+            eval_every=eval_every,
         )  # fmt: skip
     peers = _Peers()
-    _check_rewind_args(rewind_after, rewind_window, rewind_skip)
     mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
         state, start, resumed = _resume(mgr, state, resume)
-        if mgr is not None and rollback_to == "disk" and mgr.latest_step() is None:
+        to_disk = policy.restores and policy.restore_to == "disk"
+        if mgr is not None and to_disk and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
-        return _run(**locals())
+        return _run(
+            state, train_step, batches, steps, policy, log, checkpoint_every,
+            eval_fn, eval_every, on_step, mgr, start, batch_transform, resumed,
+            peers,
+        )  # fmt: skip
     except BaseException as e:
         message = peers.failed(e)
         if message is not None:
@@ -418,180 +390,144 @@ def fit(
 
 
 def _run(
-    state, train_step, batches, steps, nan_policy, max_consecutive_nonfinite,
-    log_path, progress, checkpoint_every, rollback_every, max_rollbacks,
-    locate_first, time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
-    rollback_to, mgr, start, batch_transform, resumed, peers, rewind_after,
-    rewind_window, rewind_skip, **_,
+    state, train_step, batches, steps, policy, log, checkpoint_every, eval_fn,
+    eval_every, on_step, mgr, start, batch_transform, resumed, peers,
 ):  # fmt: skip
-    """The loop of `fit` from global step `start` (its arguments checked)."""
+    """The loop of `fit` from global step `start` (its arguments checked):
+    `FitLoop` over a `_JaxAdapter`. Returns ``(state, history)``."""
     from tqdm.auto import tqdm  # imported here: only fit needs it
 
     total = steps
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
-    policy = _NanPolicy(
-        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite, (rewind_after, rewind_window, rewind_skip),
-    )  # fmt: skip
-    policy.load(resumed.get("fit_state"), start)
-    if "snapshot" not in resumed:  # the snapshot is the state resumed
-        policy.snapshot_at = start
-    # A run that stop_after_nonfinite ended before its checkpoint: no step.
-    ended = policy.stop_due(start - 1)
-    it = _batches_from(batches, start, start if ended else steps)
-    if batch_transform is not None:
-        it = map(batch_transform, it)
-    # The lookahead needs each step's output state to outlive the next
-    # dispatch whenever fit reads it (policy, callback, eval, early stop):
-    # only a step that does not donate its input keeps it.
-    reads_state = nan_policy != "skip" or on_step is not None
-    reads_state = reads_state or eval_fn is not None
-    reads_state = reads_state or stop_after_nonfinite is not None
-    pipeline = not time_steps and (not reads_state or not _may_donate(train_step))
-    history: list[dict[str, Any]] = []
+
+    def data_from(stop):
+        it = _batches_from(batches, start, stop)
+        return it if batch_transform is None else map(batch_transform, it)
+
     # Under jax.distributed process 0 alone writes the log and the progress.
     primary = jax.process_index() == 0
     bar = tqdm(
-        total=total, initial=start, disable=not progress or not primary, desc="train"
-    )
-    log_path = log_path if primary else None
-    log = _open_log(log_path, start if mgr is not None and start else None)
-    rollback = nan_policy in _RESTORES
-    # A device copy: the step may donate `state`, never the snapshot. A
-    # resumed run goes on with the snapshot its checkpoint saved.
-    in_memory = rollback and rollback_to == "memory"
-    snapshot = resumed.get("snapshot", state) if in_memory else None
-    snapshot = jax.tree.map(jnp.copy, snapshot) if in_memory else None
+        total=total, initial=start, disable=not log.progress or not primary,
+        desc="train",
+    )  # fmt: skip
+    resuming = mgr is not None and start
+    out = _open_log(log.path if primary else None, start if resuming else None)
+    adapter = _JaxAdapter(train_step, state, policy, log, eval_fn, on_step, mgr)
+    adapter.snapshot_from(resumed.get("snapshot", state))
+    adapter.peers = peers
+    peers.step = start  # the step being loaded or run (named if this one fails)
+    at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
+    loop = _FitLoop(
+        adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
+        checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+    )  # fmt: skip
+    history = loop.run()
+    return adapter.state, history
 
-    def consume(pending) -> str | None:
-        """Logs one step, applies the policy: "rollback", "stop" or None."""
-        nonlocal snapshot
-        index, metrics, batch, state_out, seconds = pending
+
+class _JaxAdapter:
+    """`FitLoop`'s adapter for a JAX train step: it holds the state.
+
+    A pending step is ``(index, metrics, batch, state_out, seconds)``. The
+    lookahead (metrics of step k read after step k+1 is queued) is kept
+    unless fit reads each step's output state (policy, callback, eval, early
+    stop) and the step donates its input (it would be gone), or steps are
+    timed.
+    """
+
+    def __init__(self, train_step, state, policy, log, eval_fn, on_step, mgr):
+        self.train_step, self.state, self.policy = train_step, state, policy
+        self.eval_fn, self.mgr, self.time_steps = eval_fn, mgr, log.time_steps
+        reads_state = policy.kind != "skip" or on_step is not None
+        reads_state = reads_state or eval_fn is not None
+        reads_state = reads_state or policy.stop_after is not None
+        self.lookahead = not log.time_steps and (
+            not reads_state or not _may_donate(train_step)
+        )
+        self.in_memory = policy.restores and policy.restore_to == "memory"
+        self.snapshot_state = None
+        self.peers = None
+
+    def snapshot_from(self, state) -> None:
+        # A device copy: the step may donate `state`, never the snapshot. A
+        # resumed run goes on with the snapshot its checkpoint saved.
+        if self.in_memory:
+            self.snapshot_state = jax.tree.map(jnp.copy, state)
+
+    def run_step(self, index: int, batch: Any):
+        t0 = time.perf_counter()
+        new_state, metrics = self.train_step(self.state, batch)
+        # The step being run or saved next, named if this process fails.
+        self.peers.step = index + 1
+        seconds = None
+        if self.time_steps:
+            jax.block_until_ready((new_state, metrics))
+            seconds = time.perf_counter() - t0
+        self.state = new_state
+        return index, metrics, batch, new_state, seconds
+
+    def record(self, pending) -> dict[str, Any]:
+        index, metrics, _, _, seconds = pending
         rec = _host_record(index, metrics)
         if seconds is not None:
             rec["time_s"] = seconds
-        if eval_fn is not None and (index + 1) % eval_every == 0:
-            rec.update(_scalar_record("eval", eval_fn(state_out)))
-        action = policy.observe(index, rec["finite"])
-        if action == "rollback":
-            rec["rolled_back"] = True
-        elif action == "rewind":
-            if not in_memory:
-                # An async save still in flight (the checkpoint of this very
-                # step's period) is not on disk yet, but the restore waits for
-                # it: wait here too, or the record names the one before it.
-                mgr.wait()
-            at = policy.snapshot_at if in_memory else mgr.latest_step()
-            rec.update(policy.rewind_record(index, at))
-        location = None
-        if policy.wants_location(_located_kind(rec), action):
-            location = _locate_failed(train_step, state_out, metrics, batch, pipeline)
-            if location is not False:
-                policy.located += 1
-                rec["location"] = None if location is None else location._asdict()
-        history.append(rec)
-        if log is not None:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-        _show(bar, rec)
-        wants_stop = on_step is not None and on_step(rec, state_out) is True
-        if action in _RESTORES:
-            return action
-        if action == "raise":
-            _raise_non_finite(
-                train_step, rec, policy.run, batch, state_out, metrics, history,
-                nan_policy, max_rollbacks, location or None,
-            )  # fmt: skip
-        if in_memory and rec["finite"] and (index + 1) % rollback_every == 0:
-            # Read before the next step is queued (see snapshot_due), so a
-            # donating step has not consumed state_out yet.
-            snapshot = jax.tree.map(jnp.copy, state_out)
-            policy.snapshot_at = index + 1
-        return "stop" if wants_stop or policy.stop_due(index) else None
+        return rec
 
-    def restored(current):
-        if not in_memory:  # the last good checkpoint on disk
-            return mgr.restore(current)[0]
+    def evaluate(self, pending) -> dict[str, float]:
+        return _scalar_record("eval", self.eval_fn(pending[3]))
+
+    def observed(self, rec) -> None:
+        del rec  # optax schedules follow the optimizer's own count
+
+    def locate(self, pending, rec):
+        del rec
+        _, metrics, batch, state_out, _ = pending
+        return _locate_failed(
+            self.train_step, state_out, metrics, batch, self.lookahead
+        )
+
+    def callback_arg(self, pending):
+        return pending[3]
+
+    def any(self, flag: bool) -> bool:
+        return flag  # every process computes the same records
+
+    def keep(self, pending) -> None:
+        self.state = pending[3]
+
+    def restore(self) -> None:
+        if not self.in_memory:  # the last good checkpoint on disk
+            self.state = self.mgr.restore(self.state)[0]
+            return
         # A copy again: a donating step must leave the snapshot intact for
         # the next rollback.
-        return jax.tree.map(jnp.copy, snapshot)
+        self.state = jax.tree.map(jnp.copy, self.snapshot_state)
 
-    def save(done, state, metrics=None):
+    def snapshot(self, pending) -> None:
+        # Read before the next step is queued (the loop finishes a snapshot
+        # step at once), so a donating step has not consumed it yet.
+        self.snapshot_state = jax.tree.map(jnp.copy, pending[3])
+
+    def latest_checkpoint(self) -> int:
+        # An async save still in flight (the checkpoint of this very step's
+        # period) is not on disk yet, but the restore waits for it: wait
+        # here too, or the record names the one before it.
+        self.mgr.wait()
+        return self.mgr.latest_step()
+
+    def save(self, done: int, metrics, fit_state: dict, keep: bool) -> None:
         # With the NaN policy's state and, unless it is this very state, the
         # rollback snapshot: a resumed run goes on as the uninterrupted one.
-        kept = snapshot if in_memory and policy.snapshot_at != done else None
-        mgr._save(done, state, None, metrics, policy.state(), kept)
+        kept = self.snapshot_state if keep else None
+        self.mgr._save(done, self.state, None, metrics, fit_state, kept)
 
-    def drop(n: int) -> None:
-        """Skips the next `n` batches (a rewind's data window)."""
-        nonlocal done
-        dropped = sum(1 for _ in itertools.islice(it, n))
-        done += dropped
-        bar.update(dropped)
-
-    pending = None
-    done = start  # steps of the run dispatched so far
-    peers.step = done  # the step being loaded or run (named if this one fails)
-    at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
-    saved_at = start if at_start else None
-    stopped = ended  # by on_step or stop_after_nonfinite
-    try:
-        for batch in it:
-            t0 = time.perf_counter()
-            new_state, metrics = train_step(state, batch)
-            seconds = None
-            if time_steps:
-                jax.block_until_ready((new_state, metrics))
-                seconds = time.perf_counter() - t0
-            # Step done-1, read after step done is queued. If it rolled back,
-            # the step just queued ran on a discarded state: re-run its batch
-            # on the snapshot (it is the next batch, not a bad one retried).
-            # If it stopped the run, the step just queued is dropped.
-            action = None if pending is None else consume(pending)
-            if action == "stop":
-                state, pending, stopped = pending[3], None, True
-                break
-            if action == "rewind" and rewind_skip:
-                # This batch ran on a discarded state: it is the first of
-                # the rewind_skip batches dropped after the trigger.
-                state, pending, done = restored(new_state), None, done + 1
-                bar.update(1)
-                drop(rewind_skip - 1)
-                continue
-            if action in _RESTORES:
-                new_state, metrics = train_step(restored(new_state), batch)
-            pending = (done, metrics, batch, new_state, seconds)
-            done += 1
-            peers.step = done
-            state = new_state
-            due = checkpoint_every is not None and done % checkpoint_every == 0
-            snapshot_due = in_memory and done % rollback_every == 0
-            if not pipeline or due or snapshot_due:
-                # A checkpoint is written only after its step passed the check.
-                action = consume(pending)
-                pending = None
-                if action in _RESTORES:
-                    state = restored(state)
-                    drop(rewind_skip if action == "rewind" else 0)
-                elif action == "stop":
-                    stopped = True
-                    break
-            if due:
-                save(done, state, history[-1] if history else None)
-                saved_at = done
-        if pending is not None and consume(pending) in _RESTORES:
-            state = restored(state)
-            drop(rewind_skip if nan_policy == "rewind" else 0)
-        if mgr is not None and saved_at != done:
-            save(done, state)  # the final checkpoint
-        if not stopped:
-            _warn_if_short(steps, start, done)
-    finally:
-        bar.close()
-        if log is not None:
-            log.close()
-    return state, history
+    def raise_non_finite(self, rec, run, pending, history, policy, location):
+        _, metrics, batch, state_out, _ = pending
+        _raise_non_finite(
+            self.train_step, rec, run, batch, state_out, metrics, history, policy,
+            location or None,
+        )  # fmt: skip
 
 
 def _directory(checkpoint_dir) -> str | None:
@@ -853,8 +789,7 @@ def _raise_non_finite(
     state_out,
     metrics,
     history,
-    nan_policy="stop",
-    max_rollbacks=0,
+    policy=None,
     location=None,
 ):
     # state_out is the failing step's own output: a non-finite step leaves
@@ -875,7 +810,7 @@ def _raise_non_finite(
         f"{consecutive} non-finite step(s) in a row, the last at step "
         f"{rec['step']}; loss={rec['loss']:.6g}, grad_norm={rec['grad_norm']:.6g}, "
         f"loss_scale={scale} (the scale that step used); its update was skipped "
-        f"({_policy_note(nan_policy, max_rollbacks)}).",
+        f"({_policy_note(policy or NanPolicy.stop())}).",
         f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
     ]
     if rec.get("skip_reason") == "non-finite update":
@@ -918,9 +853,3 @@ def _locate_failed(train_step, state_out, metrics, batch, pipeline):
     used = StaticLossScale(metrics["loss_scale"])
     # finite=False: the compiled step was not applied (no need to re-run it).
     return locate(train_step, state_out.replace(loss_scale=used), batch, finite=False)
-
-
-def _located_kind(rec: dict[str, Any]) -> bool:
-    """False when the step has non-finite values for `locate` to find: a
-    step skipped as a spike was finite (its re-run would find nothing)."""
-    return rec["finite"] or rec.get("skip_reason") == "spike"

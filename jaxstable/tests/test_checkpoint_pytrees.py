@@ -78,11 +78,11 @@ def test_an_nnx_model_with_batch_norm_and_a_key_resumes_bitwise(tmp_path):
     rng = np.random.default_rng(0)
     data = [jnp.asarray(rng.normal(size=(8, 3)), jnp.float32) for _ in range(6)]
     data[2] = data[2].at[0, 0].set(jnp.nan)  # a skipped step in between
-    kw = {"progress": False, "locate_first": 0}
+    kw = {"log": None, "nan_policy": train.NanPolicy.skip(locate_first=0)}
     full, hist = train.fit(_nnx_state(), _STEP, data, **kw)
-    kw["checkpoint_dir"] = tmp_path
-    train.fit(_nnx_state(), _STEP, data, steps=3, **kw)  # "killed" after 3
-    resumed, rest = train.fit(_nnx_state(), _STEP, data, resume=True, **kw)
+    ckpt = train.Checkpointing(tmp_path, resume=True)
+    train.fit(_nnx_state(), _STEP, data, steps=3, checkpoint=ckpt, **kw)  # killed
+    resumed, rest = train.fit(_nnx_state(), _STEP, data, checkpoint=ckpt, **kw)
     assert [r["step"] for r in rest] == [3, 4, 5] and not hist[2]["finite"]
     assert type(resumed.params) is nnx.State
     assert type(resumed.model_state["stats"]) is nnx.State

@@ -230,9 +230,12 @@ def test_fit_records_name_the_non_finite_points_in_order(tmp_path):
     step = train.make_train_step(_checked_loss, has_aux=True)
     log = tmp_path / "log.jsonl"
     _, (first, last) = train.fit(
-        _checks_state(), step, [_xs(False), _xs(True)], progress=False,
-        log_path=log, locate_first=0,
-    )  # fmt: skip
+        _checks_state(),
+        step,
+        [_xs(False), _xs(True)],
+        log=train.Log(log, progress=False),
+        nan_policy=train.NanPolicy.skip(locate_first=0),
+    )
     assert (first["non_finite_checks"], first["first_non_finite_check"]) == ([], None)
     assert last["non_finite_checks"] == ["log", "loss"]
     assert last["first_non_finite_check"] == "log"

@@ -546,7 +546,7 @@ def test_fit_batch_transform_runs_after_the_resume_skip(tmp_path):
     # The step trained on the transformed batches (2*i), not on data.
     assert hist[0]["loss"] == 0.0 and hist[1]["loss"] == 8.0
     with pytest.raises(TypeError, match="batch_transform must be None or a callable"):
-        train.fit(state, step, data, batch_transform=2, progress=False)
+        train.fit(state, step, data, batch_transform=2, log=None)
 
 
 def test_axis_name_refuses_bad_input():

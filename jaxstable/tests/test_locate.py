@@ -387,10 +387,8 @@ def test_fit_stop_puts_location_in_error_and_record(tmp_path):
             state,
             step,
             [_xy()],
-            nan_policy="stop",
-            max_consecutive_nonfinite=1,
-            progress=False,
-            log_path=log,
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+            log=train.Log(log, progress=False),
         )
     loc = err.value.location
     assert (loc.phase, loc.path) == ("forward", "layers.2")
@@ -403,7 +401,9 @@ def test_fit_stop_puts_location_in_error_and_record(tmp_path):
 def test_fit_skip_locates_the_first_n_non_finite_steps():
     step, state = _net_step()
     batches = [_xy(), _xy(jnp.zeros((4, 8))), _xy(), _xy()]
-    _, hist = train.fit(state, step, batches, progress=False, locate_first=2)
+    _, hist = train.fit(
+        state, step, batches, log=None, nan_policy=train.NanPolicy.skip(locate_first=2)
+    )
     assert [h["finite"] for h in hist] == [False, True, False, False]
     assert [h.get("location", {}).get("path") for h in hist] == [
         "layers.2",
@@ -412,10 +412,22 @@ def test_fit_skip_locates_the_first_n_non_finite_steps():
         None,
     ]
     assert "location" not in hist[3]
-    _, hist = train.fit(state, step, batches[:1], progress=False, locate_first=0)
+    _, hist = train.fit(
+        state,
+        step,
+        batches[:1],
+        log=None,
+        nan_policy=train.NanPolicy.skip(locate_first=0),
+    )
     assert "location" not in hist[0]
     with pytest.raises(ValueError, match="locate_first must be an int >= 0"):
-        train.fit(state, step, batches, progress=False, locate_first=-1)
+        train.fit(
+            state,
+            step,
+            batches,
+            log=None,
+            nan_policy=train.NanPolicy.skip(locate_first=-1),
+        )
 
 
 def test_format_location_of_a_real_case():

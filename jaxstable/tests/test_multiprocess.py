@@ -143,7 +143,7 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return load(batch)
 
-        train.fit(state, step, batches, progress=False, batch_transform=die_first)
+        train.fit(state, step, batches, log=None, batch_transform=die_first)
         return
 
     def run(state, directory, **kw):
@@ -183,9 +183,12 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
         # process before any step (it aborted both with a collective mismatch).
         try:
             train.fit(
-                state, step, batches, progress=False,
-                checkpoint_dir=os.path.join(out, "ckpt2") if pid == 0 else None,
-            )  # fmt: skip
+                state,
+                step,
+                batches,
+                log=None,
+                checkpoint=os.path.join(out, "ckpt2") if pid == 0 else None,
+            )
             result["process_0_only"] = None
         except ValueError as e:
             result["process_0_only"] = str(e)
@@ -193,9 +196,13 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
         # report gathered from the FSDP shards), none is ended by another.
         try:
             train.fit(
-                state, step, batches, progress=False, nan_policy="stop",
-                max_consecutive_nonfinite=1, batch_transform=load,
-            )  # fmt: skip
+                state,
+                step,
+                batches,
+                log=None,
+                nan_policy=train.NanPolicy.stop(max_consecutive=1),
+                batch_transform=load,
+            )
             result["stop"] = None
         except train.NonFiniteError as e:
             result["stop"] = [e.step, str(e)]
@@ -216,7 +223,7 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
         # The loader of process 1 raises at step RAISE_AT of a new run.
         calls.clear()
         failing = True
-        train.fit(state, step, batches, progress=False, batch_transform=load)
+        train.fit(state, step, batches, log=None, batch_transform=load)
 
 
 def _free_port() -> int:

@@ -231,10 +231,8 @@ def test_fit_logs_and_skips(tmp_path, capsys):
         _state(),
         _STEP,
         batches,
-        log_path=log,
-        progress=True,
-        checkpoint_dir=tmp_path / "ckpt",
-        checkpoint_every=4,
+        log=train.Log(log, progress=True),
+        checkpoint=train.Checkpointing(tmp_path / "ckpt", every=4),
     )
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert json.dumps(lines) == json.dumps(hist) and len(hist) == 6  # NaN != NaN
@@ -262,7 +260,7 @@ def test_fit_logs_and_skips(tmp_path, capsys):
     jax.tree.map(np.testing.assert_array_equal, restored.params, state.params)
     assert float(restored.loss_scale.loss_scale) == float(state.loss_scale.loss_scale)
     assert int(restored.skipped_total) == 1
-    _, short = train.fit(_state(), _STEP, iter(batches), steps=2, progress=False)
+    _, short = train.fit(_state(), _STEP, iter(batches), steps=2, log=None)
     assert len(short) == 2
 
 
@@ -273,9 +271,8 @@ def test_fit_stop_raises_with_report():
             _state(),
             _STEP,
             batches,
-            nan_policy="stop",
-            max_consecutive_nonfinite=3,
-            progress=False,
+            nan_policy=train.NanPolicy.stop(max_consecutive=3),
+            log=None,
         )
     err = info.value
     assert isinstance(err, FloatingPointError)
@@ -309,12 +306,9 @@ def test_fit_stop_state_is_that_of_the_failing_step(tmp_path, donate, every):
             _state(),
             step,
             batches,
-            nan_policy="stop",
-            max_consecutive_nonfinite=2,
-            progress=False,
-            log_path=tmp_path / "log.jsonl",
-            checkpoint_dir=tmp_path / "ck",
-            checkpoint_every=every,
+            nan_policy=train.NanPolicy.stop(max_consecutive=2),
+            log=train.Log(tmp_path / "log.jsonl", progress=False),
+            checkpoint=train.Checkpointing(tmp_path / "ck", every=every),
         )
     err = info.value
     assert err.step == 2 and int(err.state.step) == 3
@@ -341,9 +335,8 @@ def test_fit_stop_report_uses_the_scale_the_failing_step_used():
             state,
             step,
             [jnp.float32(7e33)],
-            nan_policy="stop",
-            max_consecutive_nonfinite=1,
-            progress=False,
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+            log=None,
         )
     err = info.value
     assert [r.path for r in err.report] == ["['w']"]
@@ -359,8 +352,8 @@ def test_fit_checkpoint_dir_alone_writes_a_final_checkpoint(tmp_path):
         _state(),
         _STEP,
         [_batch(i) for i in range(3)],
-        progress=False,
-        checkpoint_dir=tmp_path,
+        log=None,
+        checkpoint=tmp_path,
     )
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
     restored = train.load_checkpoint(tmp_path / "step_00000003", _state())
@@ -554,11 +547,8 @@ def test_fit_rollback_snapshot_survives_two_restores(donate):
         _state(),
         step,
         batches,
-        nan_policy="rollback",
-        max_consecutive_nonfinite=2,
-        rollback_every=2,
-        max_rollbacks=2,
-        progress=False,
+        nan_policy=train.NanPolicy.rollback(max_consecutive=2, every=2, max=2),
+        log=None,
     )
     snap = _run(_state(), _STEP, batches[:2])
     # Batch 4 trained on S2, but its result is dropped by the second rollback.
@@ -575,12 +565,8 @@ def test_fit_rollbacks_exhausted_raise_like_stop(tmp_path):
             _state(),
             step,
             batches,
-            nan_policy="rollback",
-            max_consecutive_nonfinite=2,
-            rollback_every=1,
-            max_rollbacks=1,
-            progress=False,
-            log_path=tmp_path / "log.jsonl",
+            nan_policy=train.NanPolicy.rollback(max_consecutive=2, every=1, max=1),
+            log=train.Log(tmp_path / "log.jsonl", progress=False),
         )
     err = info.value
     assert err.step == 4  # rollback at step 2, then 3 and 4 hit the limit again
@@ -647,9 +633,11 @@ def test_load_checkpoint_lists_at_most_twelve_leaves_and_counts_the_rest(tmp_pat
 
 def test_fit_times_steps_only_when_asked():
     data = [_batch(i) for i in range(3)]
-    _, hist = train.fit(_state(), _STEP, data, progress=False)
+    _, hist = train.fit(_state(), _STEP, data, log=None)
     assert all("time_s" not in r for r in hist)
-    _, hist = train.fit(_state(), _STEP, data, progress=False, time_steps=True)
+    _, hist = train.fit(
+        _state(), _STEP, data, log=train.Log(progress=False, time_steps=True)
+    )
     assert all(r["time_s"] > 0 for r in hist)
 
 
@@ -663,7 +651,7 @@ def test_fit_on_step_sees_each_state_and_can_stop(donate):
         return rec["step"] == 2  # stop after the third step
 
     data = [_batch(i) for i in range(6)]
-    state, hist = train.fit(_state(), step, data, progress=False, on_step=on_step)
+    state, hist = train.fit(_state(), step, data, log=None, on_step=on_step)
     assert [r for r, _, _ in seen] == hist and len(hist) == 3
     assert [n for _, n, _ in seen] == [1, 2, 3] and int(state.step) == 3
     # the returned state is the third step's own (the one queued after it was
@@ -679,9 +667,7 @@ def test_fit_eval_every_adds_eval_keys_of_that_steps_state():
         return {"b": state.params["b1"][0], "vec": state.params["b1"]}
 
     data = [_batch(i) for i in range(5)]
-    _, hist = train.fit(
-        _state(), _STEP, data, progress=False, eval_fn=eval_fn, eval_every=2
-    )
+    _, hist = train.fit(_state(), _STEP, data, log=None, evaluate=(eval_fn, 2))
     assert calls == [2, 4]
     assert ["eval['b']" in r for r in hist] == [False, True, False, True, False]
     assert all("eval['vec']" not in r for r in hist)  # scalars only, as aux
@@ -691,11 +677,13 @@ def test_fit_eval_every_adds_eval_keys_of_that_steps_state():
 def test_fit_stop_after_nonfinite_returns_n_steps_after_the_first():
     data = [_batch(0), _batch(1, nan=True)] + [_batch(i) for i in range(2, 9)]
     state, hist = train.fit(
-        _state(), _STEP, data, progress=False, stop_after_nonfinite=3
+        _state(), _STEP, data, log=None, nan_policy=train.NanPolicy.skip(stop_after=3)
     )
     assert [r["finite"] for r in hist] == [True, False, True, True, True]
     assert int(state.step) == 5
-    _, hist = train.fit(_state(), _STEP, data, progress=False, stop_after_nonfinite=0)
+    _, hist = train.fit(
+        _state(), _STEP, data, log=None, nan_policy=train.NanPolicy.skip(stop_after=0)
+    )
     assert len(hist) == 2
 
 
@@ -717,13 +705,20 @@ def test_fit_runs_a_plain_step_over_a_dict_state():
     data = [_batch(0), _batch(1, nan=True), _batch(2), _batch(3)]
     start = {"params": _init_params(), "count": jnp.zeros([], jnp.int32)}
     step = jax.jit(_plain_sgd_step)
-    state, hist = train.fit(start, step, data, progress=False, stop_after_nonfinite=1)
+    state, hist = train.fit(
+        start, step, data, log=None, nan_policy=train.NanPolicy.skip(stop_after=1)
+    )
     assert [r["finite"] for r in hist] == [True, False, False]
     assert int(state["count"]) == 3
     # the stop policy raises its error (it used to fail on state.params)
     with pytest.raises(train.NonFiniteError, match="non-finite parameters") as e:
-        train.fit(start, step, data, progress=False, nan_policy="stop",
-                  max_consecutive_nonfinite=1)  # fmt: skip
+        train.fit(
+            start,
+            step,
+            data,
+            log=None,
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+        )
     assert e.value.step == 1 and e.value.report == []
 
 
@@ -741,6 +736,8 @@ def test_fit_extras_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         train.fit(_state(), _STEP, [_batch(0)], progress=False, **kwargs)
     with pytest.raises(TypeError, match="on_step must be None or a callable"):
-        train.fit(_state(), _STEP, [_batch(0)], progress=False, on_step=3)
+        train.fit(_state(), _STEP, [_batch(0)], log=None, on_step=3)
     with pytest.raises(TypeError, match="time_steps must be True or False"):
-        train.fit(_state(), _STEP, [_batch(0)], progress=False, time_steps=1)
+        train.fit(
+            _state(), _STEP, [_batch(0)], log=train.Log(progress=False, time_steps=1)
+        )

@@ -77,7 +77,11 @@ _STATE_KEYS = ("model", "optimizer", "scaler", "skip_state", "steps_done")
 # dtype]} in the optimizer's order: its state is keyed by these names.
 _PARAMS_KEY = "params"
 # Keys of the payload besides the state dict's.
-_EXTRA_KEYS = (_CLASSES_KEY, "rng", "data_position", _PARAMS_KEY, "snapshot")
+# "fit_extras": what fit keeps besides the step (its schedulers' states,
+# the RNG state its data was iterated with).
+_EXTRA_KEYS = (
+    _CLASSES_KEY, "rng", "data_position", _PARAMS_KEY, "snapshot", "fit_extras"
+)  # fmt: skip
 # The largest header read; a header is ~200 bytes.
 _MAX_HEADER = 1 << 16
 _NAME = re.compile(r"^step_(\d{8,})\.pt$")
@@ -121,6 +125,7 @@ def _encode(
     metrics: Any,
     fit_state: dict | None = None,
     snapshot: dict | None = None,
+    fit_extras: dict | None = None,
 ) -> bytes:
     """Header line + payload of one checkpoint (the payload a deep copy)."""
     state = dict(step.state_dict())
@@ -135,6 +140,8 @@ def _encode(
     state["data_position"] = data_position
     if snapshot is not None:
         state["snapshot"] = snapshot
+    if fit_extras is not None:
+        state["fit_extras"] = fit_extras
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getvalue()
@@ -395,6 +402,8 @@ def _load(path: Any, step: Any, restore_rng: bool, expected: int | None = None):
     header["data_position"] = extras.get("data_position", header.get("data_position"))
     if snapshot is not None:
         header["snapshot"] = snapshot
+    if extras.get("fit_extras") is not None:
+        header["fit_extras"] = extras["fit_extras"]
     return header
 
 
@@ -601,9 +610,10 @@ class CheckpointManager:
         metrics: dict[str, Any] | None = None,
         fit_state: dict | None = None,
         snapshot: dict | None = None,
+        fit_extras: dict | None = None,
     ) -> None:
-        """`save`, plus what `fit` keeps: its NaN-policy state and rollback
-        snapshot (both under the checksum)."""
+        """`save`, plus what `fit` keeps: its NaN-policy state, rollback
+        snapshot and extras (schedulers, data RNG), all under the checksum."""
         _check_int("step", step, 0)
         self.wait()
         kept = None
@@ -616,14 +626,19 @@ class CheckpointManager:
             import torch.distributed as dist
 
             path = os.path.join(self.directory, f"step_{step:08d}.dcp")
-            _save_dcp(path, train_step, step, position, kept, fit_state, snapshot)
+            _save_dcp(
+                path, train_step, step, position, kept, fit_state, snapshot,
+                fit_extras,
+            )  # fmt: skip
             if dist.get_rank() == 0:
                 file = os.path.join(self.directory, f"step_{step:08d}.pt")
                 if os.path.isfile(file):  # the same step, saved unsharded
                     os.remove(file)
                 self._prune(step)
             return
-        data = _encode(train_step, step, position, kept, fit_state, snapshot)
+        data = _encode(
+            train_step, step, position, kept, fit_state, snapshot, fit_extras
+        )
         path = os.path.join(self.directory, f"step_{step:08d}.pt")
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)  # a stray directory of that name (a file is replaced)
@@ -676,7 +691,9 @@ class CheckpointManager:
           ``(train_step, info)`` with ``info = {"step": n, "data_position": p}``;
           for a checkpoint written by `fit`, also ``"fit_state"`` (its
           NaN-policy state) and, when it saved one, ``"snapshot"`` (its
-          rollback snapshot, a ``state_dict`` for this `train_step`).
+          rollback snapshot, a ``state_dict`` for this `train_step`) and
+          ``"fit_extras"`` (its schedulers' states, the RNG state its data
+          was iterated with).
 
         Raises:
           FileNotFoundError: no intact checkpoint (each damaged one warned of).
@@ -714,6 +731,8 @@ class CheckpointManager:
                 info["fit_state"] = header["fit_state"]
             if header.get("snapshot") is not None:
                 info["snapshot"] = header["snapshot"]
+            if header.get("fit_extras") is not None:
+                info["fit_extras"] = header["fit_extras"]
             return train_step, info
         raise FileNotFoundError(
             f"no intact checkpoint in {self.directory!r} (steps on disk: "
@@ -1040,6 +1059,7 @@ def _save_dcp(
     metrics: Any,
     fit_state: dict | None = None,
     snapshot: dict | None = None,
+    fit_extras: dict | None = None,
 ) -> None:
     """Writes `step` as the DCP checkpoint directory `path` (a collective:
     every rank calls it and writes its shards; rank 0 writes the header).
@@ -1075,6 +1095,8 @@ def _save_dcp(
                 names = _param_names(step)[0]
                 by_name = _optimizer_state(snapshot["optimizer"], _by_name, names)
                 payload["snapshot"] = {**snapshot, "optimizer": by_name}
+            if fit_extras is not None:
+                payload["fit_extras"] = fit_extras
             buf = io.BytesIO()
             torch.save(payload, buf)
             header = {
@@ -1217,6 +1239,8 @@ def _load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
     if snapshot is not None:
         by_index = _to_index(snapshot["optimizer"], names, step)
         out["snapshot"] = {**snapshot, "optimizer": by_index}
+    if extras.get("fit_extras") is not None:
+        out["fit_extras"] = extras["fit_extras"]
     return out
 
 

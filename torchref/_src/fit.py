@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -12,20 +11,19 @@ from typing import Any
 
 import torch
 
-from _stablecore.checks import check_callable as _check_callable
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
-from _stablecore.fit import RESTORES as _RESTORES
 from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
-from _stablecore.fit import NanPolicy as _NanPolicy
+from _stablecore.fit import Checkpointing as Checkpointing
+from _stablecore.fit import Log as Log
+from _stablecore.fit import accepts_old_keywords
 from _stablecore.fit import add_skip_reason as _add_skip_reason
 from _stablecore.fit import batches_from as _batches_from
-from _stablecore.fit import check_fit_args as _check_fit_args
-from _stablecore.fit import check_rewind_args as _check_rewind_args
+from _stablecore.fit import checked_options as _checked_options
 from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
-from _stablecore.fit import show as _show
-from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
+from _stablecore.loop import FitLoop as _FitLoop
+from _stablecore.nan_policy import NanPolicy as NanPolicy
 from torchref._src.checkpoint import CheckpointManager, _is_sharded
 from torchref._src.diagnostics import (
     check_record,
@@ -43,9 +41,9 @@ from torchref._src.step import TrainStep
 class NonFiniteError(FloatingPointError):
     """Training stopped on non-finite gradients.
 
-    Raised by `fit` with ``nan_policy="stop"`` at the first run of
-    ``max_consecutive_nonfinite`` non-finite steps; with ``"rollback"`` once
-    ``max_rollbacks`` rollbacks have been used.
+    Raised by `fit` with `NanPolicy.stop` at the first run of
+    ``max_consecutive`` non-finite steps; with `NanPolicy.rollback` or
+    `NanPolicy.rewind` once its ``max`` rollbacks have been used.
 
     Attributes:
         step: 0-based index (in the run, see `fit`) of the step that hit the
@@ -112,31 +110,23 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     return rec
 
 
+_SKIP = NanPolicy.skip()
+_LOG = Log()
+
+
+@accepts_old_keywords
 def fit(
     step: TrainStep,
     batches: Iterable[Any],
     *,
     steps: int | None = None,
-    nan_policy: str = "skip",
-    max_consecutive_nonfinite: int = 5,
-    log_path: str | os.PathLike | None = None,
-    progress: bool = True,
-    checkpoint_dir: str | os.PathLike | CheckpointManager | None = None,
-    checkpoint_every: int | None = None,
-    rollback_every: int = 100,
-    max_rollbacks: int = 3,
-    locate_first: int = 1,
-    time_steps: bool = False,
-    eval_fn: Callable[[Any], Any] | None = None,
-    eval_every: int | None = None,
+    nan_policy: NanPolicy = _SKIP,
+    checkpoint: Checkpointing | str | os.PathLike | CheckpointManager | None = None,
+    evaluate: tuple[Callable[[Any], Any], int] | None = None,
     on_step: Callable[[dict[str, Any], Any], Any] | None = None,
-    stop_after_nonfinite: int | None = None,
-    resume: bool = False,
-    rollback_to: str = "memory",
+    log: Log | str | os.PathLike | None = _LOG,
     batch_transform: Callable[[Any], Any] | None = None,
-    rewind_after: int = 3,
-    rewind_window: int = 100,
-    rewind_skip: int = 0,
+    schedulers: Any = None,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -144,219 +134,158 @@ def fit(
     is ``{"step": i, loss, grad_norm, loss_scale, finite, skipped_total}``
     plus one ``aux[...]`` key per scalar leaf of ``aux`` (i 0-based); with a
     step that reports ``grads_finite`` (a `TrainStep`) that key too, and on a
-    skipped step ``skip_reason`` (``"non-finite gradients"`` or
-    ``"non-finite update"``); when ``aux`` holds a
+    skipped step ``skip_reason`` (``"non-finite gradients"``,
+    ``"non-finite update"`` or ``"spike"``); when ``aux`` holds a
     `torchref.diagnostics.CheckPoints`, its ``checks[...]``,
-    ``non_finite_checks`` and ``first_non_finite_check`` keys (see
-    `torchref.diagnostics.check_record`): the same record as
-    `jaxstable.train.fit`.
-    `log_path` is overwritten at the start of the call (unless it resumes,
-    see below) and gets one JSON line
-    per step with keys step, loss, grad_norm, loss_scale, finite,
-    skipped_total (python's json writes non-finite floats as NaN/Infinity,
-    which `json.loads` reads back). NaN policy:
+    ``non_finite_checks`` and ``first_non_finite_check`` keys: the same
+    record as `jaxstable.train.fit`, and the same semantics for every
+    option (the NaN policies, checkpoints and resume, evaluation, the
+    early stops; see there and docs/semantics.md for what advances on a
+    skipped, rolled back or rewound step). What differs:
 
-    * ``"skip"``: non-finite steps are skipped (by the step) and training
-      goes on.
-    * ``"stop"``: after `max_consecutive_nonfinite` non-finite steps in a
-      row, raise `NonFiniteError` naming the step, the loss scale it used,
-      the non-finite gradients (their report) and batch inputs. Nothing after
-      that step is run, logged or checkpointed.
-    * ``"rollback"``: keep a snapshot of the last state known good,
-      ``copy.deepcopy(step.state_dict())`` (model, optimizer, scaler,
-      counters), taken before the first step and after every step n (n steps
-      of the run done) with ``n % rollback_every == 0`` whose result was
-      finite. After `max_consecutive_nonfinite` non-finite steps in a row,
-      a deep copy of it is loaded with ``step.load_state_dict`` (a copy, as
-      the optimizer may keep the loaded tensors and update them in place),
-      the run counter restarts, that step's record gets
-      ``"rolled_back": True`` (the only record with that key) and training
-      goes on with the NEXT batch (the bad ones are not retried). The
-      trigger after `max_rollbacks` rollbacks raises `NonFiniteError` as
-      "stop" does, the message saying the rollbacks are exhausted. Same
-      semantics as `jaxstable.train.fit`.
-    * ``"rewind"`` (PaLM's recipe for loss spikes): when `rewind_after` of
-      the last `rewind_window` steps were skipped (non-finite, or spikes
-      with `transforms.skip_spikes`), not necessarily in a row, the same
-      snapshot is loaded as for "rollback" (or the last intact checkpoint
-      with ``rollback_to="disk"``) and the data goes on after the trigger
-      step and `rewind_skip` more batches: the batches from the restore
-      point to the trigger are not replayed and the next `rewind_skip` are
-      dropped, so the rewound run equals a run that never saw them (bit for
-      bit, for a deterministic step). The trigger step's record gets
-      ``"rewound": True``, ``"rewind_from"`` (its step), ``"rewind_to"``
-      (the step of the run restored) and ``"batches_skipped"``
-      (``rewind_from + 1 - rewind_to + rewind_skip``; fewer when the data
-      ends first). Rewinds count against `max_rollbacks`; the trigger after
-      the last raises `NonFiniteError`. The window of skipped steps is
-      checkpointed with the NaN policy's state.
-
-    Checkpoints and resume: with `checkpoint_dir` (a directory, or a
-    `CheckpointManager` for other retention, a best-by-metric checkpoint or
-    synchronous saves; by default the last 3 are kept and written by a
-    background thread) ``step.state_dict()``, the RNG states and the data
-    position are saved to ``checkpoint_dir/step_{n:08d}.pt`` (n: the run's
-    global step, batches of the run consumed) every `checkpoint_every` steps
-    of the run, and once more at the end (not when it raises);
-    `checkpoint_dir` alone writes only that final checkpoint. With
-    ``resume=True`` fit first loads the latest intact checkpoint there (a
-    damaged one is warned of and skipped) and goes on from its position:
-    record indices, `steps` and the position in `batches` count from the
-    start of the run (a sequence is indexed from there, an iterator has its
-    first batches dropped: pass it from the start), the JSONL log keeps its
-    lines before that position and is appended to, and the progress bar
-    starts there. So the very same call, re-run after a crash, finishes the
-    very same run; with no checkpoint yet it starts one. Without `resume`,
-    a directory that already holds checkpoints is refused (they would be
-    overwritten). With ``rollback_to="disk"``, "rollback" loads the last
-    intact checkpoint instead of the in-memory snapshot (one is written
-    before the first step if there is none), RNG states left as they are.
-    Each checkpoint also holds the NaN policy's state (non-finite steps in a
-    row, rollbacks used, steps located, the first non-finite step) and, for
-    an in-memory rollback, the snapshot unless it is that very state; all of
-    it, the data position included, is under the checkpoint's sha256. So a
-    run killed and resumed skips, stops and rolls back exactly as the
-    uninterrupted run. One run at a time writes a directory: fit holds the
-    lock ``checkpoint_dir/.fit.lock`` for the call, and a second fit on the
-    directory is refused with a RuntimeError naming the pid and host of the
-    first (a killed run's lock is stale and taken over). When fit runs fewer
-    steps than `steps` (the batches ended; the checkpoint it resumed from is
-    already past `steps`) it says so with a UserWarning. Same semantics as
-    `jaxstable.train.fit`.
+    * The state is the step's: ``step.state_dict()`` (model, optimizer,
+      scaler, counters). A rollback snapshot is
+      ``copy.deepcopy(step.state_dict())``, loaded back as a deep copy (the
+      optimizer may keep the loaded tensors and update them in place).
+    * Checkpoints are ``checkpoint_dir/step_{n:08d}.pt`` files holding the
+      state, the RNG states, the data position, the schedulers' states and
+      the RNG state the data was iterated with. A rollback to disk leaves
+      the RNG states as they are.
+    * Data: a sequence is indexed from the resumed position; another
+      iterable (a `torch.utils.data.DataLoader`) is iterated anew and its
+      first batches dropped. ``iter()`` of a DataLoader draws its sampler's
+      permutation and its workers' base seed from the global RNG (or its
+      ``generator``): fit saves that RNG state as it was when the run first
+      iterated, and a resumed run iterates under it again before it restores
+      the step's RNG, so a shuffling loader, with workers, resumes on the
+      very batches (and augmentations) of the uninterrupted run. An
+      iterable that draws its order elsewhere (a stream, numpy's RNG)
+      cannot be resumed by fit: see docs/checkpoints.md for the recipe.
+    * Schedulers: ``schedulers`` is None, one learning-rate scheduler (any
+      object with ``step``, ``state_dict`` and ``load_state_dict``, e.g.
+      ``torch.optim.lr_scheduler.OneCycleLR`` over the step's optimizer), a
+      list of them, or ``(scheduler, "every")`` pairs in that list. fit
+      steps each after every applied step (a skipped step leaves it where
+      it was, as the optimizer's own step count and JAX's optax schedules
+      do); a pair with ``"every"`` is stepped after every step instead.
+      ``ReduceLROnPlateau`` gets the step's loss. They are rolled back with
+      the state and saved in (and resumed from) every checkpoint.
+    * Under a process group of N > 1 ranks (DDP, FSDP2) every rank calls fit
+      with the same arguments and takes the same path (the decisions are
+      global, see `TrainStep`); rank 0 alone writes the log and the
+      checkpoints (under FSDP2 every rank writes its shards into rank 0's
+      directory with `torch.distributed.checkpoint`), a resume loads rank
+      0's checkpoint on every rank, ``on_step`` stopping one rank stops all,
+      `locate` re-runs a DDP step on this rank's unwrapped module (no
+      collective) and is not run under FSDP2; a rank that raises makes the
+      others' next collective fail with a RuntimeError naming its rank,
+      step and error (after the process group's timeout at worst). See
+      docs/distributed.md.
 
     Steps: a `TrainStep`, or any callable ``step(batch) -> metrics`` whose
     metrics hold ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
     ``skipped_total`` (numbers or 0-d tensors; optionally ``aux``), e.g. a
-    hand-written baseline loop. "rollback" and checkpoints need its
-    ``state_dict`` / ``load_state_dict``; the error report names non-finite
-    gradients of its ``model`` if it has one.
+    hand-written baseline loop. A policy that restores and checkpoints need
+    its ``state_dict`` / ``load_state_dict``; the error report names
+    non-finite gradients of its ``model`` if it has one.
 
     Args:
         step: a `TrainStep` or a step callable (see above).
         batches: any iterable of batches.
-        steps: stop after this many steps (None: exhaust `batches`).
-        nan_policy: "skip", "stop", "rollback" or "rewind".
-        max_consecutive_nonfinite: int >= 1, used by "stop" and "rollback".
-        log_path: JSONL file (overwritten, or trimmed and appended to on
-            resume) or None.
-        progress: show a tqdm bar (loss, grad_norm, loss_scale, skipped).
-        checkpoint_dir: None, a directory or a `CheckpointManager`.
-        checkpoint_every: int >= 1 or None; needs `checkpoint_dir`.
-        rollback_every: snapshot period in steps for "rollback", int >= 1
-            (accepted, unused, with the other policies).
-        max_rollbacks: rollbacks allowed in the run for "rollback",
-            int >= 1 (accepted, unused, with the other policies).
-        locate_first: the first this many non-finite steps of the run
-            (int >= 0) get ``"location"``: `torchref.diagnostics.locate` of
-            the step (at the loss scale it used) as a dict of
-            `NonFiniteLocation` fields, or None when the re-run is finite;
-            the step that makes "stop" raise or "rollback" roll back always
-            gets it (and the error its ``location``). Costs one re-run per
-            located step, only on non-finite steps. Same keys as
-            `jaxstable.train.fit`.
-        time_steps: add ``"time_s"`` to each record: the wall time of the
-            step call until its metrics are host numbers (a CUDA step has
-            synchronised by then). Off by default.
-        eval_fn: ``eval_fn(step) -> {name: scalar}``, e.g. a held-out
-            evaluation; called after every `eval_every`-th step (n steps
-            of the run done, ``n % eval_every == 0``), its scalars added to
-            that step's record as ``eval[...]`` keys (named as ``aux``'s).
-            Needs `eval_every`.
-        eval_every: int >= 1, the period of `eval_fn` (needs `eval_fn`).
+        steps: stop after this many steps of the run (None: exhaust
+            `batches`).
+        nan_policy: a `NanPolicy` (`NanPolicy.skip` by default), as in
+            `jaxstable.train.fit`; located steps get ``"location"``:
+            `torchref.diagnostics.locate` of the step at the loss scale it
+            used, as a dict of `NonFiniteLocation` fields.
+        checkpoint: None, a directory, a `CheckpointManager` or a
+            `Checkpointing` (``every``, ``resume``).
+        evaluate: None, or ``(eval_fn, every)``: ``eval_fn(step) -> {name:
+            scalar}`` after every ``every``-th step, its scalars added to
+            that step's record as ``eval[...]`` keys.
         on_step: ``on_step(record, step)``, called once per step with the
             step's record (after it is logged); if it returns True, fit stops
-            after that step and returns normally.
-        resume: continue the run from the latest intact checkpoint in
-            `checkpoint_dir` (see above).
-        rollback_to: "memory" (the snapshot) or "disk" (the last intact
-            checkpoint; needs `checkpoint_dir`).
-        rewind_after: skipped steps (non-finite or spikes) among the last
-            `rewind_window` that trigger a rewind, int >= 1 (used by
-            "rewind" only).
-        rewind_window: the window of steps those are counted in, int >=
-            `rewind_after`.
-        rewind_skip: batches dropped after the trigger step, besides those
-            from the restore point to it, int >= 0.
-        stop_after_nonfinite: None, or an int >= 0: fit returns normally
-            (nothing raised) this many steps after the first step of the run
-            whose record has ``finite == False`` (0: stop at that step; a run
-            resumed after that step runs none); for
-            runs meant to fail, such as a naive low-precision baseline.
+            after that step and returns normally (on a step that rolls back
+            or rewinds, with the state restored).
+        log: a `Log` (``path``, ``progress``, ``time_steps``: the wall time
+            of the step call until its metrics are host numbers), a bare
+            path or None (no file, no bar).
         batch_transform: None, or ``batch_transform(batch) -> batch`` applied
-            to each batch right before the step (after a resume's skip:
-            skipped batches are not transformed), e.g. this rank's rows of a
-            global batch under DDP:
-            ``lambda b: torchref.distributed.shard_batch(b, mesh)``. Under
-            a process group of N > 1 ranks (DDP, FSDP2) every rank calls fit
-            with the same arguments and takes the same path (the decisions
-            are global, see `TrainStep`); rank 0 alone writes ``log_path``
-            and the checkpoints (under FSDP2 every rank writes its shards
-            into rank 0's ``checkpoint_dir`` with
-            `torch.distributed.checkpoint`), ``resume=True`` loads rank
-            0's checkpoint on every rank, ``on_step`` stopping one rank
-            stops all, `locate` re-runs a DDP step on this rank's unwrapped module (no
-            collective) and is not run under FSDP2; a rank that raises
-            makes the others' next collective fail with a RuntimeError
-            naming its rank, step and error (after the process group's
-            timeout at worst). See docs/distributed.md.
+            to each batch right before the step (after a resume's skip),
+            e.g. this rank's rows of a global batch under DDP:
+            ``lambda b: torchref.distributed.shard_batch(b, mesh)``.
+        schedulers: None, a scheduler, or a list (see above).
         The same records and options as `jaxstable.train.fit`.
+
+    The keywords of the old form (``max_consecutive_nonfinite``,
+    ``checkpoint_dir``, ``eval_fn``, ``log_path``, ``progress`` ...) and a
+    string ``nan_policy`` still work for one release, with a
+    DeprecationWarning naming the new form.
 
     Returns:
         The history: list of per-step dicts (a rollback step's also has
         ``"rolled_back": True``).
 
     Raises:
-        NonFiniteError: with ``nan_policy="stop"``, or "rollback" once the
-            rollbacks are used up.
-        ValueError: invalid options (listing the valid values).
+        NonFiniteError: with `NanPolicy.stop`, or a rollback or rewind once
+            the policy's ``max`` is used up.
+        TypeError, ValueError: a bad argument (the message names it and
+            what is allowed).
 
     Example:
         >>> import torch
+        >>> from torchref.train import Log, NanPolicy
         >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Linear(2, 1)
         >>> step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1),
         ...                  lambda m, b: m(b).pow(2).mean())
         >>> good, bad = torch.ones(4, 2), torch.full((4, 2), float("nan"))
-        >>> hist = fit(step, [good, bad, good], progress=False)
+        >>> hist = fit(step, [good, bad, good], log=None)
         >>> [h["finite"] for h in hist], hist[-1]["skipped_total"]
         ([True, False, True], 1)
         >>> try:
-        ...     fit(step, [bad], nan_policy="stop", max_consecutive_nonfinite=1,
-        ...         progress=False)
+        ...     fit(step, [bad], nan_policy=NanPolicy.stop(max_consecutive=1),
+        ...         log=None)
         ... except NonFiniteError as e:
         ...     print(e.step, "|", str(e).split(";")[0])
         0 | 1 non-finite step(s) in a row, the last at step 0
         >>> before = step.steps_done
-        >>> hist = fit(step, [good, good, bad, good], nan_policy="rollback",
-        ...            max_consecutive_nonfinite=1, rollback_every=2, progress=False)
+        >>> policy = NanPolicy.rollback(max_consecutive=1, every=2)
+        >>> hist = fit(step, [good, good, bad, good], nan_policy=policy, log=None)
         >>> # 4 steps, but the rollback undid the NaN one (back to the snapshot at 2)
         >>> [h.get("rolled_back", False) for h in hist], step.steps_done - before
         ([False, False, True, False], 3)
         >>> w = model.weight
-        >>> hist = fit(step, [good, bad] + [good] * 5, progress=False, time_steps=True,
-        ...            eval_fn=lambda s: {"w0": w[0, 0]}, eval_every=2,
-        ...            stop_after_nonfinite=2)
+        >>> hist = fit(step, [good, bad] + [good] * 5,
+        ...            log=Log(progress=False, time_steps=True),
+        ...            evaluate=(lambda s: {"w0": w[0, 0]}, 2),
+        ...            nan_policy=NanPolicy.skip(stop_after=2))
         >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stops 2 after 1
         (4, ['skip_reason', "eval['w0']", 'location'])
         >>> hist[3]["eval['w0']"] == float(w.detach()[0, 0]), hist[0]["time_s"] > 0
         (True, True)
+        >>> sched = torch.optim.lr_scheduler.StepLR(step.optimizer, 1, gamma=0.5)
+        >>> hist = fit(step, [good, bad, good], schedulers=sched, log=None)
+        >>> sched.last_epoch  # stepped after the 2 applied steps only
+        2
     """
     if not callable(step):
         raise TypeError(
             "step must be a torchref.train.TrainStep or a callable "
             f"step(batch) -> metrics, got {type(step).__name__}"
         )
-    _check_fit_args(
-        nan_policy, max_consecutive_nonfinite, rollback_every, max_rollbacks, steps,
-        locate_first, checkpoint_dir, checkpoint_every, resume, rollback_to,
-        time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite,
+    opts = _checked_options(
+        nan_policy, checkpoint, evaluate, on_step, log, batch_transform, steps,
+        CheckpointManager,
     )  # fmt: skip
-    _check_callable("batch_transform", batch_transform)
+    scheds = _as_schedulers(schedulers)
+    policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
+    checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
+    log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
     stateful = hasattr(step, "state_dict") and hasattr(step, "load_state_dict")
-    _check_rewind_args(rewind_after, rewind_window, rewind_skip)
-    if not stateful and (nan_policy in _RESTORES or checkpoint_dir is not None):
+    if not stateful and (policy.restores or checkpoint_dir is not None):
         raise TypeError(
-            f"nan_policy={nan_policy!r} and checkpoint_dir need a step with "
+            f"nan_policy={policy!r} and checkpoint need a step with "
             f"state_dict() and load_state_dict(), got {type(step).__name__}"
         )
     group = _Group()
@@ -366,10 +295,18 @@ def fit(
         if group.size > 1:
             mgr, own_mgr = group.plan(mgr, own_mgr, checkpoint_dir, resume, step)
         start, resumed = _resume(mgr, step, resume, group)
-        if mgr is not None and rollback_to == "disk" and group.latest_step(mgr) is None:
+        _load_schedulers(scheds, resumed.get("fit_extras"))
+        to_disk = policy.restores and policy.restore_to == "disk"
+        if mgr is not None and to_disk and group.latest_step(mgr) is None:
             if writer or _is_sharded(step):  # FSDP2: every rank its shards
-                mgr.save(start, step)  # what the first rollback goes back to
-        return _run(**locals())
+                extras = {"schedulers": [s.state_dict() for s, _ in scheds]}
+                # what the first rollback goes back to
+                mgr._save(start, step, None, None, None, None, extras)
+        return _run(
+            step, batches, steps, policy, log, checkpoint_every, eval_fn,
+            eval_every, on_step, mgr, start, batch_transform, resumed, group,
+            scheds,
+        )  # fmt: skip
     finally:
         try:
             if own_mgr:
@@ -381,139 +318,238 @@ def fit(
                 lock.release()
 
 
+def _as_schedulers(schedulers: Any) -> list[tuple[Any, str]]:
+    """``[(scheduler, "applied" | "every")]`` of fit's ``schedulers=``."""
+    if schedulers is None:
+        return []
+    items = schedulers if isinstance(schedulers, list | tuple) else [schedulers]
+    if len(items) == 2 and items[1] in _WHEN and not isinstance(schedulers, list):
+        items = [schedulers]  # one pair
+    out = []
+    for item in items:
+        sched, when = item if isinstance(item, tuple) else (item, "applied")
+        for name in ("step", "state_dict", "load_state_dict"):
+            if not callable(getattr(sched, name, None)):
+                raise TypeError(
+                    "schedulers: each must have step(), state_dict() and "
+                    f"load_state_dict() (a torch.optim.lr_scheduler), got {sched!r}"
+                )
+        if when not in _WHEN:
+            raise ValueError(f"schedulers: when must be one of {_WHEN}, got {when!r}")
+        out.append((sched, when))
+    return out
+
+
+_WHEN = ("applied", "every")
+
+
+def _load_schedulers(scheds, extras: dict | None) -> None:
+    """The schedulers' states of a checkpoint (or snapshot), if it has them."""
+    saved = (extras or {}).get("schedulers")
+    if not scheds or saved is None:
+        return
+    if len(saved) != len(scheds):
+        raise ValueError(
+            f"the checkpoint holds {len(saved)} scheduler state(s), fit was "
+            f"given {len(scheds)} schedulers"
+        )
+    for (sched, _), state in zip(scheds, saved, strict=True):
+        sched.load_state_dict(copy.deepcopy(state))
+
+
+def _step_schedulers(scheds, rec: dict[str, Any]) -> None:
+    for sched, when in scheds:
+        if when == "every" or rec["finite"]:
+            if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                sched.step(rec["loss"])
+            else:
+                sched.step()
+
+
+def _data_iterator(batches, start: int, steps, resumed: dict):
+    """`batches` from the run's position `start`, and the RNG state the run
+    iterates them with (saved in its checkpoints).
+
+    A resumed run iterates under the state the run first iterated with, so
+    that a DataLoader draws the same permutation and worker seeds, and drops
+    the batches before `start` under it too (a loader without workers draws
+    their random augmentations from the global RNG); then the step's own
+    RNG state is put back, and the next batch draws from it as it did in
+    the uninterrupted run. A new run iterates under the global RNG as it
+    is (its draws, lazy ones included, are part of the run's RNG stream).
+    Returns ``(iterator, data_rng)``."""
+    saved = (resumed.get("fit_extras") or {}).get("data_rng")
+    generator = getattr(batches, "generator", None)
+    generator = generator if isinstance(generator, torch.Generator) else None
+    step_rng = torch.get_rng_state()
+    if saved is not None:
+        torch.set_rng_state(saved["torch"])
+        if generator is not None and saved.get("generator") is not None:
+            generator.set_state(saved["generator"])
+    data_rng = {
+        "torch": torch.get_rng_state(),
+        "generator": None if generator is None else generator.get_state(),
+    }
+    if hasattr(batches, "__getitem__") and hasattr(batches, "__len__"):
+        it = _batches_from(batches, start, steps)
+    else:
+        it = iter(batches)
+        for _ in itertools.islice(it, start):
+            pass
+        it = itertools.islice(it, None if steps is None else max(steps - start, 0))
+    if saved is not None:
+        torch.set_rng_state(step_rng)
+    return it, data_rng
+
+
 def _run(
-    step, batches, steps, nan_policy, max_consecutive_nonfinite, log_path,
-    progress, checkpoint_every, rollback_every, max_rollbacks, locate_first,
-    time_steps, eval_fn, eval_every, on_step, stop_after_nonfinite, rollback_to,
-    mgr, start, batch_transform, resumed, group, rewind_after, rewind_window,
-    rewind_skip, **_,
+    step, batches, steps, policy, log, checkpoint_every, eval_fn, eval_every,
+    on_step, mgr, start, batch_transform, resumed, group, scheds,
 ):  # fmt: skip
-    """The loop of `fit` from global step `start` (its arguments checked)."""
+    """The loop of `fit` from global step `start` (its arguments checked):
+    `FitLoop` over a `_TorchAdapter`. Returns the history."""
     from tqdm.auto import tqdm
 
     total = steps
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
-    policy = _NanPolicy(
-        nan_policy, max_consecutive_nonfinite, max_rollbacks, locate_first,
-        stop_after_nonfinite, (rewind_after, rewind_window, rewind_skip),
-    )  # fmt: skip
-    policy.load(resumed.get("fit_state"), start)
-    if "snapshot" not in resumed:  # the snapshot is the state resumed
-        policy.snapshot_at = start
-    # A run that stop_after_nonfinite ended before its checkpoint: no step.
-    ended = policy.stop_due(start - 1)
-    it = _batches_from(batches, start, start if ended else steps)
-    if batch_transform is not None:
-        it = map(batch_transform, it)
+    adapter = _TorchAdapter(step, policy, log, eval_fn, mgr, group, scheds)
+    adapter.snapshot_from(resumed)
+
+    def data_from(stop):
+        it, adapter.data_rng = _data_iterator(batches, start, stop, resumed)
+        return it if batch_transform is None else map(batch_transform, it)
+
     # Under a process group rank 0 alone writes the log and checkpoints.
     writer = group.rank == 0
-    if not writer:
-        log_path, progress = None, False
-    log = _open_log(log_path, start if mgr is not None and start else None)
-    history: list[dict[str, Any]] = []
+    log_path, progress = (log.path, log.progress) if writer else (None, False)
+    out = _open_log(log_path, start if mgr is not None and start else None)
     bar = tqdm(total=total, initial=start, disable=not progress, desc="fit")
-    done = start
     at_start = mgr is not None and start in (resumed.get("step"), mgr.latest_step())
-    saved_at = start if at_start else None
-    stopped = ended  # by on_step or stop_after_nonfinite
-    in_memory = nan_policy in _RESTORES and rollback_to == "memory"
-    # Deep copies: state_dict() holds references to the live tensors. A
-    # resumed run goes on with the snapshot its checkpoint saved.
-    snapshot = None
-    if in_memory:
-        snapshot = resumed.get("snapshot") or copy.deepcopy(step.state_dict())
-
-    def save(done, metrics=None):
-        # With the NaN policy's state and, unless it is this very state, the
-        # rollback snapshot: a resumed run goes on as the uninterrupted one.
-        # FSDP2: every rank writes its shards (torch.distributed.checkpoint).
-        if not writer and not _is_sharded(step):
-            return
-        kept = snapshot if in_memory and policy.snapshot_at != done else None
-        mgr._save(done, step, None, metrics, policy.state(), kept)
-
-    # As jaxstable's fit; under DDP locate re-runs the step on this rank's
-    # unwrapped module (no collective: the ranks' re-runs take different
-    # paths, e.g. one stops at its non-finite batch rows).
-    locate_step = _locate_step(step)
-    locatable = locate_step is not None
-    i = start
+    loop = _FitLoop(
+        adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
+        checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+    )  # fmt: skip
     try:
-        for batch in it:
-            i = done
-            # The random state the step draws its dropout masks from, for
-            # locate to re-run it with (a 5 kB copy, no device sync).
-            rng = rng_snapshot(step) if locatable else None
-            t0 = time.perf_counter()
-            metrics = step(batch)
-            done = i + 1
-            entry = _host_record(i, metrics)
-            if time_steps:
-                entry["time_s"] = time.perf_counter() - t0
-            if eval_fn is not None and done % eval_every == 0:
-                for path, value in _scalar_leaves(eval_fn(step)):
-                    entry["eval" + path] = value
-            action = policy.observe(i, entry["finite"])
-            if action == "rollback":
-                entry["rolled_back"] = True
-            elif action == "rewind":
-                at = policy.snapshot_at if in_memory else mgr.latest_step()
-                entry.update(policy.rewind_record(i, at))
-            location = None
-            # A skipped step left model and optimizer as they were; only the
-            # scaler backed off: re-run at the scale the step used.
-            if locatable and policy.wants_location(_located_kind(entry), action):
-                location = locate(
-                    locate_step, batch, loss_scale=entry["loss_scale"], rng_state=rng
-                )
-                policy.located += 1
-                entry["location"] = None if location is None else location._asdict()
-            history.append(entry)
-            if log is not None:
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-            _show(bar, entry)
-            wants_stop = on_step is not None and on_step(entry, step) is True
-            if on_step is not None:
-                wants_stop = group.any(wants_stop)  # every rank stops together
-            if action in _RESTORES and in_memory:
-                # A copy again: the optimizer may keep the loaded tensors and
-                # update them in place, which must not reach the snapshot.
-                step.load_state_dict(copy.deepcopy(snapshot))
-            elif action in _RESTORES:  # the last good checkpoint on disk
-                group.restore(mgr, step, restore_rng=False)
-            elif action == "raise":
-                _raise_non_finite(
-                    step, entry, policy.run, batch, history, nan_policy,
-                    max_rollbacks, location,
-                )  # fmt: skip
-            elif in_memory and entry["finite"] and done % rollback_every == 0:
-                snapshot = copy.deepcopy(step.state_dict())
-                policy.snapshot_at = done
-            if action == "rewind" and rewind_skip:
-                # The data window of the rewind: these batches are dropped.
-                dropped = sum(1 for _ in itertools.islice(it, rewind_skip))
-                done += dropped
-                bar.update(dropped)
-            if (wants_stop or policy.stop_due(i)) and action not in _RESTORES:
-                stopped = True
-                break
-            if checkpoint_every is not None and done % checkpoint_every == 0:
-                save(done, entry)
-                saved_at = done
-        if mgr is not None and saved_at != done:
-            save(done)  # the final checkpoint
-        if not stopped:
-            _warn_if_short(steps, start, done)
+        return loop.run()
     except BaseException as e:
-        group.failed(e, i)
+        group.failed(e, adapter.index)
         raise
-    finally:
-        bar.close()
-        if log is not None:
-            log.close()
-    return history
+
+
+class _TorchAdapter:
+    """`FitLoop`'s adapter for a torch step (which holds its own state).
+
+    A pending step is ``(index, metrics, batch, rng, seconds)``, ``rng`` the
+    random state the step drew its dropout masks from (for `locate`). No
+    lookahead: the metrics are host numbers when the step returns.
+    """
+
+    lookahead = False
+
+    def __init__(self, step, policy, log, eval_fn, mgr, group, scheds):
+        self.step, self.policy, self.eval_fn = step, policy, eval_fn
+        self.mgr, self.group, self.scheds = mgr, group, scheds
+        self.time_steps = log.time_steps
+        self.in_memory = policy.restores and policy.restore_to == "memory"
+        # As jaxstable's fit; under DDP locate re-runs the step on this
+        # rank's unwrapped module (no collective: the ranks' re-runs take
+        # different paths, e.g. one stops at its non-finite batch rows).
+        self.locate_step = _locate_step(step)
+        self.snapshot_state = self.snapshot_scheds = None
+        self.data_rng = None
+        self.index = 0
+
+    def snapshot_from(self, resumed: dict) -> None:
+        # Deep copies: state_dict() holds references to the live tensors. A
+        # resumed run goes on with the snapshot its checkpoint saved.
+        if not self.in_memory:
+            return
+        saved = resumed.get("snapshot")
+        self.snapshot_state = saved or copy.deepcopy(self.step.state_dict())
+        extras = resumed.get("fit_extras") or {}
+        self.snapshot_scheds = extras.get("snapshot_schedulers")
+        if self.snapshot_scheds is None:
+            self.snapshot_scheds = self._sched_states()
+
+    def _sched_states(self) -> list:
+        return copy.deepcopy([s.state_dict() for s, _ in self.scheds])
+
+    def run_step(self, index: int, batch: Any):
+        self.index = index
+        # The random state the step draws its dropout masks from, for
+        # locate to re-run it with (a 5 kB copy, no device sync).
+        rng = rng_snapshot(self.step) if self.locate_step is not None else None
+        t0 = time.perf_counter()
+        metrics = self.step(batch)
+        return index, metrics, batch, rng, time.perf_counter() - t0
+
+    def record(self, pending) -> dict[str, Any]:
+        index, metrics, _, _, seconds = pending
+        rec = _host_record(index, metrics)
+        if self.time_steps:
+            rec["time_s"] = seconds
+        return rec
+
+    def evaluate(self, pending) -> dict[str, float]:
+        del pending
+        return {"eval" + p: v for p, v in _scalar_leaves(self.eval_fn(self.step))}
+
+    def observed(self, rec) -> None:
+        _step_schedulers(self.scheds, rec)
+
+    def locate(self, pending, rec):
+        # A skipped step left model and optimizer as they were; only the
+        # scaler backed off: re-run at the scale the step used.
+        if self.locate_step is None:
+            return False
+        _, _, batch, rng, _ = pending
+        scale = rec["loss_scale"]
+        return locate(self.locate_step, batch, loss_scale=scale, rng_state=rng)
+
+    def callback_arg(self, pending):
+        del pending
+        return self.step
+
+    def any(self, flag: bool) -> bool:
+        return self.group.any(flag)
+
+    def keep(self, pending) -> None:
+        del pending  # the step holds its state
+
+    def restore(self) -> None:
+        if self.in_memory:
+            # A copy again: the optimizer may keep the loaded tensors and
+            # update them in place, which must not reach the snapshot.
+            self.step.load_state_dict(copy.deepcopy(self.snapshot_state))
+            _load_schedulers(self.scheds, {"schedulers": self.snapshot_scheds})
+            return
+        # The last good checkpoint on disk, RNG states left as they are.
+        _, info = self.group.restore(self.mgr, self.step, restore_rng=False)
+        _load_schedulers(self.scheds, info.get("fit_extras"))
+
+    def snapshot(self, pending) -> None:
+        del pending
+        self.snapshot_state = copy.deepcopy(self.step.state_dict())
+        self.snapshot_scheds = self._sched_states()
+
+    def latest_checkpoint(self) -> int:
+        return self.mgr.latest_step()
+
+    def save(self, done: int, metrics, fit_state: dict, keep: bool) -> None:
+        # FSDP2: every rank writes its shards (torch.distributed.checkpoint).
+        if self.group.rank != 0 and not _is_sharded(self.step):
+            return
+        extras = {
+            "data_rng": self.data_rng,
+            "schedulers": [s.state_dict() for s, _ in self.scheds],
+            "snapshot_schedulers": self.snapshot_scheds if keep else None,
+        }
+        kept = self.snapshot_state if keep else None
+        self.mgr._save(done, self.step, None, metrics, fit_state, kept, extras)
+
+    def raise_non_finite(self, rec, run, pending, history, policy, location):
+        _raise_non_finite(self.step, rec, run, pending[2], history, policy, location)
 
 
 def _locate_step(step: Any) -> TrainStep | None:
@@ -730,8 +766,7 @@ def _raise_non_finite(
     run: int,
     batch: Any,
     history: list,
-    nan_policy: str = "stop",
-    max_rollbacks: int = 0,
+    policy: NanPolicy | None = None,
     location: Any = None,
 ) -> None:
     # The grads left by the step: computed at the scale it used, unscaled by
@@ -745,7 +780,7 @@ def _raise_non_finite(
         f"{run} non-finite step(s) in a row, the last at step {entry['step']}; "
         f"loss={entry['loss']:.6g}, grad_norm={entry['grad_norm']:.6g}, "
         f"loss_scale={scale} (the scale that step used); its update was skipped "
-        f"({_policy_note(nan_policy, max_rollbacks)}).",
+        f"({_policy_note(policy or NanPolicy.stop())}).",
         f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
     ]
     if entry.get("skip_reason") == "non-finite update":
@@ -767,9 +802,3 @@ def _raise_non_finite(
         history=history,
         location=location,
     )
-
-
-def _located_kind(rec: dict[str, Any]) -> bool:
-    """False when the step has non-finite values for `locate` to find: a
-    step skipped as a spike was finite (its re-run would find nothing)."""
-    return rec["finite"] or rec.get("skip_reason") == "spike"

@@ -208,9 +208,11 @@ def test_fit_records_and_error_name_the_non_finite_points(tmp_path):
     log = tmp_path / "log.jsonl"
     with pytest.raises(train.NonFiniteError) as err:
         train.fit(
-            _checks_step(), [_xs(False), _xs(True)], nan_policy="stop",
-            max_consecutive_nonfinite=1, progress=False, log_path=log,
-        )  # fmt: skip
+            _checks_step(),
+            [_xs(False), _xs(True)],
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+            log=train.Log(log, progress=False),
+        )
     first, last = err.value.history
     assert (first["non_finite_checks"], first["first_non_finite_check"]) == ([], None)
     assert last["non_finite_checks"] == ["log", "loss"]

@@ -218,11 +218,9 @@ def _fit_ddp(params, batches, folder):
     hist = train.fit(
         step,
         [(torch.tensor(x), torch.tensor(y)) for x, y in batches],
-        progress=False,
+        log=train.Log(log if rank0 else None, progress=False),
         batch_transform=lambda b: distributed.shard_batch(b, mesh),
-        checkpoint_dir=ckpt if rank0 else None,
-        checkpoint_every=20 if rank0 else None,
-        log_path=log if rank0 else None,
+        checkpoint=train.Checkpointing(ckpt, every=20) if rank0 else None,
     )
     out = {k: np.array([h[k] for h in hist]) for k in ("loss_scale", "finite")}
     out["skipped_total"] = np.array([h["skipped_total"] for h in hist])
@@ -462,7 +460,7 @@ def test_fit_batch_transform_runs_after_the_resume_skip(tmp_path):
     # w = 0 the loss of batch 1 is (0 - 4)**2 after one update from b = 0.
     assert hist[0]["loss"] == 0.0 and hist[1]["loss"] == 16.0
     with pytest.raises(TypeError, match="batch_transform must be None or a callable"):
-        train.fit(step, data, batch_transform=2, progress=False)
+        train.fit(step, data, batch_transform=2, log=None)
 
 
 def test_bad_arguments_are_refused():
@@ -761,7 +759,7 @@ def _raise_on_rank_1(params, batches):
         train.fit(
             step,
             data[:6],
-            progress=False,
+            log=None,
             batch_transform=lambda b: distributed.shard_batch(b, mesh),
         )
     except Exception as e:

@@ -316,10 +316,8 @@ def test_fit_stop_puts_location_in_error_and_record(tmp_path):
         train.fit(
             _net_step(),
             [_xy()],
-            nan_policy="stop",
-            max_consecutive_nonfinite=1,
-            progress=False,
-            log_path=log,
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+            log=train.Log(log, progress=False),
         )
     loc = err.value.location
     assert (loc.phase, loc.path) == ("forward", "layers.2")
@@ -332,7 +330,9 @@ def test_fit_stop_puts_location_in_error_and_record(tmp_path):
 def test_fit_skip_locates_the_first_n_non_finite_steps():
     step = _net_step()
     batches = [_xy(), _xy(torch.zeros(4, 8)), _xy(), _xy()]
-    hist = train.fit(step, batches, progress=False, locate_first=2)
+    hist = train.fit(
+        step, batches, log=None, nan_policy=train.NanPolicy.skip(locate_first=2)
+    )
     assert [h["finite"] for h in hist] == [False, True, False, False]
     assert [h.get("location", {}).get("path") for h in hist] == [
         "layers.2",
@@ -341,17 +341,21 @@ def test_fit_skip_locates_the_first_n_non_finite_steps():
         None,
     ]
     assert "location" not in hist[3]
-    hist = train.fit(step, batches[:1], progress=False, locate_first=0)
+    hist = train.fit(
+        step, batches[:1], log=None, nan_policy=train.NanPolicy.skip(locate_first=0)
+    )
     assert "location" not in hist[0]
     with pytest.raises(ValueError, match="locate_first must be an int >= 0"):
-        train.fit(step, batches, progress=False, locate_first=-1)
+        train.fit(
+            step, batches, log=None, nan_policy=train.NanPolicy.skip(locate_first=-1)
+        )
 
 
 def test_fit_locates_at_the_scale_the_step_used():
     # The step backs the scale off to 2**23; locate must re-run at 2**24.
     step, batch = _scale_case(2.0**24)
     step.scaler = tls.DynamicLossScale(loss_scale=2.0**24).make_scaler("cpu")
-    hist = train.fit(step, [batch], progress=False)
+    hist = train.fit(step, [batch], log=None)
     assert hist[0]["location"]["phase"] == "loss_scale"
     assert "loss scale 1.67772e+07" in hist[0]["location"]["detail"]
 
@@ -397,7 +401,12 @@ def test_dropout_nan_located_with_the_step_rng_state():
     model = Drop()
     step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.0), _sum)
     torch.manual_seed(0)
-    hist = train.fit(step, [torch.ones(1)] * 12, progress=False, locate_first=12)
+    hist = train.fit(
+        step,
+        [torch.ones(1)] * 12,
+        log=None,
+        nan_policy=train.NanPolicy.skip(locate_first=12),
+    )
     failed = [h for h in hist if not h["finite"]]
     assert len(failed) == 6
     assert all(

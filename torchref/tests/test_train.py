@@ -408,10 +408,8 @@ def test_fit_stop_policy_names_step_and_report(tmp_path):
         train.fit(
             step,
             batches,
-            nan_policy="stop",
-            max_consecutive_nonfinite=3,
-            log_path=log,
-            progress=False,
+            nan_policy=train.NanPolicy.stop(max_consecutive=3),
+            log=train.Log(log, progress=False),
         )
     assert isinstance(e.value, FloatingPointError) and e.value.step == 6
     assert "0.weight" in str(e.value) and e.value.report[0].path == "0.weight"
@@ -431,12 +429,9 @@ def test_fit_stop_nothing_after_the_failing_step(tmp_path):
         train.fit(
             step,
             _batches(4, poison={1, 2}),
-            nan_policy="stop",
-            max_consecutive_nonfinite=2,
-            log_path=log,
-            progress=False,
-            checkpoint_dir=tmp_path / "ck",
-            checkpoint_every=1,
+            nan_policy=train.NanPolicy.stop(max_consecutive=2),
+            log=train.Log(log, progress=False),
+            checkpoint=train.Checkpointing(tmp_path / "ck", every=1),
         )
     assert e.value.step == 2 and step.steps_done == 3
     assert [h["step"] for h in e.value.history] == [0, 1, 2]
@@ -460,9 +455,8 @@ def test_fit_stop_overflow_report_names_leaf_and_scale():
         train.fit(
             step,
             [torch.tensor(7e33)],
-            nan_policy="stop",
-            max_consecutive_nonfinite=1,
-            progress=False,
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+            log=None,
         )
     assert [r.path for r in e.value.report] == ["weight"]
     msg = str(e.value)
@@ -475,14 +469,13 @@ def test_fit_stop_overflow_report_names_leaf_and_scale():
 def test_fit_checkpoint_dir_alone_writes_a_final_checkpoint(tmp_path):
     model = _mlp()
     step = train.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), _mse)
-    train.fit(step, _batches(3), progress=False, checkpoint_dir=tmp_path / "a")
+    train.fit(step, _batches(3), log=None, checkpoint=tmp_path / "a")
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["step_00000003.pt"]
     train.fit(
         step,
         _batches(6),
-        progress=False,
-        checkpoint_dir=tmp_path / "b",
-        checkpoint_every=4,
+        log=None,
+        checkpoint=train.Checkpointing(tmp_path / "b", every=4),
     )
     files = sorted(p.name for p in (tmp_path / "b").iterdir())
     assert files == ["step_00000004.pt", "step_00000006.pt"]  # + the final one
@@ -521,10 +514,8 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
         step,
         itertools.cycle(_batches(4, poison={1})),
         steps=8,
-        log_path=log,
-        progress=True,
-        checkpoint_dir=tmp_path / "ck",
-        checkpoint_every=4,
+        log=train.Log(log, progress=True),
+        checkpoint=train.Checkpointing(tmp_path / "ck", every=4),
     )
     assert len(hist) == 8 and [h["step"] for h in hist] == list(range(8))
     assert [h["finite"] for h in hist] == [True, False, True, True] * 2
@@ -635,12 +626,8 @@ def test_fit_rollbacks_exhausted_raise_like_stop(tmp_path):
         train.fit(
             step,
             batches,
-            nan_policy="rollback",
-            max_consecutive_nonfinite=2,
-            rollback_every=1,
-            max_rollbacks=1,
-            progress=False,
-            log_path=tmp_path / "log.jsonl",
+            nan_policy=train.NanPolicy.rollback(max_consecutive=2, every=1, max=1),
+            log=train.Log(tmp_path / "log.jsonl", progress=False),
         )
     err = e.value
     assert err.step == 4  # rollback at step 2, then 3 and 4 hit the limit again
@@ -759,9 +746,11 @@ def _guarded(seed=0):
 
 
 def test_fit_times_steps_only_when_asked():
-    hist = train.fit(_guarded(), _batches(3), progress=False)
+    hist = train.fit(_guarded(), _batches(3), log=None)
     assert all("time_s" not in r for r in hist)
-    hist = train.fit(_guarded(), _batches(3), progress=False, time_steps=True)
+    hist = train.fit(
+        _guarded(), _batches(3), log=train.Log(progress=False, time_steps=True)
+    )
     assert all(r["time_s"] > 0 for r in hist)
 
 
@@ -773,7 +762,7 @@ def test_fit_on_step_sees_each_step_and_can_stop():
         seen.append((dict(rec), s.steps_done))
         return rec["step"] == 2
 
-    hist = train.fit(step, _batches(6), progress=False, on_step=on_step)
+    hist = train.fit(step, _batches(6), log=None, on_step=on_step)
     assert [r for r, _ in seen] == hist and len(hist) == 3
     assert [n for _, n in seen] == [1, 2, 3] and step.steps_done == 3
 
@@ -786,7 +775,7 @@ def test_fit_eval_every_adds_eval_keys():
         calls.append(s.steps_done)
         return {"b": s.model[0].bias[0], "vec": s.model[0].bias}
 
-    hist = train.fit(step, _batches(5), progress=False, eval_fn=eval_fn, eval_every=2)
+    hist = train.fit(step, _batches(5), log=None, evaluate=(eval_fn, 2))
     assert calls == [2, 4]
     assert ["eval['b']" in r for r in hist] == [False, True, False, True, False]
     assert all("eval['vec']" not in r for r in hist)  # scalars only, as aux
@@ -795,7 +784,10 @@ def test_fit_eval_every_adds_eval_keys():
 def test_fit_stop_after_nonfinite_returns_n_steps_after_the_first():
     step = _guarded()
     hist = train.fit(
-        step, _batches(9, poison={1}), progress=False, stop_after_nonfinite=3
+        step,
+        _batches(9, poison={1}),
+        log=None,
+        nan_policy=train.NanPolicy.skip(stop_after=3),
     )
     assert [r["finite"] for r in hist] == [True, False, True, True, True]
     assert step.steps_done == 5
@@ -821,18 +813,25 @@ def test_fit_runs_a_plain_step_callable():
         }
 
     hist = train.fit(
-        plain, _batches(5, poison={1}), progress=False, stop_after_nonfinite=1
+        plain,
+        _batches(5, poison={1}),
+        log=None,
+        nan_policy=train.NanPolicy.skip(stop_after=1),
     )
     assert [r["finite"] for r in hist] == [True, False, False]
     assert isinstance(hist[0]["loss"], float) and json.dumps(hist[0])
     with pytest.raises(train.NonFiniteError, match="1 non-finite step") as e:
-        train.fit(plain, _batches(2, poison={0}), progress=False, nan_policy="stop",
-                  max_consecutive_nonfinite=1)  # fmt: skip
+        train.fit(
+            plain,
+            _batches(2, poison={0}),
+            log=None,
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+        )
     assert e.value.report == []
     with pytest.raises(TypeError, match="need a step with state_dict"):
-        train.fit(plain, _batches(2), progress=False, nan_policy="rollback")
+        train.fit(plain, _batches(2), log=None, nan_policy=train.NanPolicy.rollback())
     with pytest.raises(TypeError, match="TrainStep or a callable"):
-        train.fit(3, _batches(2), progress=False)
+        train.fit(3, _batches(2), log=None)
 
 
 @pytest.mark.parametrize(
@@ -849,9 +848,9 @@ def test_fit_extras_are_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         train.fit(_guarded(), _batches(1), progress=False, **kwargs)
     with pytest.raises(TypeError, match="on_step must be None or a callable"):
-        train.fit(_guarded(), _batches(1), progress=False, on_step=3)
+        train.fit(_guarded(), _batches(1), log=None, on_step=3)
     with pytest.raises(TypeError, match="time_steps must be True or False"):
-        train.fit(_guarded(), _batches(1), progress=False, time_steps=1)
+        train.fit(_guarded(), _batches(1), log=train.Log(progress=False, time_steps=1))
 
 
 def _syncs_outside_optimizer(fn):

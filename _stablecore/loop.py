@@ -1,0 +1,250 @@
+"""The loop of `fit`, once for both frameworks (standard library only).
+
+`FitLoop` holds what a run decides: the NaN policy's bookkeeping, the data
+position, the records, the log, the checkpoints' cadence, the early stops.
+What touches a framework (running the step, reading its metrics, locating,
+snapshots, restores, saves, the error) goes through a small adapter, one
+per package (`jaxstable._src.fit`, `torchref._src.fit`), with the methods
+named in `Adapter`.
+
+One step reads in the order it happens: `run_step`, then `finish`:
+`observe` (the record and the policy's decision), `locate`, `log`,
+`call_back`, `apply_policy` (restore, raise or snapshot), then
+`checkpoint`. The policy is applied before the checkpoint so that a
+checkpoint holds the state the run goes on from (after a rollback, the
+restored one), as a resumed run needs.
+
+JAX reads a step's metrics only after the next step is queued (the
+adapter's ``lookahead``): the step before is finished then, and when it
+restores, the step just queued ran on a discarded state and is run again
+on the restored one (or dropped, when a rewind drops that batch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, Protocol
+
+from _stablecore.fit import show, warn_if_short
+from _stablecore.nan_policy import RESTORES, NanPolicy, PolicyState
+
+
+class Adapter(Protocol):
+    """What `FitLoop` asks of a framework (``pending``: one step's output,
+    whatever the adapter makes of it)."""
+
+    lookahead: bool  # finish step k after step k+1 is queued
+
+    def run_step(self, index: int, batch: Any) -> Any: ...
+    def record(self, pending: Any) -> dict[str, Any]: ...
+    def evaluate(self, pending: Any) -> dict[str, float]: ...
+    def observed(self, rec: dict[str, Any]) -> None: ...
+    def locate(self, pending: Any, rec: dict[str, Any]) -> Any: ...
+    def callback_arg(self, pending: Any) -> Any: ...
+    def any(self, flag: bool) -> bool: ...
+    def keep(self, pending: Any) -> None: ...
+    def restore(self) -> None: ...
+    def snapshot(self, pending: Any) -> None: ...
+    def latest_checkpoint(self) -> int: ...
+    def save(self, done: int, metrics: Any, fit_state: dict, keep: bool) -> None: ...
+    def raise_non_finite(self, rec, run, pending, history, policy, location): ...
+
+
+def located_kind(rec: dict[str, Any]) -> bool:
+    """False when the step has non-finite values for `locate` to find: a
+    step skipped as a spike was finite (its re-run would find nothing)."""
+    return rec["finite"] or rec.get("skip_reason") == "spike"
+
+
+class FitLoop:
+    """One run of `fit` from the run's position `start` (arguments checked).
+
+    Args:
+      adapter: the framework's `Adapter`.
+      data_from: ``data_from(stop) -> iterator``: the batches from `start`
+        up to the run's position `stop` (None: all).
+      policy: the `NanPolicy`.
+      resumed: `CheckpointManager.restore`'s info of the checkpoint resumed
+        (``fit_state``, ``snapshot``), or {}.
+      start: the run's position.
+      steps: fit's ``steps`` (for the warning when the data ends first).
+      evaluate_every: the period of the adapter's `evaluate`, or None.
+      on_step: fit's ``on_step``, or None.
+      checkpoint_every: the checkpoints' period, or None.
+      saves: whether there is a checkpoint manager (the final checkpoint).
+      saved_at: the step of the checkpoint already written, or None.
+      bar: the progress bar (``update``, ``set_postfix``, ``close``).
+      out: the JSONL log file, or None.
+    """
+
+    def __init__(
+        self, adapter, data_from, policy: NanPolicy, resumed: dict, start: int,
+        steps, evaluate_every, on_step, checkpoint_every, saves: bool,
+        saved_at, bar, out,
+    ):  # fmt: skip
+        self.a, self.policy = adapter, policy
+        self.book = PolicyState(policy)
+        self.book.load(resumed.get("fit_state"), start)
+        if "snapshot" not in resumed:  # the snapshot is the state resumed
+            self.book.snapshot_at = start
+        # A run that stop_after ended before its checkpoint: no step.
+        self.ended = self.book.stop_due(start - 1)
+        self.data = data_from(start if self.ended else steps)
+        self.start = self.done = start  # done: steps of the run dispatched
+        self.steps, self.evaluate_every = steps, evaluate_every
+        self.on_step, self.checkpoint_every = on_step, checkpoint_every
+        self.saves, self.saved_at, self.bar, self.out = saves, saved_at, bar, out
+        self.in_memory = policy.restores and policy.restore_to == "memory"
+        self.history: list[dict[str, Any]] = []
+        self.pending = self.action = self.location = None
+        self.stop_asked = False
+
+    # The run.
+
+    def run(self) -> list[dict[str, Any]]:
+        """Runs every batch of the data; the records."""
+        stopped = self.ended
+        try:
+            for batch in self.data:
+                if self.step(batch):
+                    stopped = True
+                    break
+            if self.pending is not None:
+                self.finish(self.pending)
+                self.pending = None
+                stopped = stopped or self.stop_asked
+            if self.saves and self.saved_at != self.done:
+                self.a.save(self.done, None, self.book.state(), self._keep())
+            if not stopped:
+                warn_if_short(self.steps, self.start, self.done)
+        finally:
+            self.bar.close()
+            if self.out is not None:
+                self.out.close()
+        return self.history
+
+    def step(self, batch: Any) -> bool:
+        """One batch: run the step (and, with the lookahead, finish the one
+        before); True when the run stops here."""
+        queued = self.a.run_step(self.done, batch)
+        if self.pending is not None:  # the lookahead: the step before
+            action = self.finish(self.pending, pulled=1)
+            if self.stop_asked:
+                if action not in RESTORES:
+                    self.a.keep(self.pending)  # the step queued is dropped
+                self.pending = None
+                return True
+            if action == "rewind" and self.policy.rewind_skip:
+                self.pending = None  # its batch was the first dropped
+                return False
+            if action in RESTORES:  # it ran on a discarded state: again
+                queued = self.a.run_step(self.done, batch)
+        self.pending, self.done = queued, self.done + 1
+        every = self.checkpoint_every
+        due = every is not None and self.done % every == 0
+        snapshot_due = self.in_memory and self.done % self.policy.snapshot_every == 0
+        if not self.a.lookahead or due or snapshot_due:
+            # A checkpoint is written only after its step passed the check.
+            self.finish(self.pending)
+            self.pending = None
+        if due:
+            self.checkpoint(self.history[-1] if self.history else None)
+        return self.stop_asked and self.pending is None
+
+    # One step, in the order it happens.
+
+    def finish(self, pending: Any, pulled: int = 0) -> str | None:
+        """The step's record, location, log line, callback and policy: the
+        policy's action ("rollback", "rewind" or None)."""
+        rec = self.observe(pending, pulled)
+        self.locate(rec, pending)
+        self.log(rec)
+        self.call_back(rec, pending)
+        return self.apply_policy(rec, pending)
+
+    def observe(self, pending: Any, pulled: int = 0) -> dict[str, Any]:
+        """The record of the step and what the policy makes of it (a rewind
+        drops its batches here: its record counts them). `pulled`: batches
+        already taken after this step's (the lookahead's)."""
+        rec = self.a.record(pending)
+        index = rec["step"]
+        every = self.evaluate_every
+        if every is not None and (index + 1) % every == 0:
+            rec.update(self.a.evaluate(pending))
+        self.a.observed(rec)
+        spike = rec.get("skip_reason") == "spike"
+        self.action = self.book.observe(index, rec["finite"], spike)
+        if self.action == "rollback":
+            rec["rolled_back"] = True
+            self.book.restored(index)
+        elif self.action == "rewind":
+            at = self.book.snapshot_at if self.in_memory else self.a.latest_checkpoint()
+            dropped = self.drop(self.policy.rewind_skip, pulled)
+            rec.update(self.book.rewind_record(index, at, dropped))
+            self.book.restored(index, dropped)
+        return rec
+
+    def locate(self, rec: dict[str, Any], pending: Any) -> None:
+        """The step's ``"location"`` when the policy wants one."""
+        self.location = None
+        if not self.book.wants_location(located_kind(rec), self.action):
+            return
+        location = self.a.locate(pending, rec)
+        if location is not False:  # False: this step cannot be located
+            self.book.located += 1
+            rec["location"] = None if location is None else location._asdict()
+            self.location = location
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.history.append(rec)
+        if self.out is not None:
+            self.out.write(json.dumps(rec) + "\n")
+            self.out.flush()
+        show(self.bar, rec)
+
+    def call_back(self, rec: dict[str, Any], pending: Any) -> None:
+        """``on_step``; a stop it asks for (or ``stop_after``) is noted."""
+        wants = False
+        if self.on_step is not None:
+            wants = self.on_step(rec, self.a.callback_arg(pending)) is True
+            wants = self.a.any(wants)  # every process stops together
+        self.stop_asked = wants or self.book.stop_due(rec["step"])
+
+    def apply_policy(self, rec: dict[str, Any], pending: Any) -> str | None:
+        """Restores, raises, or takes the rollback snapshot."""
+        if self.action in RESTORES:
+            self.a.restore()
+        elif self.action == "raise":
+            self.a.raise_non_finite(
+                rec, self.book.run, pending, self.history, self.policy, self.location
+            )
+        elif self.in_memory and rec["finite"]:
+            if (rec["step"] + 1) % self.policy.snapshot_every == 0:
+                self.a.snapshot(pending)
+                self.book.snapshot_at = rec["step"] + 1
+        return self.action
+
+    def checkpoint(self, rec: dict[str, Any] | None) -> None:
+        """Checkpoint `done`, with the NaN policy's state. A step that
+        restored an older state: its record's metrics (eval included) are
+        the discarded state's, so none are given (a best-metric manager
+        would keep a checkpoint for a metric it does not hold)."""
+        if rec is not None and (rec.get("rolled_back") or rec.get("rewound")):
+            rec = None
+        self.a.save(self.done, rec, self.book.state(), self._keep())
+        self.saved_at = self.done
+
+    def _keep(self) -> bool:
+        """Whether a checkpoint keeps the snapshot (unless it is that state)."""
+        return self.in_memory and self.book.snapshot_at != self.done
+
+    def drop(self, n: int, pulled: int = 0) -> int:
+        """Drops the next `n` batches (a rewind's), the first `pulled` of
+        them already taken; how many were dropped (fewer when the data
+        ends)."""
+        first = min(n, pulled)
+        dropped = first + sum(1 for _ in itertools.islice(self.data, n - first))
+        self.done += dropped
+        self.bar.update(dropped)
+        return dropped
