@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from _stablecore.checks import check_microbatches as _core_check_microbatches
-from jaxstable._src.diagnostics import CheckPoints
+from jaxstable._src.check_points import CheckPoints
 from jaxstable._src.distributed import _axis_size
 from jaxstable._src.guard_state import INJECT_STATES, SkipSpikesState, outer_guard
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
