@@ -3,13 +3,13 @@
 Implementation in `jaxstable._src.transforms`.
 """
 
-from jaxstable._src.spikes import SkipSpikesState as SkipSpikesState
+from jaxstable._src.guard_state import SkipNonFiniteState as SkipNonFiniteState
+from jaxstable._src.guard_state import SkipSpikesState as SkipSpikesState
 from jaxstable._src.spikes import find_spike_state as find_spike_state
 from jaxstable._src.spikes import skip_spikes as skip_spikes
 from jaxstable._src.transforms import (
     AccumulateGradientsState as AccumulateGradientsState,
 )
-from jaxstable._src.transforms import SkipNonFiniteState as SkipNonFiniteState
 from jaxstable._src.transforms import accumulate_gradients as accumulate_gradients
 from jaxstable._src.transforms import clip_by_global_norm as clip_by_global_norm
 from jaxstable._src.transforms import find_skip_state as find_skip_state

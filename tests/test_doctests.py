@@ -17,10 +17,12 @@ MODULES = [
     "distributed",
 ]
 # The public module `train` is implemented in three: the step, checkpoints, fit;
-# `transforms` in two (the spike guard apart).
+# `transforms` in three (the spike guard and the guard states apart);
+# `diagnostics` in two (the check points apart).
 SRC_MODULES = {
     "train": ["step", "checkpoint", "fit"],
-    "transforms": ["transforms", "spikes"],
+    "transforms": ["transforms", "spikes", "guard_state"],
+    "diagnostics": ["diagnostics", "check_points"],
 }
 
 

@@ -16,6 +16,8 @@ import re
 
 import pytest
 
+from tests import import_graph
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TASKS = sorted(p.parent.name for p in EXAMPLES.glob("*/task.py"))
@@ -27,60 +29,12 @@ TASK_FILES = (
 MAX_HARNESS_LINES = 400
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _modules() -> dict[str, pathlib.Path]:
-    return {_module_name(p): p for p in sorted(EXAMPLES.rglob("*.py"))}
-
-
-def _imports(path: pathlib.Path, name: str, modules) -> set[str]:
-    """The modules of `examples` that `path` imports, anywhere in the file
-    (a function's lazy import counts: it runs when the function does)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the package, `level - 1` up
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*up, base] if base else up)
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if sub in modules else base)
-    return {m for m in found if m in modules and m != name}
-
-
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
-    modules = _modules()
-    return {name: _imports(path, name, modules) for name, path in modules.items()}
+    return import_graph.graph(EXAMPLES.rglob("*.py"))
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}  # 1: on the path, 2: done
-    path: list[str] = []
-
-    def visit(node):
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return [*path[path.index(nxt) :], nxt]
-            if nxt not in state and (found := visit(nxt)):
-                return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node)):
-            return found
-    return None
+_cycle = import_graph.cycle
 
 
 def _owner(module: str) -> str | None:

@@ -3,13 +3,13 @@
 Implementation in `torchref._src.transforms`.
 """
 
+from torchref._src.guard_state import SkipNonFiniteState as SkipNonFiniteState
+from torchref._src.guard_state import SkipSpikesState as SkipSpikesState
 from torchref._src.spikes import SkipSpikes as SkipSpikes
-from torchref._src.spikes import SkipSpikesState as SkipSpikesState
 from torchref._src.spikes import find_spike_state as find_spike_state
 from torchref._src.spikes import skip_spikes as skip_spikes
 from torchref._src.transforms import AccumulateGradients as AccumulateGradients
 from torchref._src.transforms import SkipNonFinite as SkipNonFinite
-from torchref._src.transforms import SkipNonFiniteState as SkipNonFiniteState
 from torchref._src.transforms import StableOptimizer as StableOptimizer
 from torchref._src.transforms import accumulate_gradients as accumulate_gradients
 from torchref._src.transforms import clip_by_global_norm as clip_by_global_norm

@@ -10,7 +10,7 @@ transfer. `torchref.transforms.skip_spikes` decides the same way.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,13 @@ import numpy as np
 import optax
 
 from _stablecore.checks import check_spike_args
-from jaxstable._src.transforms import (
+from jaxstable._src.guard_state import (
     SkipNonFiniteState,
+    SkipSpikesState,
+    find_state,
+    outer_guard,
+)
+from jaxstable._src.transforms import (
     _check_optimizer,
     _scalar_flag,
     global_norm,
@@ -37,38 +42,6 @@ _TINY = float(np.finfo(np.float32).tiny)
 # log(tiny) as one float32 constant, written for a norm below tiny (0 above
 # all) in both packages: the window tells such a step by this exact value.
 _LOG_TINY = float(np.log(np.float32(_TINY)))
-
-
-class SkipSpikesState(NamedTuple):
-    """State of `skip_spikes`.
-
-    Attributes:
-      inner_state: the guarded optimizer's state (a `SkipNonFiniteState`, or
-        one inside `optax.inject_hyperparams`); unchanged by a skipped step
-        except for its skip counters, which count spikes too.
-      log_norms: float32 ``[window]``, ``log(global_norm(grads))`` of the
-        latest steps whose values were finite, spikes included (a ring
-        buffer; 0 in slots not yet written, so the state stays finite).
-      losses: float32 ``[window]``, the losses (``value=``) of the same
-        steps, 0 in slots not yet written.
-      norm_count: int32, values in ``log_norms`` (at most ``window``).
-      loss_count: int32, values in ``losses`` (steps given ``value=``).
-      position: int32, the slot the next step with finite values writes.
-      spikes_total: int32, steps skipped as spikes so far.
-      last_spike: bool, whether the latest step was skipped as a spike.
-      last_finite: bool, whether the latest step was applied (the field the
-        train step and `find_skip_state` users read on every guard).
-    """
-
-    inner_state: Any
-    log_norms: jax.Array
-    losses: jax.Array
-    norm_count: jax.Array
-    loss_count: jax.Array
-    position: jax.Array
-    spikes_total: jax.Array
-    last_spike: jax.Array
-    last_finite: jax.Array
 
 
 def _median(sorted_values: jax.Array, count: jax.Array) -> jax.Array:
@@ -113,18 +86,11 @@ def _grow(count: jax.Array, keep: jax.Array, window: int) -> jax.Array:
 
 
 def _guarded(state: Any) -> bool:
-    if isinstance(state, SkipNonFiniteState):
-        return True
-    inject = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    return isinstance(state, inject) and isinstance(
-        state.inner_state, SkipNonFiniteState
-    )
+    return outer_guard(state, (SkipNonFiniteState,)) is not None
 
 
 def _applied(inner_state: Any) -> jax.Array:
-    if isinstance(inner_state, SkipNonFiniteState):
-        return inner_state.last_finite
-    return inner_state.inner_state.last_finite
+    return outer_guard(inner_state, (SkipNonFiniteState,)).last_finite
 
 
 def skip_spikes(
@@ -354,10 +320,4 @@ def find_spike_state(opt_state: Any) -> SkipSpikesState | None:
       >>> transforms.find_spike_state(optax.sgd(0.1).init(jnp.zeros(2))) is None
       True
     """
-    found = jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, SkipSpikesState)
-    )
-    for node in found:
-        if isinstance(node, SkipSpikesState):
-            return node
-    return None
+    return find_state(opt_state, SkipSpikesState)

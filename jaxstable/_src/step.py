@@ -19,14 +19,13 @@ import numpy as np
 import optax
 
 from _stablecore.checks import check_microbatches as _core_check_microbatches
-from jaxstable._src.diagnostics import CheckPoints
+from jaxstable._src.check_points import CheckPoints
 from jaxstable._src.distributed import _axis_size
+from jaxstable._src.guard_state import INJECT_STATES, SkipSpikesState, outer_guard
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
 from jaxstable._src.precision import LOSS_SCOPE, get_policy, warn_if_not_applied
-from jaxstable._src.spikes import SkipSpikesState
 from jaxstable._src.transforms import (
     AccumulateGradientsState,
-    SkipNonFiniteState,
     _check_optimizer,
     _keep_finite,
     _writes_finite,
@@ -451,9 +450,6 @@ def _pmean_floating(tree: Any, axis_name: str) -> Any:
     return jax.tree.map(mean, tree)
 
 
-_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-
-
 def _outer_skip_state(opt_state: Any) -> Any:
     """``tx``'s OUTERMOST `SkipNonFiniteState` or `SkipSpikesState` (both
     have ``last_finite``), or None.
@@ -465,14 +461,7 @@ def _outer_skip_state(opt_state: Any) -> Any:
     skip is accepted too (its step count still advances on a skipped step, as
     a torch LR scheduler stepped every iteration does).
     """
-    guards = (SkipNonFiniteState, SkipSpikesState)
-    if isinstance(opt_state, guards):
-        return opt_state
-    if isinstance(opt_state, _INJECT_STATES) and isinstance(
-        opt_state.inner_state, guards
-    ):
-        return opt_state.inner_state
-    return None
+    return outer_guard(opt_state)
 
 
 def _keep_hyperparams(applied: jax.Array, new: Any, old: Any) -> Any:
@@ -489,7 +478,7 @@ def _keep_hyperparams(applied: jax.Array, new: Any, old: Any) -> Any:
     if isinstance(new, SkipSpikesState):
         inner = _keep_hyperparams(applied, new.inner_state, old.inner_state)
         return new._replace(inner_state=inner)
-    if isinstance(new, _INJECT_STATES):
+    if isinstance(new, INJECT_STATES):
         hyper = new.hyperparams
         keep = jnp.logical_and(applied, all_finite(hyper))
         return new._replace(hyperparams=_select(keep, hyper, old.hyperparams))

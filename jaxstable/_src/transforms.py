@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 from _stablecore.checks import check_bool as _core_check_bool
+from jaxstable._src.guard_state import SkipNonFiniteState, find_state, outer_guard
 from jaxstable._src.loss_scale import (
     _NORM_SCALE,
     _leading_rows,
@@ -344,36 +345,6 @@ def _keep_finite_updates(ok: jax.Array, updates: Any, params: Any) -> Any:
     return jax.tree_util.tree_map(keep, updates, params, is_leaf=lambda x: x is None)
 
 
-class SkipNonFiniteState(NamedTuple):
-    """State of `skip_non_finite`.
-
-    Attributes:
-      inner_state: the wrapped transformation's state (unchanged by a skip).
-      skipped_total: int32, number of skipped updates so far, whatever made
-        them non-finite (gradients, or the update the optimizer computed).
-      consecutive: int32, skipped updates in a row up to now (0 after an
-        applied one).
-      last_finite: bool, whether the latest update was applied (its
-        gradients, the update and the new optimizer state all finite).
-      exceeded: bool, ``consecutive > max_consecutive`` (always False when
-        ``max_consecutive`` is None). A flag for the training loop to act on.
-      last_grads_finite: bool, whether the latest gradients were finite (the
-        flag a loss scale reacts to). ``last_grads_finite and not
-        last_finite`` means the gradients were finite but the update or the
-        new state was not (e.g. Adam's float16 second moment underflowing).
-      non_finite_updates: int32, how many of the skipped updates had finite
-        gradients (the update or the new state was non-finite).
-    """
-
-    inner_state: Any
-    skipped_total: jax.Array
-    consecutive: jax.Array
-    last_finite: jax.Array
-    exceeded: jax.Array
-    last_grads_finite: jax.Array
-    non_finite_updates: jax.Array
-
-
 def skip_non_finite(
     inner: optax.GradientTransformation,
     *,
@@ -601,13 +572,7 @@ def find_skip_state(opt_state: Any) -> SkipNonFiniteState | None:
       >>> int(transforms.find_skip_state(tx.init(jnp.zeros(2))).skipped_total)
       0
     """
-    found = jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, SkipNonFiniteState)
-    )
-    for node in found:
-        if isinstance(node, SkipNonFiniteState):
-            return node
-    return None
+    return find_state(opt_state, SkipNonFiniteState)
 
 
 def _scalar_flag(flag: Any) -> jax.Array:
@@ -675,15 +640,7 @@ def _guards_itself(inner_state: Any) -> bool:
     # The skip transform outermost (stable_optimizer, skip_non_finite),
     # possibly inside optax.inject_hyperparams: it takes grads_finite= and
     # makes the whole decision itself, and counts it.
-    from jaxstable._src.spikes import SkipSpikesState  # imports this module
-
-    guards = (SkipNonFiniteState, SkipSpikesState)
-    if isinstance(inner_state, guards):
-        return True
-    inject = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-    return isinstance(inner_state, inject) and isinstance(
-        inner_state.inner_state, guards
-    )
+    return outer_guard(inner_state) is not None
 
 
 def accumulate_gradients(

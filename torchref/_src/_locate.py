@@ -76,6 +76,7 @@ from _stablecore.locate import outcome as _core_outcome
 from _stablecore.locate import same_place as _same_place
 from _stablecore.locate import value_fields as _value_fields
 from _stablecore.locate import where_text as _where
+from torchref._src.step import TrainStep
 
 # Op names as people say them, the same words as jaxstable's.
 CANONICAL_OPS = {
@@ -983,8 +984,6 @@ def _run(step: Any, batch: Any, scale: float, rng_state, params) -> _Run:
 def locate(
     step: Any, batch: Any, cls: type, loss_scale: float | None = None, rng_state=None
 ) -> Any:
-    from torchref._src.step import TrainStep
-
     if not isinstance(step, TrainStep):
         raise TypeError(
             f"locate needs a torchref.train.TrainStep, got {type(step).__name__}"

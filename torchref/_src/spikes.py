@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from _stablecore.checks import check_spike_args
+from torchref._src.guard_state import SkipNonFiniteState, SkipSpikesState, find_state
 from torchref._src.transforms import (
     AccumulateGradients,
     SkipNonFinite,
-    SkipNonFiniteState,
     _check_optimizer,
     _OptimizerView,
     _scalar_flag,
@@ -73,102 +73,6 @@ def _robust_stats(buffer: torch.Tensor, count: torch.Tensor, blank: torch.Tensor
     med = _median(torch.sort(window).values, n)
     mad = _median(torch.sort(torch.abs(window - med)).values, n)
     return med, _const(_MAD_TO_SIGMA, mad.device) * mad, n
-
-
-class SkipSpikesState:
-    """The spike guard's window and counters (same fields as the JAX state).
-
-    Attributes:
-        log_norms: float32 ``[window]`` tensor, ``log(global_norm(grads))``
-            of the latest steps whose values were finite, spikes included
-            (ring buffer; 0 where not written).
-        losses: float32 ``[window]``, their losses (when given).
-        norm_count: values in `log_norms` (at most the window).
-        loss_count: values in `losses`.
-        position: the slot the next step with finite values writes.
-        spikes_total: steps skipped as spikes so far.
-        last_spike: whether the latest step was skipped as a spike.
-        last_finite: whether the latest step was applied.
-
-    The window lives on the device of the gradient norms (moved there on
-    the first step) and the counters in 0-d tensors beside it, so that a
-    step updates them without a host read (issue 24); reading a counter
-    attribute returns a python int/bool (one device->host transfer).
-
-    Example:
-        >>> s = SkipSpikesState(window=4)
-        >>> s.log_norms.tolist(), s.norm_count, s.spikes_total, s.last_finite
-        ([0.0, 0.0, 0.0, 0.0], 0, 0, True)
-    """
-
-    # The counters live in 0-d device tensors (`_t`), so that the step
-    # updates them without a host read (issue 24); reading an attribute is
-    # one device->host transfer.
-    _INTS = ("norm_count", "loss_count", "position", "spikes_total")
-    _BOOLS = ("last_spike", "last_finite")
-
-    def __init__(self, window: int) -> None:
-        self.log_norms = torch.zeros(window, dtype=torch.float32)
-        self.losses = torch.zeros(window, dtype=torch.float32)
-        self._t: dict[str, torch.Tensor] = {}
-        for name in self._INTS:
-            self._t[name] = torch.zeros((), dtype=torch.int64)
-        self._t["last_spike"] = torch.zeros((), dtype=torch.bool)
-        self._t["last_finite"] = torch.ones((), dtype=torch.bool)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in SkipSpikesState._INTS:
-            return int(self.__dict__["_t"][name])
-        if name in SkipSpikesState._BOOLS:
-            return bool(self.__dict__["_t"][name])
-        raise AttributeError(name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._INTS + self._BOOLS:
-            dtype = torch.int64 if name in self._INTS else torch.bool
-            self._t[name] = torch.as_tensor(value, dtype=dtype).to(
-                self.log_norms.device
-            )
-        else:
-            super().__setattr__(name, value)
-
-    def _to(self, device: torch.device) -> None:
-        """Moves the window and counters to `device` (once: the norms' own)."""
-        if self.log_norms.device != device:
-            self.log_norms = self.log_norms.to(device)
-            self.losses = self.losses.to(device)
-            self._t = {k: v.to(device) for k, v in self._t.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every field, for a checkpoint (python numbers, CPU tensors)."""
-        return {
-            "log_norms": self.log_norms.detach().cpu().clone(),
-            "losses": self.losses.detach().cpu().clone(),
-            "norm_count": self.norm_count,
-            "loss_count": self.loss_count,
-            "position": self.position,
-            "spikes_total": self.spikes_total,
-            "last_spike": self.last_spike,
-            "last_finite": self.last_finite,
-        }
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Inverse of `state_dict` (a window of another length is refused)."""
-        if saved["log_norms"].shape != self.log_norms.shape:
-            raise ValueError(
-                f"the saved spike window has {saved['log_norms'].shape[0]} slots, "
-                f"this guard {self.log_norms.shape[0]}: build it with the same "
-                "window"
-            )
-        device = self.log_norms.device
-        self.log_norms = saved["log_norms"].clone().float().to(device)
-        self.losses = saved["losses"].clone().float().to(device)
-        self.norm_count = int(saved["norm_count"])
-        self.loss_count = int(saved["loss_count"])
-        self.position = int(saved["position"])
-        self.spikes_total = int(saved["spikes_total"])
-        self.last_spike = bool(saved["last_spike"])
-        self.last_finite = bool(saved["last_finite"])
 
 
 class _Decision:
@@ -417,5 +321,4 @@ def find_spike_state(obj: Any) -> SkipSpikesState | None:
     """
     if isinstance(obj, AccumulateGradients):  # as JAX's search of the state
         obj = obj.optimizer
-    state = getattr(obj, "spike_state", None)
-    return state if isinstance(state, SkipSpikesState) else None
+    return find_state(obj, SkipSpikesState, "spike_state")

@@ -24,7 +24,7 @@ import torch
 
 from _stablecore.checks import check_microbatches as _core_check_microbatches
 from torchref._src import distributed as _dist
-from torchref._src.diagnostics import CheckPoints
+from torchref._src.check_points import CheckPoints
 from torchref._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,

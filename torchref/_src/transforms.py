@@ -36,6 +36,7 @@ from torch.nn.utils import get_total_norm
 from torch.optim import optimizer as _torch_optimizer
 
 from _stablecore.checks import check_bool as _core_check_bool
+from torchref._src.guard_state import SkipNonFiniteState, SkipSpikesState, find_state
 from torchref._src.loss_scale import _tensors, all_finite
 
 __all__ = [
@@ -343,59 +344,6 @@ def _check_max_norm(max_norm: Any) -> float:
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
     return float(max_norm)
-
-
-@dataclasses.dataclass
-class SkipNonFiniteState:
-    """Counters of a non-finite skip guard (same fields as the JAX state).
-
-    Attributes:
-        skipped_total: steps skipped since creation, whatever made them
-            non-finite (the gradients, or what the step would have written).
-        consecutive: skipped steps in a row up to the last step (0 after an
-            applied one).
-        last_finite: whether the last step was applied (its gradients, and
-            the parameters and optimizer state it wrote, all finite).
-        exceeded: ``consecutive > max_consecutive`` (False when
-            `max_consecutive` is None); recomputed every step.
-        last_grads_finite: whether the last step's gradients were finite
-            (the flag GradScaler reacts to).
-        non_finite_updates: how many skipped steps had finite gradients but
-            a non-finite update (undone after `optimizer.step()`).
-
-    Example:
-        >>> s = SkipNonFiniteState()
-        >>> s.skipped_total, s.consecutive, s.last_finite, s.exceeded
-        (0, 0, True, False)
-        >>> s.record(False, None, grads_finite=True)
-        >>> s.skipped_total, s.last_grads_finite, s.non_finite_updates
-        (1, True, 1)
-    """
-
-    skipped_total: int = 0
-    consecutive: int = 0
-    last_finite: bool = True
-    exceeded: bool = False
-    last_grads_finite: bool = True
-    non_finite_updates: int = 0
-
-    def record(
-        self, finite: bool, max_consecutive: int | None, *, grads_finite=None
-    ) -> None:
-        """Counts one step: `finite` = applied; `grads_finite` defaults to it."""
-        finite = bool(finite)
-        grads_finite = finite if grads_finite is None else bool(grads_finite)
-        self.last_finite = finite
-        self.last_grads_finite = grads_finite
-        if finite:
-            self.consecutive = 0
-        else:
-            self.consecutive += 1
-            self.skipped_total += 1
-            self.non_finite_updates += int(grads_finite)
-        self.exceeded = (
-            max_consecutive is not None and self.consecutive > max_consecutive
-        )
 
 
 class _StepUndo:
@@ -1746,6 +1694,17 @@ def stable_optimizer(
     )
 
 
+def _spike_guard(optimizer: Any) -> Any:
+    """The `SkipNonFinite` a `skip_spikes` wrapper guards with, or None when
+    ``optimizer`` is none: told by its `SkipSpikesState` (the spikes module
+    imports this one, not the other way)."""
+    if isinstance(getattr(optimizer, "spike_state", None), SkipSpikesState):
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, SkipNonFinite):
+            return inner
+    return None
+
+
 class AccumulateGradients(_OptimizerView):
     """An optimizer wrapper that steps once every ``every_k`` calls, guarded.
 
@@ -1771,15 +1730,14 @@ class AccumulateGradients(_OptimizerView):
             raise TypeError(f"every_k must be an int >= 1, got {every_k!r}")
         if every_k < 1:
             raise ValueError(f"every_k must be an int >= 1, got {every_k}")
-        from torchref._src.spikes import SkipSpikes  # it imports this module
-
         if isinstance(optimizer, AccumulateGradients):
             raise TypeError("accumulate_gradients is already around this optimizer")
-        if not isinstance(optimizer, SkipNonFinite | SkipSpikes):
+        spikes = _spike_guard(optimizer)
+        if spikes is None and not isinstance(optimizer, SkipNonFinite):
             _check_optimizer(optimizer, "accumulate_gradients")
             optimizer = SkipNonFinite(optimizer, None)
         # A SkipSpikes wraps a SkipNonFinite (its `optimizer`).
-        guard = optimizer.optimizer if isinstance(optimizer, SkipSpikes) else optimizer
+        guard = optimizer if spikes is None else spikes
         if guard._needs_closure:
             name = type(guard.optimizer).__name__
             raise TypeError(
@@ -1895,14 +1853,9 @@ def find_skip_state(obj: Any) -> SkipNonFiniteState | None:
         >>> find_skip_state(torch.optim.SGD([w], lr=0.1)) is None
         True
     """
-    if isinstance(obj, StableOptimizer) and not obj.skip:
-        return None
-    state = getattr(obj, "skip_state", None)
-    if isinstance(state, SkipNonFiniteState):
-        return state
-    if isinstance(obj, list | tuple):
-        for item in obj:
-            found = find_skip_state(item)
-            if found is not None:
-                return found
-    return None
+    return find_state(
+        obj,
+        SkipNonFiniteState,
+        "skip_state",
+        skip=lambda x: isinstance(x, StableOptimizer) and not x.skip,
+    )
