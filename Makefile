@@ -7,6 +7,7 @@ PY     := $(VENV)/bin/python
 # torch is pinned to the CPU build that lies on these machines' disk; a plain
 # `torch` pulls a multi-GB CUDA build. Override: `make venv TORCH=torch`.
 TORCH  ?= torch==2.13.0
+# No torchvision wheel loads beside torch 2.13.0+cpu (PyPI's 0.28.0 needs libtorch_cuda), so timm, smp and open_clip are out: the real-model tier uses in-repo ResNet-18 shapes.
 STAMP  := $(VENV)/.installed
 
 .PHONY: venv test demo docs bench gpu-check gpu-wheels lint format clean
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[torch,examples,dev]"
+	$(PY) -m pip install -q -e ".[torch,examples,dev,models]"
 	touch $(STAMP)
 
 # pytest-xdist workers (one per core here); a file's tests stay on one worker
