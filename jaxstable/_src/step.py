@@ -819,9 +819,7 @@ def make_train_step(
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be None or a str, got {axis_name!r}")
     k = _check_microbatches(microbatches)
-    drop = _check_microbatch_drop(
-        drop_non_finite_microbatches, microbatch_weight, k
-    )
+    drop = _check_microbatch_drop(drop_non_finite_microbatches, microbatch_weight, k)
     if drop and axis_name is not None:
         raise ValueError(
             "drop_non_finite_microbatches=True is not supported with axis_name "
@@ -980,11 +978,7 @@ def make_train_step(
         )
         # The scale backs off when any micro-batch overflowed, even when the
         # kept ones make an applied step (see drop_non_finite_microbatches).
-        scale_ok = (
-            finite
-            if dropped is None
-            else jnp.logical_and(finite, dropped == 0)
-        )
+        scale_ok = finite if dropped is None else jnp.logical_and(finite, dropped == 0)
         grad_norm = global_norm(grads)
         tx = state.tx
         extra = {}
