@@ -1,0 +1,251 @@
+"""``drop_non_finite_microbatches``: keep the good micro-batches (issue 36,
+item 3), JAX vs torch and against the step on the kept rows alone.
+
+A micro-batch whose loss or scaled gradient is non-finite is dropped; the
+others are averaged with their weights (``microbatch_weight``: here the
+number of real rows of a masked mean), so a step equals one on the kept
+rows alone. The whole step is skipped only when none is kept; the loss scale
+backs off once when any micro-batch was dropped.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+from conftest import has_conditional
+from jaxstable import loss_scale as jls
+from jaxstable import train as jtrain
+from jaxstable import transforms
+from torchref import loss_scale as tls
+from torchref import train as ttrain
+
+_B, _K, _IN, _OUT = 8, 4, 3, 2
+_LR, _CLIP = 0.1, 1.0
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _batch(seed, bad_micro=()):
+    """(x, y, mask): a masked mean over the real rows (mask 1), a different
+    number of them per micro-batch; micro-batches in ``bad_micro`` hold a
+    NaN in a real row."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((_B, _IN)).astype(np.float32)
+    y = rng.standard_normal((_B, _OUT)).astype(np.float32)
+    mask = np.ones(_B, np.float32)
+    mask[[1, 5, 7]] = 0.0  # micro-batches of 2 rows: 1, 2, 1 and 0... real rows
+    mask[3] = 0.0
+    mask[2] = 1.0
+    rows = _B // _K
+    for i in bad_micro:
+        x[i * rows, 0] = np.nan
+        mask[i * rows] = 1.0
+    return x, y, mask
+
+
+def _jax_loss(p, batch):
+    x, y, mask = batch
+    err = jnp.sum((x @ p["w"] + p["b"] - y) ** 2, axis=1)
+    # A masked mean; 0 / max(0, 1) for a micro-batch without real rows.
+    return jnp.sum(jnp.where(mask > 0, err, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _torch_loss(model, batch):
+    x, y, mask = batch
+    err = ((model(x) - y) ** 2).sum(dim=1)
+    return torch.where(mask > 0, err, 0.0).sum() / mask.sum().clamp(min=1.0)
+
+
+def _jweight(b):
+    return jnp.sum(b[2])
+
+
+def _tweight(b):
+    return b[2].sum()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(_IN, _OUT)
+
+
+def _jparams(model):
+    return {
+        "w": jnp.asarray(model.weight.detach().numpy().T),
+        "b": jnp.asarray(model.bias.detach().numpy()),
+    }
+
+
+_TX = transforms.stable_optimizer(optax.sgd(_LR, momentum=0.9), max_grad_norm=_CLIP)
+
+
+@functools.cache
+def _jstep(k):
+    return jtrain.make_train_step(
+        _jax_loss,
+        microbatches=k,
+        drop_non_finite_microbatches=True,
+        microbatch_weight=_jweight,
+    )
+
+
+def _jstate(model, scale=2.0**10):
+    return jtrain.TrainState.create(
+        params=_jparams(model),
+        optimizer=_TX,
+        loss_scale=jls.DynamicLossScale(scale, period=2),
+    )
+
+
+def _tstep(model, k=_K, drop=True, scale=2.0**10):
+    return ttrain.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=_LR, momentum=0.9),
+        _torch_loss,
+        max_grad_norm=_CLIP,
+        scaler=tls.DynamicLossScale(scale, period=2),
+        microbatches=k,
+        drop_non_finite_microbatches=drop,
+        microbatch_weight=_tweight if drop else None,
+    )
+
+
+_POISON = {1: (2,), 3: (0, 3), 4: (0, 1, 2, 3), 6: (1,)}  # step -> bad micro
+
+
+def _kept_rows(bad):
+    rows = _B // _K
+    return np.array([r for r in range(_B) if r // rows not in bad])
+
+
+def test_jax_and_torch_keep_the_good_microbatches_step_for_step(tol):
+    """8 steps, JAX vs torch and both vs a hand-written torch recipe on the
+    kept rows alone (GradScaler, clip, SGD): parameters agree every step;
+    ``finite``, ``microbatches_dropped``, the loss scale and
+    ``skipped_total`` equal exactly. A step whose micro-batches are all bad
+    is skipped; one with some bad is applied with the rest, and the scale
+    backs off once."""
+    model, ref = _model(), _model()
+    state, jstep = _jstate(model), _jstep(_K)
+    tstep = _tstep(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=_LR, momentum=0.9)
+    # A scale that never moves: the kept rows' gradients are exact at any
+    # power of two (the steps' own back-off is checked apart).
+    scaler = tls.DynamicLossScale(2.0**10, period=10**6).make_scaler("cpu")
+    for i in range(8):
+        bad = _POISON.get(i, ())
+        x, y, mask = _batch(i, bad)
+        tm = tstep(tuple(map(torch.from_numpy, (x, y, mask))))
+        state, jm = jstep(state, (x, y, mask))
+        where = f"step {i}"
+        assert bool(jm["finite"]) is tm["finite"] is (len(bad) < _K), where
+        assert int(jm["microbatches_dropped"]) == tm["microbatches_dropped"]
+        assert tm["microbatches_dropped"] == len(bad), where
+        assert float(jm["loss_scale"]) == tm["loss_scale"], where
+        assert int(jm["skipped_total"]) == tm["skipped_total"], where
+        assert float(state.loss_scale.loss_scale) == tstep.scaler.get_scale()
+        if tm["finite"]:
+            np.testing.assert_allclose(float(jm["loss"]), tm["loss"], rtol=2e-6)
+        # The recipe over the kept rows alone, as one batch.
+        keep = _kept_rows(bad)
+        if len(keep):
+            xs, ys, ms = (torch.from_numpy(a[keep]) for a in (x, y, mask))
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(_torch_loss(ref, (xs, ys, ms))).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), _CLIP)
+            scaler.step(opt)
+            scaler.update()
+        if bad:  # one back-off, whether the step was applied or not
+            assert tstep.scaler.get_scale() == tm["loss_scale"] / 2, where
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, **tol("float32_trajectory"))
+        chex.assert_trees_all_close(
+            jax.device_get(state.params),
+            jax.device_get(_jparams(model)),
+            **tol("float32_trajectory"),
+        )
+    assert tstep.skip_state.skipped_total == 1
+
+
+def test_default_still_skips_the_whole_step():
+    x, y, mask = _batch(0, (2,))
+    step = jtrain.make_train_step(_jax_loss, microbatches=_K)
+    # Traced only (the default step's skip is tested with the accumulation).
+    _, m = jax.eval_shape(step, _jstate(_model()), (x, y, mask))
+    assert "microbatches_dropped" not in m and not step.drop_non_finite_microbatches
+    tm = _tstep(_model(), drop=False)(tuple(map(torch.from_numpy, (x, y, mask))))
+    assert not tm["finite"] and "microbatches_dropped" not in tm
+
+
+def test_jax_keep_step_has_no_conditional_nor_host_transfer():
+    state, step = _jstate(_model()), _jstep(_K)
+    good, bad = _batch(0), _batch(1, (1,))
+    assert not has_conditional(step.lower(state, good))
+    good, bad = jax.device_put((good, bad))
+    state, _ = step(state, good)
+    with jax.transfer_guard("disallow"):
+        for b in (bad, good):
+            state, m = step(state, b)
+    assert int(m["skipped_total"]) == 0
+
+
+def test_a_dropped_microbatch_leaves_the_batch_norm_statistics_alone():
+    """Its forward's running statistics (NaN) are put back; the kept
+    micro-batches' updates stay, as k forwards over the kept rows alone."""
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(_IN, _OUT), torch.nn.BatchNorm1d(2))
+
+    def loss(m, b):
+        return (m(b[0]) ** 2).mean()
+
+    x = torch.from_numpy(_batch(0, (1,))[0])
+    ours, ref = net(), net()
+    step = ttrain.TrainStep(
+        ours,
+        torch.optim.SGD(ours.parameters(), lr=0.0),
+        loss,
+        microbatches=_K,
+        drop_non_finite_microbatches=True,
+    )
+    m = step((x,))
+    assert m["finite"] and m["microbatches_dropped"] == 1
+    with torch.no_grad():
+        for i in (0, 2, 3):
+            ref(x[2 * i : 2 * i + 2])
+    for a, b in zip(ours.buffers(), ref.buffers(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        (dict(drop_non_finite_microbatches=1), TypeError, "must be True or False"),
+        (dict(drop_non_finite_microbatches=True), ValueError, "needs microbatches"),
+        (dict(microbatches=2, microbatch_weight=3), TypeError, "a callable"),
+        (dict(microbatches=2, microbatch_weight=len), ValueError, "only with"),
+    ],
+)
+def test_bad_options_are_refused_alike(kwargs, error, text):
+    with pytest.raises(error, match=text) as j:
+        jtrain.make_train_step(_jax_loss, **kwargs)
+    model = _model()
+    with pytest.raises(error, match=text) as t:
+        ttrain.TrainStep(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), _torch_loss, **kwargs
+        )
+    assert str(j.value) == str(t.value)
