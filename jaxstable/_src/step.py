@@ -812,6 +812,16 @@ def make_train_step(
       ...                                  [5.0, 6.0], [jnp.nan, 0.0]]))
       >>> bool(m["finite"]), int(m["skipped_total"])
       (False, 2)
+
+      Keeping the good micro-batches (the NaN one is dropped):
+
+      >>> keep = train.make_train_step(lambda p, b: jnp.mean((p - b) ** 2),
+      ...                              microbatches=2,
+      ...                              drop_non_finite_microbatches=True)
+      >>> state, m = keep(state, jnp.array([[1.0, 2.0], [3.0, 4.0],
+      ...                                   [5.0, 6.0], [jnp.nan, 0.0]]))
+      >>> bool(m["finite"]), int(m["microbatches_dropped"]), int(m["skipped_total"])
+      (True, 1, 2)
     """
     for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
         if not isinstance(flag, bool):

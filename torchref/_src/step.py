@@ -344,6 +344,32 @@ class TrainStep(_DeferredRecords):
             were with the largest ``max_abs``). A tensor whose first
             dimension k does not divide raises ValueError, a k that is not
             an int >= 1 TypeError/ValueError (the JAX step's texts).
+        drop_non_finite_microbatches: False (default: a non-finite
+            micro-batch skips the whole step, GradScaler's recipe) or True
+            (needs ``microbatches``): each micro-batch's backward runs into
+            an empty ``.grad``, its loss and scaled gradient are checked on
+            the device, and a non-finite one is dropped (selected out of a
+            float32 sum; the buffers its forward wrote are put back); the
+            kept ones are averaged with weights ``w_i``, ``grads = sum_kept
+            w_i g_i / sum_kept w_i`` (so with a mean loss and ``w_i`` the
+            micro-batch's rows or tokens, the step on the kept rows alone),
+            ``metrics["loss"]`` their weighted mean loss. One ``unscale_``,
+            check, clip and skip follow; the step is skipped only when none
+            is kept or the result is non-finite. The scaler backs off when
+            ANY micro-batch was dropped (written into its ``found_inf``
+            before ``update``, as GradScaler's own recipe would back off),
+            though the step is applied with the kept ones: otherwise a
+            scale that overflows one micro-batch in k would never back off
+            and would keep dropping the largest gradients.
+            ``metrics["microbatches_dropped"]`` counts them; ``aux``
+            combines all k. One extra gradient read and one float32 sum
+            per micro-batch; no host sync. Refused (ValueError) under
+            DDP/FSDP2 for now. The arithmetic of
+            ``jaxstable.train.make_train_step`` op for op.
+        microbatch_weight: None (each micro-batch weighs 1: equal rows) or
+            ``microbatch_weight(micro_batch) -> number or 0-d tensor`` (>= 0),
+            e.g. ``lambda b: b["mask"].sum()`` (its real tokens). Only with
+            ``drop_non_finite_microbatches=True``.
         decide_on: ``"auto"`` (default), ``"device"`` or ``"host"``: where
             the skip is decided (see 6); ``"auto"`` is ``"device"`` for an
             optimizer that takes GradScaler's ``found_inf`` (fused: it
@@ -373,6 +399,12 @@ class TrainStep(_DeferredRecords):
         >>> acc = TrainStep(model, opt, mse, microbatches=2)  # 2 x 2 rows
         >>> acc((torch.ones(4, 3), torch.zeros(4, 1)))["finite"]
         True
+        >>> keep = TrainStep(model, opt, mse, microbatches=2,
+        ...                  drop_non_finite_microbatches=True)
+        >>> x = torch.ones(4, 3); x[3, 0] = float("nan")  # micro-batch 1
+        >>> m = keep((x, torch.zeros(4, 1)))
+        >>> m["finite"], m["microbatches_dropped"]
+        (True, 1)
     """
 
     def __init__(
