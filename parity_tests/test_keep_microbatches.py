@@ -45,9 +45,7 @@ def _batch(seed, bad_micro=()):
     x = rng.standard_normal((_B, _IN)).astype(np.float32)
     y = rng.standard_normal((_B, _OUT)).astype(np.float32)
     mask = np.ones(_B, np.float32)
-    mask[[1, 5, 7]] = 0.0  # micro-batches of 2 rows: 1, 2, 1 and 0... real rows
-    mask[3] = 0.0
-    mask[2] = 1.0
+    mask[[3, 7]] = 0.0  # real rows per micro-batch of 2: 2, 1, 2, 1
     rows = _B // _K
     for i in bad_micro:
         x[i * rows, 0] = np.nan
