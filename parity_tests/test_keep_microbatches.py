@@ -247,3 +247,66 @@ def test_bad_options_are_refused_alike(kwargs, error, text):
             model, torch.optim.SGD(model.parameters(), lr=0.1), _torch_loss, **kwargs
         )
     assert str(j.value) == str(t.value)
+
+
+# ------------------------------------------- accumulate_gradients, both sides
+_BAD_MICRO = {1, 6, 7, 8}  # window 0 keeps 2 of 3, window 2 none
+
+
+def test_accumulate_gradients_keeps_the_good_micro_gradients_alike(tol):
+    """4 windows of k=3 micro-gradients, JAX vs torch vs a hand-written mean
+    over the kept ones: one NaN micro-gradient is dropped (the window is
+    applied), a window of three NaN ones is skipped once."""
+    k = 3
+    jtx = transforms.accumulate_gradients(
+        transforms.stable_optimizer(optax.sgd(_LR), max_grad_norm=_CLIP),
+        k,
+        drop_non_finite_microbatches=True,
+    )
+    model, ref = _model(), _model()
+    params = _jparams(model)
+    jstate = jtx.init(params)
+    update, grad = jax.jit(jtx.update), jax.jit(jax.grad(_jax_loss))
+    topt = ttrain_accumulate(model, k)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=_LR)
+    for window in range(4):
+        kept = []
+        for j in range(k):
+            micro = window * k + j
+            bad = micro in _BAD_MICRO
+            x, y, mask = _batch(micro, (0,) if bad else ())
+            g = grad(params, (x, y, mask))
+            updates, jstate = update(g, jstate, params)
+            params = optax.apply_updates(params, updates)
+            batch = tuple(map(torch.from_numpy, (x, y, mask)))
+            topt.zero_grad()
+            _torch_loss(model, batch).backward()
+            topt.step()
+            if not bad:
+                kept.append(batch)
+        if kept:  # the mean of the kept micro-gradients, by hand
+            ref_opt.zero_grad(set_to_none=True)
+            for b in kept:
+                (_torch_loss(ref, b) / len(kept)).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), _CLIP)
+            ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, **tol("float32"))
+        chex.assert_trees_all_close(
+            jax.device_get(params), jax.device_get(_jparams(model)), **tol("float32")
+        )
+    assert int(jstate.dropped_total) == topt.dropped_total == 4
+    skip = transforms.find_skip_state(jstate)
+    assert int(skip.skipped_total) == topt.skip_state.skipped_total == 1
+
+
+def ttrain_accumulate(model, k):
+    from torchref import transforms as ttransforms
+
+    return ttransforms.accumulate_gradients(
+        ttransforms.stable_optimizer(
+            torch.optim.SGD(model.parameters(), lr=_LR), max_grad_norm=_CLIP
+        ),
+        k,
+        drop_non_finite_microbatches=True,
+    )
