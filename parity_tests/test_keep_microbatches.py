@@ -310,3 +310,17 @@ def ttrain_accumulate(model, k):
         k,
         drop_non_finite_microbatches=True,
     )
+
+
+def test_fit_records_count_the_dropped_microbatches_alike():
+    x, y, mask = _batch(0, (2,))
+    data = [(x, y, mask)] * 2
+    _, hist = jtrain.fit(_jstate(_model()), _jstep(_K), data, progress=False)
+    thist = ttrain.fit(
+        _tstep(_model()),
+        [tuple(map(torch.from_numpy, b)) for b in data],
+        progress=False,
+    )
+    assert [r["microbatches_dropped"] for r in hist] == [1, 1]
+    assert [r["microbatches_dropped"] for r in thist] == [1, 1]
+    assert set(hist[0]) == set(thist[0])
