@@ -107,7 +107,7 @@ def _jstate(model, scale=2.0**10):
     )
 
 
-def _tstep(model, k=_K, drop=True, scale=2.0**10):
+def _tstep(model, k=_K, drop=True, scale=2.0**10, autocast_dtype=None):
     return ttrain.TrainStep(
         model,
         torch.optim.SGD(model.parameters(), lr=_LR, momentum=0.9),
@@ -117,6 +117,7 @@ def _tstep(model, k=_K, drop=True, scale=2.0**10):
         microbatches=k,
         drop_non_finite_microbatches=drop,
         microbatch_weight=_tweight if drop else None,
+        autocast_dtype=autocast_dtype,
     )
 
 
@@ -324,3 +325,30 @@ def test_fit_records_count_the_dropped_microbatches_alike():
     assert [r["microbatches_dropped"] for r in hist] == [1, 1]
     assert [r["microbatches_dropped"] for r in thist] == [1, 1]
     assert set(hist[0]) == set(thist[0])
+
+
+def test_a_float16_overflow_drops_only_its_microbatch_alike(tol):
+    """No NaN in the data: float16 compute (jmp policy / CPU autocast) at a
+    scale of 2**15, one micro-batch with inputs 300x larger overflows its
+    scaled backward. It alone is dropped, in both frameworks; the step is
+    applied with the rest and the scale backs off."""
+    x, y, mask = _batch(0)
+    x[4:6] *= 300.0  # micro-batch 2
+    model = _model()
+    state = _jstate(model, scale=2.0**15)
+    jstep = jtrain.make_train_step(
+        _jax_loss,
+        microbatches=_K,
+        policy="p=f32,c=f16,o=f32",
+        drop_non_finite_microbatches=True,
+        microbatch_weight=_jweight,
+    )
+    tstep = _tstep(model, scale=2.0**15, autocast_dtype=torch.float16)
+    state, jm = jstep(state, (x, y, mask))
+    tm = tstep(tuple(map(torch.from_numpy, (x, y, mask))))
+    assert int(jm["microbatches_dropped"]) == tm["microbatches_dropped"] == 1
+    assert bool(jm["finite"]) and tm["finite"]
+    assert float(state.loss_scale.loss_scale) == tstep.scaler.get_scale() == 2.0**14
+    chex.assert_trees_all_close(
+        jax.device_get(state.params), jax.device_get(_jparams(model)), **tol("float16")
+    )
