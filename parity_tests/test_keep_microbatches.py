@@ -352,3 +352,27 @@ def test_a_float16_overflow_drops_only_its_microbatch_alike(tol):
     chex.assert_trees_all_close(
         jax.device_get(state.params), jax.device_get(_jparams(model)), **tol("float16")
     )
+
+
+def test_jax_a_dropped_microbatch_leaves_the_model_state_alone():
+    """The JAX twin of the batch-norm test: a model state (a running sum of
+    each micro-batch's mean input) takes the kept micro-batches only."""
+
+    def loss(p, ms, b):
+        x = b[0]
+        new = {"sum": ms["sum"] + jnp.mean(x, axis=0)}
+        return jnp.mean((x @ p["w"]) ** 2), new
+
+    step = jtrain.make_train_step(
+        loss, has_state=True, microbatches=_K, drop_non_finite_microbatches=True
+    )
+    state = jtrain.TrainState.create(
+        params={"w": jnp.zeros((_IN, _OUT))},
+        optimizer=_TX,
+        model_state={"sum": jnp.zeros(_IN)},
+    )
+    x = _batch(0, (1,))[0]
+    state, m = step(state, (x,))
+    assert bool(m["finite"]) and int(m["microbatches_dropped"]) == 1
+    kept = sum(x[2 * i : 2 * i + 2].mean(axis=0) for i in (0, 2, 3))
+    np.testing.assert_allclose(state.model_state["sum"], kept, rtol=1e-6)
