@@ -376,3 +376,13 @@ def test_jax_a_dropped_microbatch_leaves_the_model_state_alone():
     assert bool(m["finite"]) and int(m["microbatches_dropped"]) == 1
     kept = sum(x[2 * i : 2 * i + 2].mean(axis=0) for i in (0, 2, 3))
     np.testing.assert_allclose(state.model_state["sum"], kept, rtol=1e-6)
+
+
+def test_jax_refuses_the_option_with_axis_name():
+    with pytest.raises(ValueError, match=r"not supported with axis_name \('data'\)"):
+        jtrain.make_train_step(
+            _jax_loss,
+            axis_name="data",
+            microbatches=2,
+            drop_non_finite_microbatches=True,
+        )
