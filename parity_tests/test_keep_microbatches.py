@@ -277,6 +277,8 @@ def test_accumulate_gradients_keeps_the_good_micro_gradients_alike(tol):
             bad = micro in _BAD_MICRO
             x, y, mask = _batch(micro, (0,) if bad else ())
             g = grad(params, (x, y, mask))
+            if micro == 0:  # selects only: no conditional in the update
+                assert not has_conditional(update.lower(g, jstate, params))
             updates, jstate = update(g, jstate, params)
             params = optax.apply_updates(params, updates)
             batch = tuple(map(torch.from_numpy, (x, y, mask)))
