@@ -74,6 +74,33 @@ def check_microbatches(microbatches: Any, int_types: Any = int) -> Any:
     return microbatches
 
 
+def check_microbatch_drop(drop: Any, weight: Any, microbatches: Any) -> bool:
+    """Validates ``drop_non_finite_microbatches`` and ``microbatch_weight``
+    against ``microbatches`` (already checked); the same texts in both train
+    steps. Returns ``drop`` as a bool."""
+    if not isinstance(drop, bool):
+        raise TypeError(
+            f"drop_non_finite_microbatches must be True or False, got {drop!r}"
+        )
+    if drop and microbatches is None:
+        raise ValueError(
+            "drop_non_finite_microbatches=True needs microbatches=k (k >= 1): "
+            "without micro-batches there is nothing to drop but the whole step"
+        )
+    if weight is not None and not callable(weight):
+        raise TypeError(
+            "microbatch_weight must be None or a callable taking a micro-batch "
+            f"and returning its weight (e.g. its number of tokens), got {weight!r}"
+        )
+    if weight is not None and not drop:
+        raise ValueError(
+            "microbatch_weight is used only with drop_non_finite_microbatches=True "
+            "(it weights the kept micro-batches); set that too, or leave "
+            "microbatch_weight=None"
+        )
+    return drop
+
+
 def _spike_int(name: str, value: Any, low: int, int_types: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int_types):
         raise TypeError(f"{name} must be an int >= {low}, got {value!r}")

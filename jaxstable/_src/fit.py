@@ -93,6 +93,9 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         "skipped_total": int(m["skipped_total"]),
     }
     _add_skip_reason(rec, m.get("grads_finite"), m.get("spike"))
+    if m.get("microbatches_dropped") is not None:
+        # drop_non_finite_microbatches: the micro-batches this step dropped.
+        rec["microbatches_dropped"] = int(m["microbatches_dropped"])
     aux = m.get("aux")
     if aux is not None:
         rec.update(_scalar_record("aux", aux))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from _stablecore.checks import check_microbatch_drop as _check_microbatch_drop
 from _stablecore.checks import check_microbatches as _core_check_microbatches
 from jaxstable._src.check_points import CheckPoints
 from jaxstable._src.distributed import _axis_size
@@ -587,6 +588,8 @@ def make_train_step(
     donate: bool = False,
     axis_name: str | None = None,
     microbatches: int | None = None,
+    drop_non_finite_microbatches: bool = False,
+    microbatch_weight: Callable | None = None,
 ) -> TrainStep:
     """Builds the guarded train step ``step(state, batch) -> (state, metrics)``.
 
@@ -720,6 +723,31 @@ def make_train_step(
         whose leading axis k does not divide raises ValueError; a k that is
         not an int >= 1, TypeError/ValueError. No ``conditional``, no host
         transfer.
+      drop_non_finite_microbatches: False (default: one non-finite
+        micro-batch skips the whole step, as GradScaler's recipe), or True
+        (needs ``microbatches``): a micro-batch whose loss or scaled gradient
+        is non-finite is dropped (selected out of the float32 sum; its model
+        state statistics are not kept, its RNG streams advance) and the
+        others are averaged with weights ``w_i``:
+        ``grads = sum_kept w_i g_i / sum_kept w_i``, ``loss = sum_kept w_i
+        loss_i / sum_kept w_i``. With a mean loss per micro-batch and
+        ``w_i`` its number of rows (or tokens) that is the step on the kept
+        rows alone. Then the usual single check, clip and skip: the step
+        is skipped only when no micro-batch is kept (or the result is
+        non-finite). The loss scale makes ONE decision per call and backs
+        off when ANY micro-batch was dropped (the scale GradScaler's recipe
+        would get: its ``found_inf`` covers the whole sum), while the step
+        is still applied with the kept ones: a scale that overflows one
+        micro-batch in k would otherwise never back off (or even grow) and
+        would keep dropping the data with the largest gradients, a silent
+        bias. ``metrics["microbatches_dropped"]`` (int32) counts them;
+        ``metrics["aux"]`` still combines all k micro-batches. No
+        ``conditional``, no host transfer. Not yet with ``axis_name``
+        (ValueError); under plain `jax.jit` with shardings it works as is.
+      microbatch_weight: None (every micro-batch weighs 1: equal rows), or
+        ``microbatch_weight(micro_batch) -> scalar`` (traced, >= 0), e.g.
+        ``lambda b: jnp.sum(b["mask"])`` for a per-micro-batch mean over
+        its real tokens. Only with ``drop_non_finite_microbatches=True``.
 
     Returns:
       A `TrainStep`; calling it returns ``(new_state, metrics)`` where metrics
@@ -773,6 +801,16 @@ def make_train_step(
       ...                                  [5.0, 6.0], [jnp.nan, 0.0]]))
       >>> bool(m["finite"]), int(m["skipped_total"])
       (False, 2)
+
+      Keeping the good micro-batches (the NaN one is dropped):
+
+      >>> keep = train.make_train_step(lambda p, b: jnp.mean((p - b) ** 2),
+      ...                              microbatches=2,
+      ...                              drop_non_finite_microbatches=True)
+      >>> state, m = keep(state, jnp.array([[1.0, 2.0], [3.0, 4.0],
+      ...                                   [5.0, 6.0], [jnp.nan, 0.0]]))
+      >>> bool(m["finite"]), int(m["microbatches_dropped"]), int(m["skipped_total"])
+      (True, 1, 2)
     """
     for name, flag in (("has_aux", has_aux), ("has_state", has_state)):
         if not isinstance(flag, bool):
@@ -780,6 +818,14 @@ def make_train_step(
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be None or a str, got {axis_name!r}")
     k = _check_microbatches(microbatches)
+    drop = _check_microbatch_drop(drop_non_finite_microbatches, microbatch_weight, k)
+    if drop and axis_name is not None:
+        raise ValueError(
+            "drop_non_finite_microbatches=True is not supported with axis_name "
+            f"({axis_name!r}) yet: run the step under plain jax.jit with "
+            "shardings (jaxstable.distributed), where XLA makes the reductions "
+            "global itself"
+        )
     pol = None if policy is None else get_policy(policy)
 
     def compute_loss(params, model_state, batch):
@@ -847,16 +893,60 @@ def make_train_step(
             acc, ms = jax.tree_util.tree_map(
                 lambda x: jax.lax.pcast(x, axis_name, to="varying"), (acc, ms)
             )
+        if drop:
+            return _kept_microbatches(share_grad, params, ls, acc, ms, batch)
         (acc, ms), (losses, aux) = jax.lax.scan(
             micro, (acc, ms), _split_batch(batch, k)
         )
         return losses, (None if aux is None else _combine_aux(aux)), ms, acc
 
+    def _kept_microbatches(share_grad, params, ls, acc, ms, batch):
+        """`summed_grads` with ``drop_non_finite_microbatches``: a
+        micro-batch whose loss or scaled gradient is non-finite is left out
+        of the sum (a select: its NaN never enters), and so are its model
+        state's statistics; the others are weighted by ``microbatch_weight``
+        and the sum is rescaled to their weighted mean. ``losses`` is then
+        the kept micro-batches' weighted mean loss (shape ``(1,)``), NaN
+        when none was kept (a zero weight sum): the gradients are NaN too
+        (``0 * inf``), and the step is skipped by its usual check."""
+
+        def micro(carry, mb):
+            acc, ms, wsum, lsum, dropped = carry
+            (_, (loss, (aux, new_ms))), g = share_grad(params, ls, ms, mb, k)
+            ok = jnp.logical_and(jnp.isfinite(loss), all_finite(g))
+            w = (
+                jnp.ones([], jnp.float32)
+                if microbatch_weight is None
+                else jnp.asarray(microbatch_weight(mb), jnp.float32)
+            )
+            acc = jax.tree_util.tree_map(
+                lambda a, x: jnp.where(ok, a + w * x.astype(a.dtype), a), acc, g
+            )
+            ms = _keep_model_state(ok, new_ms, ms)
+            wsum = wsum + jnp.where(ok, w, 0.0)
+            lsum = lsum + jnp.where(ok, w * loss, 0.0)
+            dropped = dropped + jnp.logical_not(ok).astype(jnp.int32)
+            return (acc, ms, wsum, lsum, dropped), aux
+
+        zero = jnp.zeros([], jnp.float32)
+        carry = (acc, ms, zero, zero, jnp.zeros([], jnp.int32))
+        (acc, ms, wsum, lsum, dropped), aux = jax.lax.scan(
+            micro, carry, _split_batch(batch, k)
+        )
+        # Each share was scale * loss_i / k: times k / (sum of kept weights)
+        # it is the kept micro-batches' weighted mean (k / k == 1 exactly
+        # when all k are kept with the default weights). No kept weight:
+        # k / 0 = inf, 0 * inf = NaN, a skipped step.
+        factor = jnp.float32(k) / wsum
+        acc = jax.tree_util.tree_map(lambda a: a * factor.astype(a.dtype), acc)
+        aux = None if aux is None else _combine_aux(aux)
+        return (lsum / wsum)[None], aux, ms, acc, dropped
+
     def reduced_grads(state: TrainState, batch: Any):
         if pol is not None:
             _check_param_dtypes(state.params, pol, policy)
         ls = state.loss_scale
-        losses, aux, model_state, grads = summed_grads(state, batch)
+        losses, aux, model_state, grads, *dropped = summed_grads(state, batch)
         if axis_name is not None:
             # The SUM of the replicas' scaled shares, unscaled, is one
             # device's gradient of the mean; the flag taken from that sum is
@@ -875,14 +965,19 @@ def make_train_step(
         # finite (a -inf from log of a dropped activation whose gradient the
         # mask zeroes), as in torchref: one flag for the skip and the scale.
         finite = jnp.logical_and(all_finite(grads), jnp.all(jnp.isfinite(losses)))
-        return (loss, (aux, model_state)), grads, finite
+        return (loss, (aux, model_state)), grads, finite, (dropped or [None])[0]
 
     def step(state: TrainState, batch: Any):
         out.traced = True  # trace time only: the policy audit reads this trace
         if _find_accumulation(state.opt_state) is not None:
             raise ValueError(_ACCUMULATION_IN_TX)
         ls = state.loss_scale
-        (loss, (aux, new_model_state)), grads, finite = reduced_grads(state, batch)
+        (loss, (aux, new_model_state)), grads, finite, dropped = reduced_grads(
+            state, batch
+        )
+        # The scale backs off when any micro-batch overflowed, even when the
+        # kept ones make an applied step (see drop_non_finite_microbatches).
+        scale_ok = finite if dropped is None else jnp.logical_and(finite, dropped == 0)
         grad_norm = global_norm(grads)
         tx = state.tx
         extra = {}
@@ -927,7 +1022,7 @@ def make_train_step(
             opt_state=opt_state,
             # The scale reacts to the gradients (and the loss) only, as
             # GradScaler's does: a non-finite update is no overflow.
-            loss_scale=ls.adjust(finite),
+            loss_scale=ls.adjust(scale_ok),
             model_state=new_model_state,
             skipped_total=skipped_total,
         )
@@ -941,6 +1036,8 @@ def make_train_step(
         }
         if spikes is not None:
             metrics["spike"] = _outer_skip_state(opt_state).last_spike
+        if dropped is not None:
+            metrics["microbatches_dropped"] = dropped
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics
@@ -959,6 +1056,7 @@ def make_train_step(
         has_aux,
     )
     out.microbatches = k
+    out.drop_non_finite_microbatches = drop
     return out
 
 

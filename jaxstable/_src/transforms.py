@@ -628,12 +628,18 @@ class AccumulateGradientsState(NamedTuple):
         (0 to ``every_k - 1``).
       window_finite: bool, whether every micro-gradient of the current window
         so far was finite.
+      kept: None, or with ``drop_non_finite_microbatches=True`` int32, the
+        micro-gradients of this window added to ``acc`` so far.
+      dropped_total: None, or with ``drop_non_finite_microbatches=True``
+        int32, the micro-gradients dropped since ``init``.
     """
 
     inner_state: Any
     acc: Any
     mini_step: jax.Array
     window_finite: jax.Array
+    kept: Any = None
+    dropped_total: Any = None
 
 
 def _guards_itself(inner_state: Any) -> bool:
@@ -644,7 +650,10 @@ def _guards_itself(inner_state: Any) -> bool:
 
 
 def accumulate_gradients(
-    optimizer: optax.GradientTransformation, every_k: int
+    optimizer: optax.GradientTransformation,
+    every_k: int,
+    *,
+    drop_non_finite_microbatches: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradient accumulation with ONE skip decision per optimizer step.
 
@@ -686,6 +695,14 @@ def accumulate_gradients(
       optimizer: the optimizer to step once per window, typically
         ``stable_optimizer(optax.adam(1e-3), max_grad_norm=1.0)``.
       every_k: micro-steps per optimizer step, an int >= 1.
+      drop_non_finite_microbatches: False (default: a non-finite
+        micro-gradient skips its whole window), or True: it is dropped
+        (not added, counted in ``dropped_total``) and the window's
+        ``optimizer`` step takes the mean of the kept ones, ``acc / kept``
+        (equal weights: one micro-batch, one vote); the window is skipped
+        only when none is kept (``0 / 0``) or the result is non-finite.
+        As `jaxstable.train.make_train_step`'s option of the same name
+        (which also takes weights and a loss scale).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` with state
@@ -706,8 +723,25 @@ def accumulate_gradients(
       [0.0, 0.0] 1
       [0.0, 0.0] 1
       [-2.0, -4.0] 1
+
+      Keeping the window's good micro-gradients:
+
+      >>> tx = transforms.accumulate_gradients(
+      ...     transforms.stable_optimizer(optax.sgd(1.0)), every_k=2,
+      ...     drop_non_finite_microbatches=True)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> for g in ([1.0, 3.0], [jnp.nan, 0.0]):
+      ...     u, state = tx.update(jnp.array(g), state, jnp.zeros(2))
+      >>> u.tolist(), int(state.dropped_total)
+      ([-1.0, -3.0], 1)
     """
     _check_optimizer(optimizer, "accumulate_gradients")
+    if not isinstance(drop_non_finite_microbatches, bool):
+        raise TypeError(
+            "drop_non_finite_microbatches must be True or False, got "
+            f"{drop_non_finite_microbatches!r}"
+        )
+    drop = drop_non_finite_microbatches
     if isinstance(every_k, bool) or not isinstance(every_k, int | np.integer):
         raise TypeError(f"every_k must be an int >= 1, got {every_k!r}")
     if every_k < 1:
@@ -726,6 +760,8 @@ def accumulate_gradients(
             ),
             mini_step=jnp.zeros([], jnp.int32),
             window_finite=jnp.ones([], jnp.bool_),
+            kept=jnp.zeros([], jnp.int32) if drop else None,
+            dropped_total=jnp.zeros([], jnp.int32) if drop else None,
         )
 
     def update_fn(updates, state, params=None, *, grads_finite=None, **extra_args):
@@ -744,9 +780,21 @@ def accumulate_gradients(
             lambda new, old: jnp.where(ok, new, old), added, state.acc
         )
         window = jnp.logical_and(state.window_finite, ok)
-        mean = jax.tree_util.tree_map(
-            lambda a, g: (a / every_k).astype(jnp.result_type(g)), acc, updates
-        )
+        kept = dropped_total = None
+        if drop:
+            # The kept ones' mean; no kept one: 0 / 0 = nan, a skipped window.
+            kept = state.kept + ok.astype(jnp.int32)
+            dropped_total = state.dropped_total + jnp.logical_not(ok).astype(jnp.int32)
+            window = kept > 0
+            mean = jax.tree_util.tree_map(
+                lambda a, g: (a / kept.astype(a.dtype)).astype(jnp.result_type(g)),
+                acc,
+                updates,
+            )
+        else:
+            mean = jax.tree_util.tree_map(
+                lambda a, g: (a / every_k).astype(jnp.result_type(g)), acc, updates
+            )
         if _guards_itself(state.inner_state):
             new_updates, new_inner = inner.update(
                 mean, state.inner_state, params, grads_finite=window, **extra_args
@@ -781,6 +829,8 @@ def accumulate_gradients(
             ),
             mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
             window_finite=jnp.logical_or(emit, window),
+            kept=None if kept is None else jnp.where(emit, 0, kept).astype(jnp.int32),
+            dropped_total=dropped_total,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -101,6 +101,9 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
             value = value.detach().float().item() if kind is not bool else value
         rec[key] = kind(value)
     _add_skip_reason(rec, metrics.get("grads_finite"), metrics.get("spike"))
+    if metrics.get("microbatches_dropped") is not None:
+        # drop_non_finite_microbatches: the micro-batches this step dropped.
+        rec["microbatches_dropped"] = int(metrics["microbatches_dropped"])
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from _stablecore.checks import check_microbatch_drop as _check_microbatch_drop
 from _stablecore.checks import check_microbatches as _core_check_microbatches
 from torchref._src import distributed as _dist
 from torchref._src.check_points import CheckPoints
@@ -343,6 +344,32 @@ class TrainStep(_DeferredRecords):
             were with the largest ``max_abs``). A tensor whose first
             dimension k does not divide raises ValueError, a k that is not
             an int >= 1 TypeError/ValueError (the JAX step's texts).
+        drop_non_finite_microbatches: False (default: a non-finite
+            micro-batch skips the whole step, GradScaler's recipe) or True
+            (needs ``microbatches``): each micro-batch's backward runs into
+            an empty ``.grad``, its loss and scaled gradient are checked on
+            the device, and a non-finite one is dropped (selected out of a
+            float32 sum; the buffers its forward wrote are put back); the
+            kept ones are averaged with weights ``w_i``, ``grads = sum_kept
+            w_i g_i / sum_kept w_i`` (so with a mean loss and ``w_i`` the
+            micro-batch's rows or tokens, the step on the kept rows alone),
+            ``metrics["loss"]`` their weighted mean loss. One ``unscale_``,
+            check, clip and skip follow; the step is skipped only when none
+            is kept or the result is non-finite. The scaler backs off when
+            ANY micro-batch was dropped (written into its ``found_inf``
+            before ``update``, as GradScaler's own recipe would back off),
+            though the step is applied with the kept ones: otherwise a
+            scale that overflows one micro-batch in k would never back off
+            and would keep dropping the largest gradients.
+            ``metrics["microbatches_dropped"]`` counts them; ``aux``
+            combines all k. One extra gradient read and one float32 sum
+            per micro-batch; no host sync. Refused (ValueError) under
+            DDP/FSDP2 for now. The arithmetic of
+            ``jaxstable.train.make_train_step`` op for op.
+        microbatch_weight: None (each micro-batch weighs 1: equal rows) or
+            ``microbatch_weight(micro_batch) -> number or 0-d tensor`` (>= 0),
+            e.g. ``lambda b: b["mask"].sum()`` (its real tokens). Only with
+            ``drop_non_finite_microbatches=True``.
         decide_on: ``"auto"`` (default), ``"device"`` or ``"host"``: where
             the skip is decided (see 6); ``"auto"`` is ``"device"`` for an
             optimizer that takes GradScaler's ``found_inf`` (fused: it
@@ -372,6 +399,12 @@ class TrainStep(_DeferredRecords):
         >>> acc = TrainStep(model, opt, mse, microbatches=2)  # 2 x 2 rows
         >>> acc((torch.ones(4, 3), torch.zeros(4, 1)))["finite"]
         True
+        >>> keep = TrainStep(model, opt, mse, microbatches=2,
+        ...                  drop_non_finite_microbatches=True)
+        >>> x = torch.ones(4, 3); x[3, 0] = float("nan")  # micro-batch 1
+        >>> m = keep((x, torch.zeros(4, 1)))
+        >>> m["finite"], m["microbatches_dropped"]
+        (True, 1)
     """
 
     def __init__(
@@ -389,6 +422,8 @@ class TrainStep(_DeferredRecords):
         check_update: bool = True,
         microbatches: int | None = None,
         decide_on: str = "auto",
+        drop_non_finite_microbatches: bool = False,
+        microbatch_weight: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -447,6 +482,10 @@ class TrainStep(_DeferredRecords):
         self.restore_buffers_on_skip = bool(restore_buffers_on_skip)
         self.check_update = _check_bool("check_update", check_update)
         self.microbatches = _check_microbatches(microbatches)
+        self.drop_non_finite_microbatches = _check_microbatch_drop(
+            drop_non_finite_microbatches, microbatch_weight, self.microbatches
+        )
+        self.microbatch_weight = microbatch_weight
         self._guarded = _GuardedStep()
         self._guarded.decide_on = decide_on
         self._buffer_copy = _DeviceSelect()
@@ -454,6 +493,12 @@ class TrainStep(_DeferredRecords):
         # replica backpropagates and the hook that tells a loss_fn bypassing
         # the wrapper (see `_step`); None / 1 in one process.
         self._replicas = _dist._Replicas.of(model)
+        if self.drop_non_finite_microbatches and self._replicas is not None:
+            raise ValueError(
+                "drop_non_finite_microbatches=True is not supported under "
+                "DDP/FSDP2 yet (each rank would drop its own micro-batches); "
+                "leave it False there"
+            )
         self.skip_state = SkipNonFiniteState()
         self.steps_done = 0
         # State machine: "ready" between steps, else the stage a step is in
@@ -573,13 +618,16 @@ class TrainStep(_DeferredRecords):
             : 4 if self.spikes is None else 5
         ]
         flags = [t for pair in self._pending for t in pair]
-        values = _to_host([metrics[key] for key in keys] + flags)
-        self._record(values[len(keys) :])
+        dropped = [metrics[n] for n in ("microbatches_dropped",) if n in metrics]
+        values = _to_host([metrics[key] for key in keys] + flags + dropped)
+        self._record(values[len(keys) : len(keys) + len(flags)])
         state = self._skip_state
         metrics.update(zip(keys[:3], (float(v) for v in values), strict=False))
         metrics["grads_finite"] = bool(values[3])
         if self.spikes is not None:
             metrics["spike"] = bool(values[4])
+        if "microbatches_dropped" in metrics:
+            metrics["microbatches_dropped"] = int(values[-1])
         metrics["finite"] = state.last_finite
         metrics["skipped_total"] = state.skipped_total
         return metrics
@@ -596,10 +644,13 @@ class TrainStep(_DeferredRecords):
         rep = self._replicas
         if rep is not None:
             rep.forward_calls = 0
+        kept = _KeptMicrobatches(self) if self.drop_non_finite_microbatches else None
         for part in parts:
             # GradScaler's accumulation recipe: scaler.scale(loss / k).backward()
             # for each micro-batch, the gradients adding up in .grad.
             self._stage = "forward"
+            if kept is not None:
+                kept.before(part)
             loss, aux = self._forward(part)
             self._stage = "backward"
             share = loss if k is None else loss / k
@@ -610,6 +661,10 @@ class TrainStep(_DeferredRecords):
             (scaler.scale(share) if scaler is not None else share).backward()
             losses.append(loss.detach().float())
             auxes.append(aux)
+            if kept is not None:
+                kept.after(losses[-1])
+        if kept is not None:
+            losses = [kept.finish()]
         # The scale USED for this step (copied before update changes it).
         loss_scale = self._scale_used()
         # Under DDP/FSDP2 the losses are already the global ones (`share`): a
@@ -673,6 +728,11 @@ class TrainStep(_DeferredRecords):
         skipped = self._guarded.run(opt, refuse, self.check_update, max_norm, norm).to(
             bad.device
         )
+        if kept is not None:
+            # One decision for the scale: it backs off when ANY micro-batch
+            # was dropped, as GradScaler's found_inf over the whole sum would.
+            for flag in found.values():
+                flag.copy_(bad | (kept.dropped > 0).to(bad.device))
         if self._scaler_enabled():
             scaler.update()
         if self.spikes is not None:
@@ -703,6 +763,8 @@ class TrainStep(_DeferredRecords):
         }
         if self.spikes is not None:
             metrics["spike"] = spike
+        if kept is not None:
+            metrics["microbatches_dropped"] = kept.dropped
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics
@@ -904,6 +966,76 @@ class TrainStep(_DeferredRecords):
         self.steps_done = int(state["steps_done"])
         if self.spikes is not None and "spike_state" in state:
             self.spike_state.load_state_dict(state["spike_state"])
+
+
+class _KeptMicrobatches:
+    """`TrainStep`'s ``drop_non_finite_microbatches``: after each micro-batch's
+    backward its gradient (alone in ``.grad``) and loss are checked on the
+    device; a finite one is added, times its weight, to a float32 sum, a
+    non-finite one is selected out (its NaN never enters) and the buffers
+    its forward wrote are put back. `finish` writes the kept micro-batches'
+    weighted mean into ``.grad`` (NaN when none was kept: ``0 * inf``) and
+    returns their weighted mean loss. The arithmetic of
+    `jaxstable.train.make_train_step`, operation for operation."""
+
+    def __init__(self, step: TrainStep) -> None:
+        self.step = step
+        self.params = step._params()
+        self.acc: list[torch.Tensor | None] = [None] * len(self.params)
+        self.wsum = self.lsum = self.dropped = None
+        self.weight = None
+        self.buffers: list[torch.Tensor] = []
+
+    def before(self, part: Any) -> None:
+        self.step.optimizer.zero_grad(set_to_none=True)
+        self.weight = (
+            1.0
+            if self.step.microbatch_weight is None
+            else self.step.microbatch_weight(part)
+        )
+        self.buffers = [b.detach().clone() for b in self.step.model.buffers()]
+
+    def after(self, loss: torch.Tensor) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        ok = torch.isfinite(loss) & _all_finite_t(grads).to(loss.device)
+        w = torch.as_tensor(self.weight, dtype=torch.float32, device=loss.device)
+        zero = torch.zeros((), dtype=torch.float32, device=loss.device)
+        if self.wsum is None:
+            self.wsum, self.lsum = zero, zero
+            self.dropped = torch.zeros((), dtype=torch.int64, device=loss.device)
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            a = self.acc[i]
+            if a is None:
+                dtype = torch.promote_types(p.grad.dtype, torch.float32)
+                a = torch.zeros_like(p.grad, dtype=dtype)
+            ok_i = ok.to(a.device)
+            self.acc[i] = torch.where(ok_i, a + w.to(a.device) * p.grad.to(a.dtype), a)
+        self.wsum = self.wsum + torch.where(ok, w, zero)
+        self.lsum = self.lsum + torch.where(ok, w * loss, zero)
+        self.dropped = self.dropped + (~ok).to(torch.int64)
+        now = list(self.step.model.buffers())
+        if len(now) != len(self.buffers) or any(
+            a.shape != b.shape for a, b in zip(now, self.buffers, strict=True)
+        ):
+            raise ValueError(
+                "drop_non_finite_microbatches=True: the forward replaced model "
+                "buffers by ones of other shapes or number, so a dropped "
+                "micro-batch's buffers cannot be put back"
+            )
+        with torch.no_grad():
+            for b, old in zip(now, self.buffers, strict=True):
+                b.copy_(torch.where(ok.to(b.device), b, old))
+
+    def finish(self) -> torch.Tensor:
+        # Each share was scale * loss_i / k: times k / (sum of kept weights)
+        # it is the kept micro-batches' weighted mean (see the JAX step).
+        k = torch.tensor(float(self.step.microbatches), dtype=torch.float32)
+        factor = k.to(self.wsum.device) / self.wsum
+        for p, a in zip(self.params, self.acc, strict=True):
+            p.grad = None if a is None else (a * factor.to(a.device)).to(p.dtype)
+        return self.lsum / self.wsum
 
 
 def _spec(t: Any) -> str | None:
