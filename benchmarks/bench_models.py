@@ -454,7 +454,7 @@ def ratios(row: dict) -> dict:
             "peak": g["peak_bytes"] / c["peak_bytes"],
             "temp": g["temp_bytes"] / max(c["temp_bytes"], 1),
             "clip_ms": c["median_ms"],
-            "flops_per_param": c["flops"],
+            "clip_flops": c["flops"],
         }
         p = j.get(f"jax/{opt}/plain")
         if p:
@@ -655,7 +655,7 @@ def main() -> None:
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             if "adamw" in row["ratios"]["jax"]:
-                flops = row["ratios"]["jax"]["adamw"]["flops_per_param"]
+                flops = row["ratios"]["jax"]["adamw"]["clip_flops"]
                 fpp = flops / models[name]["params"] / batch
                 models[name]["flops_per_param_per_sample"] = fpp
             print(
