@@ -54,6 +54,26 @@ SHAPES = {
         "gpt", "GPT-2 small, tied embeddings", width=64, size=32, classes=4096
     ),
     "vit_small": Shape("vit", "ViT-S/16", width=64, size=32, classes=100, patch=8),
+    # bench_step.py's small conv net, as it is there (not scaled).
+    "convnet": Shape("convnet", "bench_step's conv net", width=32, size=32),
+}
+
+
+# The real models' own shapes, for `bench_models.py --real-cost`: compiled
+# from abstract values (nothing allocated, nothing run), for XLA's byte and
+# FLOP counts at the size people train. smp's depth-3 U-Net with decoder
+# widths (64, 32, 16): 0.9M of its 11.5M parameters get a gradient.
+REAL_SHAPES = {
+    "resnet18": Shape("resnet", "resnet18", width=64, size=224, classes=1000),
+    "unet_r18_d3": Shape(
+        "unet", "Unet", width=64, size=256, classes=19, decoder=(64, 32, 16)
+    ),
+    "gpt2_small": Shape(
+        "gpt", "GPT-2 small", width=768, size=1024, classes=50257, heads=12
+    ),
+    "vit_small": Shape(
+        "vit", "ViT-S/16", width=384, size=224, classes=1000, heads=6, patch=16
+    ),
 }
 
 
@@ -231,7 +251,29 @@ class TorchViT(nn.Module):
         return self.head(self.norm(x)[:, 0])
 
 
+class TorchConvNet(nn.Module):
+    """bench_step's conv net: 3 conv3x3 (strides 1, 2, 2) + BN + ReLU, mean
+    pool, linear head (11 parameter leaves)."""
+
+    def __init__(self, s: Shape):
+        super().__init__()
+        layers, cin = [], 3
+        for stride in (1, 2, 2):
+            layers += [
+                nn.Conv2d(cin, s.width, 3, stride, 1, bias=False),
+                nn.BatchNorm2d(s.width),
+                nn.ReLU(),
+            ]
+            cin = s.width
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(s.width, s.classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
 TORCH_MODELS = {
+    "convnet": TorchConvNet,
     "resnet": TorchResNet,
     "unet": TorchUNet,
     "gpt": TorchGPT,
@@ -436,7 +478,24 @@ class NnxViT(nnx.Module):
         return self.head(self.norm(x)[:, 0])
 
 
+class NnxConvNet(nnx.Module):
+    def __init__(self, s: Shape, rngs: nnx.Rngs):
+        self.layers = nnx.List(
+            [
+                nnx.List([_conv(cin, s.width, 3, stride, rngs), _bn(s.width, rngs)])
+                for cin, stride in ((3, 1), (s.width, 2), (s.width, 2))
+            ]
+        )
+        self.head = nnx.Linear(s.width, s.classes, rngs=rngs)
+
+    def __call__(self, x):
+        for conv, bn in self.layers:
+            x = nnx.relu(bn(conv(x)))
+        return self.head(x.mean(axis=(1, 2)))
+
+
 NNX_MODELS = {
+    "convnet": NnxConvNet,
     "resnet": NnxResNet,
     "unet": NnxUNet,
     "gpt": NnxGPT,

@@ -33,7 +33,11 @@ parameter of each scaled step, against the real model's at the same batch
 scaled model does fewer FLOPs per parameter than the real one, so the
 optimizer's and the guard's share of a step is LARGER here than on the real
 model: a ratio that meets a bound here meets it there (conservative), and a
-ratio that misses it here may meet it there.
+ratio that misses it here may meet it there. The other way: a CPU without
+a bf16 matmul unit (AVX512-BF16 or AMX; the one of the committed run has
+none: a 2048x512 by 512x512 matmul ran at 26 GFLOP/s in bf16 and 115 in
+float32 on one core) makes the torch steps' bf16 compute slow and the
+guard's share of them small; `--torch-autocast none` measures float32.
 
 Rows, per model, batch size (2 and 16) and optimizer:
 
@@ -95,7 +99,7 @@ import numpy as np
 import optax
 import torch
 from _device import cpu_name  # benchmarks/ is on sys.path when run as a script
-from _models import NNX_MODELS, SHAPES, TORCH_MODELS
+from _models import NNX_MODELS, REAL_SHAPES, SHAPES, TORCH_MODELS
 from bench_step import measure
 from flax import nnx
 
@@ -134,19 +138,6 @@ JAX_MATRIX = {
 }
 JAX_ALL = {**JAX_MATRIX, ("sgd_momentum", 16): ("guarded", "optax_clip")}
 
-# The real models' forward+backward FLOPs per parameter per sample (3x the
-# forward's 2 x multiply-adds): resnet18 1.82 GMAC at 224x224 over 11.7M
-# params; the U-Net's encoder stages 0-2 and decoder at 256x256 over its
-# 11.3M (an estimate: smp's decoder widths 256/128/64, about 3.3 GMAC);
-# GPT-2 6 FLOPs per parameter per token at 1024 tokens (+ attention);
-# ViT-S/16 4.6 GMAC at 224x224 over 22M.
-REAL_FLOPS_PER_PARAM_PER_SAMPLE = {
-    "resnet18": 6 * 1.82e9 / 11.7e6,
-    "unet_r18_d3": 6 * 3.3e9 / 11.3e6,
-    "gpt2_small": 6 * 1024 * 1.1,
-    "vit_small": 6 * 4.6e9 / 22e6,
-}
-
 
 def quick_shape(s):
     """--quick: the same structure, two blocks / tiny inputs (a smoke test)."""
@@ -168,7 +159,7 @@ def make_batch(s, batch: int, seed: int = 0):
 
 
 # ------------------------------------------------------------------ torch
-def torch_variants(s, x, y, device: str, opts) -> dict:
+def torch_variants(s, x, y, device: str, opts, autocast: str = "bfloat16") -> dict:
     """name -> factory() -> (run(k), sanity()) for the torch rows."""
     torch.manual_seed(0)
     init = TORCH_MODELS[s.kind](s).state_dict()
@@ -178,6 +169,7 @@ def torch_variants(s, x, y, device: str, opts) -> dict:
     yt = torch.from_numpy(y.astype(np.int64)).to(device)
     dim = -1 if s.kind == "gpt" else 1
     kind = "cuda" if device.startswith("cuda") else "cpu"
+    dtype = None if autocast == "none" else getattr(torch, autocast)
 
     def loss_fn(model, batch):
         return tlosses.softmax_cross_entropy(model(batch[0]), batch[1], dim=dim)
@@ -200,7 +192,7 @@ def torch_variants(s, x, y, device: str, opts) -> dict:
         def run(k):
             for _ in range(k):
                 optimizer.zero_grad(set_to_none=True)
-                with torch.autocast(kind, dtype=torch.bfloat16):
+                with torch.autocast(kind, dtype=dtype, enabled=dtype is not None):
                     loss = loss_fn(model, (xt, yt))
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
@@ -220,7 +212,7 @@ def torch_variants(s, x, y, device: str, opts) -> dict:
             loss_fn,
             max_grad_norm=MAX_GRAD_NORM,
             scaler=tls.DynamicLossScale(),
-            autocast_dtype=torch.bfloat16,
+            autocast_dtype=dtype,
         )
         last = {}
 
@@ -383,6 +375,59 @@ def _jax_factory(name, compiled, args):
     return factory
 
 
+def real_shape_cost(name: str, batch: int = 2) -> dict:
+    """XLA's bytes and FLOPs of the guarded and the optax-clip AdamW steps at
+    the real model's size (`_models.REAL_SHAPES`), compiled from abstract
+    values: nothing is allocated or run, so a CPU compiles GPT-2 small at
+    2 x 1024 tokens in a minute or two."""
+    s = REAL_SHAPES[name]
+    model = nnx.eval_shape(lambda: NNX_MODELS[s.kind](s, nnx.Rngs(0)))
+    model.train()
+    loss_fn = jtrain.nnx_loss(
+        model, lambda m, b: jlosses.softmax_cross_entropy(m(b[0]), b[1])
+    )
+    _, params, model_state = nnx.split(model, nnx.Param, ...)
+    if s.kind == "gpt":
+        x = y = jax.ShapeDtypeStruct((batch, s.size), np.int32)
+    else:
+        x = jax.ShapeDtypeStruct((batch, s.size, s.size, 3), np.float32)
+        shape = (batch, s.size, s.size) if s.kind == "unet" else (batch,)
+        y = jax.ShapeDtypeStruct(shape, np.int32)
+    guarded_tx = transforms.stable_optimizer(
+        JAX_OPTS["adamw"](), max_grad_norm=MAX_GRAD_NORM
+    )
+    state = jax.eval_shape(
+        lambda p, m: jtrain.TrainState.create(
+            params=p,
+            optimizer=guarded_tx,
+            loss_scale=jls.DynamicLossScale(),
+            model_state=m,
+        ),
+        params,
+        model_state,
+    )
+    clip_tx = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), JAX_OPTS["adamw"]())
+    lowered = {
+        "guarded": jtrain.make_train_step(loss_fn, has_state=True).lower(state, (x, y)),
+        "optax_clip": jax.jit(_plain_step(loss_fn, clip_tx)).lower(
+            params, jax.eval_shape(clip_tx.init, params), model_state, (x, y)
+        ),
+    }
+    out = {"params": sum(p.size for p in jax.tree.leaves(params)), "batch": batch}
+    for variant, lo in lowered.items():
+        cost = lo.compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[variant] = {
+            "bytes_accessed": float(cost["bytes accessed"]),
+            "flops": float(cost["flops"]),
+        }
+    g, c = out["guarded"], out["optax_clip"]
+    out["bytes_ratio"] = g["bytes_accessed"] / c["bytes_accessed"]
+    out["flops_ratio"] = g["flops"] / c["flops"]
+    out["flops_per_param_per_sample"] = c["flops"] / out["params"] / batch
+    return out
+
+
 # ------------------------------------------------------------------- runs
 def param_counts(s) -> dict:
     model = TORCH_MODELS[s.kind](s)
@@ -406,7 +451,9 @@ def run_one(name, s, batch, args, jax_matrix) -> dict:
     out = {"model": name, "batch": batch, "torch": {}, "jax": {}}
     variants = {}
     if args.only in ("all", "torch"):
-        facts = torch_variants(s, x, y, args.device, args.torch_opts)
+        facts = torch_variants(
+            s, x, y, args.device, args.torch_opts, args.torch_autocast
+        )
         for v, factory in facts.items():
             out["torch"].setdefault(v, {})["peak_bytes"] = torch_peak_bytes(
                 factory, args.device
@@ -481,7 +528,7 @@ def git_commit() -> str:
     return sha + (" (with uncommitted changes)" if dirty else "")
 
 
-def device_info(args, loadavg_start) -> dict:
+def device_info(args, loadavg_start, commit) -> dict:
     return {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
@@ -497,7 +544,7 @@ def device_info(args, loadavg_start) -> dict:
         "torch_device": args.device,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
-        "git_commit": git_commit(),
+        "git_commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
@@ -505,6 +552,63 @@ def device_info(args, loadavg_start) -> dict:
 # ---------------------------------------------------------------- report
 def _mark(ratio: float, bound: float, digits: int = 2) -> str:
     return f"{ratio:.{digits}f}" + ("" if ratio <= bound else " **>**")
+
+
+def _span(values: list[float], digits: int = 2) -> str:
+    lo, hi = min(values), max(values)
+    if f"{lo:.{digits}f}" == f"{hi:.{digits}f}":
+        return f"{lo:.{digits}f}"
+    return f"{lo:.{digits}f}-{hi:.{digits}f}"
+
+
+def summary_table(payload: dict) -> str:
+    """One line per model: the smallest and largest ratio over its rows
+    (batch sizes and optimizers). The README and the docs carry this table
+    between ``<!-- bench_models:summary -->`` markers (`--update-docs`)."""
+    real = payload.get("real_shape_cost", {})
+    lines = [
+        "| model | torch `TrainStep` / recipe: time | peak memory "
+        "| JAX guarded / optax clip: time | bytes accessed "
+        "| bytes at the real size |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in [n for n in SHAPES if n in payload["models"]]:
+        rows = [r["ratios"] for r in payload["rows"] if r["model"] == name]
+        torch_r = [v for r in rows for v in r["torch"].values()]
+        jax_r = [v for r in rows for v in r["jax"].values()]
+        cells = [
+            _span([v["time"] for v in torch_r]) if torch_r else "",
+            _span([v["peak"] for v in torch_r]) if torch_r else "",
+            _span([v["time"] for v in jax_r]) if jax_r else "",
+            _span([v["bytes"] for v in jax_r], 3) if jax_r else "",
+            f"{real[name]['bytes_ratio']:.3f}" if name in real else "",
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+DOCS_WITH_SUMMARY = ("README.md", "benchmarks/README.md", "docs/guard.md")
+SUMMARY_START, SUMMARY_END = "<!-- bench_models:summary -->", "<!-- /bench_models -->"
+
+
+def update_docs(payload: dict) -> list[str]:
+    """Rewrites the summary table between the markers in `DOCS_WITH_SUMMARY`;
+    returns the files changed."""
+    root = Path(__file__).resolve().parents[1]
+    table = summary_table(payload)
+    changed = []
+    for rel in DOCS_WITH_SUMMARY:
+        path = root / rel
+        text = path.read_text()
+        if SUMMARY_START not in text:
+            continue
+        head, rest = text.split(SUMMARY_START, 1)
+        _, tail = rest.split(SUMMARY_END, 1)
+        new = f"{head}{SUMMARY_START}\n{table}\n{SUMMARY_END}{tail}"
+        if new != text:
+            path.write_text(new)
+            changed.append(rel)
+    return changed
 
 
 def to_markdown(payload: dict) -> str:
@@ -518,9 +622,19 @@ def to_markdown(payload: dict) -> str:
         "machine was shared with other jobs: ratios of interleaved medians, "
         "absolute times are noisy); "
         f"torch {d['torch']} ({d['torch_device']}, {d['torch_threads']} "
-        f"thread(s), bf16 autocast), jax {d['jax']} ({d['jax_backend']}, "
+        f"thread(s), autocast {cfg.get('torch_autocast', 'bfloat16')}), "
+        f"jax {d['jax']} ({d['jax_backend']}, "
         f"float32), flax {d['flax']}, optax {d['optax']}, Python "
         f"{d['python']}; commit {d['git_commit']}; {d['date']}.",
+        *(
+            [
+                f"Rows of {', '.join(d['kept_from_earlier_run']['models'])} "
+                f"come from an earlier run ({d['kept_from_earlier_run']['date']}, "
+                f"commit {d['kept_from_earlier_run']['git_commit']})."
+            ]
+            if "kept_from_earlier_run" in d
+            else []
+        ),
         f"Interleaved: {cfg['rounds']} rounds x {cfg['k']} steps per variant "
         "per (model, batch), random order per round. Time = ratio of the "
         "median step times. Peak memory: torch, allocator bytes held at the "
@@ -528,19 +642,26 @@ def to_markdown(payload: dict) -> str:
         "JAX, compiled arguments + outputs + temporaries. `**>**`: above the "
         f"{JAX_BOUND}x bound.",
         "",
+        "## Summary: smallest-largest ratio over each model's rows",
+        "",
+        summary_table(payload),
+        "",
         "## Models (scaled; see the script's docstring)",
         "",
         "| model | stands for | params | with a gradient | leaves "
-        "| FLOPs/param/sample here | real |",
+        "| FLOPs/param/sample here | at the real size |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for name, m in payload["models"].items():
+    real = payload.get("real_shape_cost", {})
+    for name in [n for n in SHAPES if n in payload["models"]]:
+        m = payload["models"][name]
         fpp = m.get("flops_per_param_per_sample")
+        rfpp = real.get(name, {}).get("flops_per_param_per_sample")
         lines.append(
             f"| {name} | {m['real']} | {m['params'] / 1e6:.2f}M "
             f"| {m['trained'] / 1e6:.3f}M | {m['leaves']} "
             f"| {'' if fpp is None else f'{fpp:.0f}'} "
-            f"| {REAL_FLOPS_PER_PARAM_PER_SAMPLE[name]:.0f} |"
+            f"| {'' if rfpp is None else f'{rfpp:.0f}'} |"
         )
     rows = payload["rows"]
     if any(r["torch"] for r in rows):
@@ -582,14 +703,54 @@ def to_markdown(payload: dict) -> str:
                     f"| {_mark(v['bytes'], JAX_BOUND, 3)} "
                     f"| {v['peak']:.3f} | {v['temp']:.2f} | {plain} |"
                 )
+    if real:
+        lines += [
+            "",
+            "## JAX at the real models' size (compiled, not run)",
+            "",
+            "`--real-cost`: the AdamW steps compiled from abstract values at "
+            "the real shapes (resnet18 224x224, the U-Net 256x256 with "
+            "decoder widths 64/32/16, GPT-2 small 1024 tokens, ViT-S/16 "
+            "224x224), batch 2; XLA's cost analysis, deterministic "
+            f"({payload['device'].get('real_cost', '')}).",
+            "",
+            "| model | params | guarded / optax clip: bytes accessed | FLOPs |",
+            "|---|---:|---:|---:|",
+        ]
+        for name, r in real.items():
+            lines.append(
+                f"| {name} | {r['params'] / 1e6:.1f}M "
+                f"| {_mark(r['bytes_ratio'], JAX_BOUND, 3)} "
+                f"| {_mark(r['flops_ratio'], JAX_BOUND, 3)} |"
+            )
     return "\n".join(lines)
 
 
 def merge_previous(payload: dict, path: Path, only: str) -> None:
-    """--only torch|jax: keep the other framework's rows from the last run."""
-    if only == "all" or not path.exists():
+    """--only torch|jax: keep the other framework's rows from the last run;
+    the real-size cost table is kept by every run (`--real-cost` makes it)."""
+    if not path.exists():
         return
     old = json.loads(path.read_text())
+    if "real_shape_cost" in old:
+        payload.setdefault("real_shape_cost", old["real_shape_cost"])
+    # Models this run did not measure keep their rows from the last one.
+    measured = set(payload["models"])
+    kept = [r for r in old["rows"] if r["model"] not in measured]
+    if kept:
+        for name in dict.fromkeys(r["model"] for r in kept):
+            payload["models"][name] = old["models"][name]
+        payload["rows"] = [
+            r for r in old["rows"] if r["model"] not in measured
+        ] + payload["rows"]
+        payload["rows"].sort(key=lambda r: (list(SHAPES).index(r["model"]), r["batch"]))
+        payload["device"]["kept_from_earlier_run"] = {
+            "models": sorted({r["model"] for r in kept}),
+            "date": old["device"].get("date"),
+            "git_commit": old["device"].get("git_commit"),
+        }
+    if only == "all":
+        return
     keep = "jax" if only == "torch" else "torch"
     prev = {(r["model"], r["batch"]): r for r in old["rows"]}
     for r in payload["rows"]:
@@ -604,6 +765,30 @@ def merge_previous(payload: dict, path: Path, only: str) -> None:
     payload["device"][f"{keep}_from"] = old["device"].get("date", "earlier run")
 
 
+def add_real_cost(args) -> None:
+    """--real-cost: the real-size table, added to the committed results."""
+    path = Path(args.out) / "bench_models_cpu.json"
+    payload = json.loads(path.read_text())
+    cost = {}
+    for name in args.models.split(","):
+        if name not in REAL_SHAPES:  # the conv net is its own real size
+            continue
+        t0 = time.perf_counter()
+        cost[name] = real_shape_cost(name)
+        print(f"{name}: {time.perf_counter() - t0:.0f} s {cost[name]}", flush=True)
+    payload["real_shape_cost"] = cost
+    payload["device"]["real_cost"] = (
+        f"jax {jax.__version__}, commit {git_commit()}, "
+        + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    )
+    path.write_text(json.dumps(payload, indent=1))
+    md = to_markdown(payload)
+    path.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    if args.update_docs:
+        print("summary table rewritten in:", ", ".join(update_docs(payload)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(SHAPES))
@@ -614,9 +799,26 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--jax-all", action="store_true", help="SGD at batch 16 too")
     ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    ap.add_argument(
+        "--torch-autocast",
+        choices=("bfloat16", "float16", "none"),
+        default="bfloat16",
+        help="autocast dtype of both torch steps (none: float32)",
+    )
     ap.add_argument("--cpus", type=int, default=1, help="pin to this many CPUs (0: no)")
     ap.add_argument("--compile-workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    ap.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="also rewrite the summary table in " + ", ".join(DOCS_WITH_SUMMARY),
+    )
+    ap.add_argument(
+        "--real-cost",
+        action="store_true",
+        help="only compile the JAX AdamW steps at the real models' size and put "
+        "XLA's byte and FLOP ratios into the existing results",
+    )
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no profiler start/stop lines
@@ -635,7 +837,11 @@ def main() -> None:
         os.sched_setaffinity(0, ALL_CPUS[: args.cpus])
         torch.set_num_threads(args.cpus)
         jax.devices()  # starts the CPU backend on the pinned CPUs
+    if args.real_cost:
+        add_real_cost(args)
+        return
     loadavg_start = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    commit = git_commit()  # the code measured (the tree may change meanwhile)
     t_start = time.perf_counter()
     models, rows = {}, []
     for name in args.models.split(","):
@@ -669,13 +875,14 @@ def main() -> None:
                 flush=True,
             )
     payload = {
-        "device": device_info(args, loadavg_start),
+        "device": device_info(args, loadavg_start, commit),
         "config": {
             "rounds": args.rounds,
             "k": args.k,
             "warmup": args.warmup,
             "quick": args.quick,
             "only": args.only,
+            "torch_autocast": args.torch_autocast,
             "wall_s": time.perf_counter() - t_start,
             "shapes": {n: dataclasses.asdict(SHAPES[n]) for n in models},
         },
@@ -691,6 +898,8 @@ def main() -> None:
     md = to_markdown(payload)
     (out / f"{stem}.md").write_text(md + "\n")
     print(md)
+    if args.update_docs and not args.quick:
+        print("summary table rewritten in:", ", ".join(update_docs(payload)))
 
 
 if __name__ == "__main__":
