@@ -616,7 +616,8 @@ def to_markdown(payload: dict) -> str:
     lines = [
         "# The guard's cost on real-model shapes (`benchmarks/bench_models.py`)",
         "",
-        f"One run on one machine: **{d['cpu']}**, {d['cores']} cores visible, "
+        f"Each row is one run on one machine: **{d['cpu']}**, "
+        f"{d['cores']} cores visible, "
         f"process pinned to {d['cpus_pinned']} (`--cpus`), load average "
         f"{d['loadavg_start']} at start / {d['loadavg_end']} at end (the "
         "machine was shared with other jobs: ratios of interleaved medians, "
