@@ -611,6 +611,23 @@ def update_docs(payload: dict) -> list[str]:
     return changed
 
 
+def _provenance(rows: list[dict]) -> str:
+    """Which run measured which rows (a run of some models, or of one
+    framework, keeps the other rows of the last results)."""
+    runs: dict[str, list[str]] = {}
+    for r in rows:
+        for fw, tag in r.get("measured", {}).items():
+            label = f"{r['model']} {fw}"
+            runs.setdefault(tag, [])
+            if label not in runs[tag]:
+                runs[tag].append(label)
+    return (
+        "Measured: "
+        + "; ".join(f"{', '.join(labels)} on {tag}" for tag, labels in runs.items())
+        + "."
+    )
+
+
 def to_markdown(payload: dict) -> str:
     d, cfg = payload["device"], payload["config"]
     lines = [
@@ -618,8 +635,9 @@ def to_markdown(payload: dict) -> str:
         "",
         f"Each row is one run on one machine: **{d['cpu']}**, "
         f"{d['cores']} cores visible, "
-        f"process pinned to {d['cpus_pinned']} (`--cpus`), load average "
-        f"{d['loadavg_start']} at start / {d['loadavg_end']} at end (the "
+        f"process pinned to {d['cpus_pinned']} (`--cpus`); the last run's "
+        f"load average {d['loadavg_start']} at start / {d['loadavg_end']} at "
+        "end (the "
         "machine was shared with other jobs: ratios of interleaved medians, "
         "absolute times are noisy); "
         f"torch {d['torch']} ({d['torch_device']}, {d['torch_threads']} "
@@ -627,15 +645,7 @@ def to_markdown(payload: dict) -> str:
         f"jax {d['jax']} ({d['jax_backend']}, "
         f"float32), flax {d['flax']}, optax {d['optax']}, Python "
         f"{d['python']}; commit {d['git_commit']}; {d['date']}.",
-        *(
-            [
-                f"Rows of {', '.join(d['kept_from_earlier_run']['models'])} "
-                f"come from an earlier run ({d['kept_from_earlier_run']['date']}, "
-                f"commit {d['kept_from_earlier_run']['git_commit']})."
-            ]
-            if "kept_from_earlier_run" in d
-            else []
-        ),
+        _provenance(payload["rows"]),
         f"Interleaved: {cfg['rounds']} rounds x {cfg['k']} steps per variant "
         "per (model, batch), random order per round. Time = ratio of the "
         "median step times. Peak memory: torch, allocator bytes held at the "
@@ -759,6 +769,8 @@ def merge_previous(payload: dict, path: Path, only: str) -> None:
         if o:
             r[keep] = o[keep]
             r["ratios"][keep] = o["ratios"][keep]
+            if keep in o.get("measured", {}):
+                r.setdefault("measured", {})[keep] = o["measured"][keep]
     for name, m in payload["models"].items():
         fpp = old["models"].get(name, {}).get("flops_per_param_per_sample")
         if fpp is not None:
@@ -843,6 +855,7 @@ def main() -> None:
         return
     loadavg_start = " ".join(f"{v:.2f}" for v in os.getloadavg())
     commit = git_commit()  # the code measured (the tree may change meanwhile)
+    run_tag = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + f" ({commit[:10]})"
     t_start = time.perf_counter()
     models, rows = {}, []
     for name in args.models.split(","):
@@ -859,6 +872,7 @@ def main() -> None:
             t0 = time.perf_counter()
             row = run_one(name, s, batch, args, jax_matrix)
             row["ratios"] = ratios(row)
+            row["measured"] = {fw: run_tag for fw in ("torch", "jax") if row[fw]}
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
             if "adamw" in row["ratios"]["jax"]:
