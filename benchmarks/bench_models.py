@@ -8,11 +8,11 @@ params, leaves; here: params, leaves, input):
 - resnet18 (torchvision resnet18): 11.7M, 62; here 0.18M, 62 (stage widths
   8-64, 1/8 of the real ones), 96x96 images, 10 classes.
 - unet_r18_d3 (segmentation_models_pytorch ``Unet("resnet18",
-  encoder_depth=3)``): 11.3M of which 0.8M get a gradient, 80; here 0.18M of
+  encoder_depth=3)``): 11.3M of which 0.8M get a gradient, 80; here 0.19M of
   which 0.02M get one, 80; 48x48 images, 19 classes.
-- gpt2_small (GPT-2 small, tied embeddings): 124M, 148; here 0.87M, 148
+- gpt2_small (GPT-2 small, tied embeddings): 124M, 148; here 0.86M, 148
   (d 64, 12 blocks, vocabulary 4096), 32 tokens.
-- vit_small (ViT-S/16): 22M, 152; here 0.61M, 152 (d 64, 12 blocks), 32x32
+- vit_small (ViT-S/16): 22M, 152; here 0.62M, 152 (d 64, 12 blocks), 32x32
   images in patches of 8 (17 tokens).
 
 How they were scaled, and why. Widths shrink (a parameter count shrinks
@@ -24,7 +24,7 @@ share of its encoder that gets no gradient (smp's depth-3 U-Net never runs
 resnet18's stages 3 and 4, 10.5M of its 11.3M parameters; here 89% of the
 parameters get none, 93% there). GPT-2 keeps the embedding's share of the
 parameters (31%: the vocabulary shrinks with the width). What could not be
-kept in 8 minutes on 2 cores at bf16 (this CPU has no bf16 matmul unit):
+kept in minutes per model on 2 cores at bf16 (this CPU has no bf16 matmul unit):
 the FLOPs per parameter. A step's compute per parameter grows with the
 positions each weight is applied at (pixels, tokens), and those shrank more
 than the widths: the table in the results gives XLA's FLOP count per
@@ -54,7 +54,8 @@ Rows, per model, batch size (2 and 16) and optimizer:
   `stable_optimizer(opt, max_grad_norm=1.0)` and `DynamicLossScale()` (clip,
   skip, loss scale, update check), the plain optimizer without clip as
   context. Optimizers: AdamW and SGD momentum; one XLA:CPU compile of a
-  guarded step takes 20-60 s on this machine, so the default run compiles
+  guarded step took 1-3 minutes at a load average of 10 on the
+  2-core machine of the committed run, so the default run compiles
   AdamW at both batch sizes and SGD momentum at batch 2 (the smaller batch,
   where the guard's share is larger); `--jax-all` adds SGD at 16.
   Parameters without a gradient: an NNX model's unused stages get zero
@@ -71,6 +72,10 @@ while a variant is built and runs two steps (`torch.profiler` with
 CUDA `torch.cuda.max_memory_allocated`); JAX, the compiled step's
 `memory_analysis()` (arguments + outputs + temporaries, no donation) and
 XLA's cost analysis ("bytes accessed").
+
+The committed full run took 38 minutes at a load average of 10 from other
+jobs on 2 cores (71% of it XLA compiling the JAX steps); the torch rows
+alone (``--only torch``) about 10 minutes there.
 
 Run: python benchmarks/bench_models.py   (writes benchmarks/results/)
      python benchmarks/bench_models.py --only torch   (torch rows only; the
