@@ -55,6 +55,7 @@ docs: venv
 bench: venv
 	$(PY) benchmarks/bench_losses.py
 	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_models.py
 
 # On a GPU machine (no venv: the machine's own python, see the script).
 gpu-check:
