@@ -13,6 +13,7 @@ import os
 import warnings
 from typing import Any
 
+from _stablecore.checkpoint import temp_path
 from _stablecore.checks import (
     check_bool,
     check_callable,
@@ -110,8 +111,8 @@ def open_log(log_path, resumed_at: int | None):
             RuntimeWarning,
             4,
         )
-    tmp = f"{os.fspath(log_path)}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    tmp = temp_path(os.fspath(log_path))  # per process, thread and call
+    with open(tmp, "x", encoding="utf-8") as f:
         f.writelines(kept)
         f.flush()
         os.fsync(f.fileno())
