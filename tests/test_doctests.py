@@ -17,10 +17,10 @@ MODULES = [
     "distributed",
 ]
 # The public module `train` is implemented in three: the step, checkpoints, fit;
-# `transforms` in two (the spike guard apart).
+# `transforms` in three (the spike guard and the low-precision AdamW apart).
 SRC_MODULES = {
     "train": ["step", "checkpoint", "fit"],
-    "transforms": ["transforms", "spikes"],
+    "transforms": ["transforms", "spikes", "low_precision"],
 }
 
 
