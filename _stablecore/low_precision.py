@@ -8,6 +8,7 @@ monitor, so the two cannot drift apart.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 # Storage dtypes for Adam's moments. bfloat16 has float32's exponent range
@@ -133,12 +134,20 @@ class StallMonitor:
       rounding lost more than 50% of the update for 2 steps in a row ...
     """
 
-    def __init__(self, threshold: float = 0.5, patience: int = 100) -> None:
+    def __init__(self, threshold: float = 0.5, patience: int = 50) -> None:
         self.threshold = check_hyper("threshold", threshold, 0.0, 1.0)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an int >= 1, got {patience!r}")
         self.patience = patience
         self.run = 0
+
+    def check(self, record: dict[str, Any]) -> None:
+        """`update` with a `fit` record's ``lost_update`` (when it has one),
+        the warning raised as a ``RuntimeWarning``."""
+        if "lost_update" in record:
+            message = self.update(record["lost_update"])
+            if message is not None:
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def update(self, lost_update: float) -> str | None:
         self.run = self.run + 1 if lost_update > self.threshold else 0

@@ -12,6 +12,8 @@ the intended update known.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ import optax
 import pytest
 import torch
 
+from conftest import has_conditional
 from jaxstable import loss_scale as jls
 from jaxstable import train as jtrain
 from jaxstable import transforms as jtx
@@ -228,10 +231,10 @@ def _jax_loss(params, batch):
     return jnp.mean((batch @ params["w"].astype(jnp.float32)) ** 2)
 
 
-def _jax_state():
+def _jax_state(lr=1e-3, mode="stochastic"):
     tx = jtx.stable_optimizer(
         jtx.low_precision_adamw(
-            1e-3, nu_dtype="bfloat16", mu_dtype="bfloat16", param_update="stochastic"
+            lr, nu_dtype="bfloat16", mu_dtype="bfloat16", param_update=mode
         )
     )
     params = {"w": jnp.linspace(0.5, 1.5, 8, dtype=jnp.bfloat16)}
@@ -262,17 +265,17 @@ def test_jax_resume_mid_stochastic_run_is_bitwise(tmp_path):
     assert not np.array_equal(_f32(state.params["w"]), _f32(_jax_state().params["w"]))
 
 
-def _torch_step():
+def _torch_step(lr=1e-3, mode="stochastic"):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         model.weight.copy_(torch.linspace(0.5, 1.5, 8))
     opt = ttx.low_precision_adamw(
         model.parameters(),
-        1e-3,
+        lr,
         mu_dtype="bfloat16",
         nu_dtype="bfloat16",
-        param_update="stochastic",
+        param_update=mode,
     )
 
     def loss_fn(m, batch):
@@ -312,3 +315,40 @@ def test_the_shared_examples_run():
 
     result = doctest.testmod(low_precision, optionflags=doctest.ELLIPSIS)
     assert result.attempted and not result.failed
+
+
+def test_jax_step_has_no_conditional_and_no_host_transfer():
+    step = jtrain.make_train_step(_jax_loss)
+    state, batch = _jax_state(), jnp.asarray(_batches(1)[0])
+    assert not has_conditional(step.lower(state, batch))
+    with jax.transfer_guard("disallow"):
+        state, metrics = step(state, batch)
+    assert set(jtx.RoundingStats._fields) <= set(metrics)
+
+
+def test_a_stall_reaches_the_records_and_warns_in_both():
+    # lr = 1e-6 on bfloat16 weights in [0.5, 1.5]: every update is far
+    # below half an ulp; after StallMonitor's 50 steps fit warns.
+    batches = _batches(1) * 50
+    step = jtrain.make_train_step(_jax_loss)
+    with pytest.warns(RuntimeWarning, match="rounding lost more than 50%"):
+        _, hist = jtrain.fit(_jax_state(1e-6, "nearest"), step, batches, progress=False)
+    assert [h["lost_update"] for h in hist] == [1.0] * 50
+    assert hist[-1]["lost_params"] == 1.0
+    with pytest.warns(RuntimeWarning, match="rounding lost more than 50%"):
+        hist = ttrain.fit(
+            _torch_step(1e-6, "nearest"),
+            [torch.from_numpy(b) for b in batches],
+            progress=False,
+        )
+    assert [h["lost_update"] for h in hist] == [1.0] * 50
+    # Kahan keeps most: no warning. Not all: 1e-6 is 2**-20 of a weight,
+    # and the bfloat16 buffer (up to half an ulp, 2**-9) holds it to 2**-17.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        hist = ttrain.fit(
+            _torch_step(1e-6, "kahan"),
+            [torch.from_numpy(b) for b in batches],
+            progress=False,
+        )
+    assert max(h["lost_update"] for h in hist) < 0.2

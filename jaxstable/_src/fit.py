@@ -29,6 +29,7 @@ from _stablecore.fit import policy_note as _policy_note
 from _stablecore.fit import show as _show
 from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
+from _stablecore.low_precision import STAT_NAMES, StallMonitor
 from jaxstable._src.checkpoint import CheckpointManager
 from jaxstable._src.diagnostics import (
     CheckPoints,
@@ -91,6 +92,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
         "skipped_total": int(m["skipped_total"]),
     }
     _add_skip_reason(rec, m.get("grads_finite"), m.get("spike"))
+    rec.update({k: float(m[k]) for k in STAT_NAMES if k in m})
     aux = m.get("aux")
     if aux is not None:
         rec.update(_scalar_record("aux", aux))
@@ -464,11 +466,14 @@ def _run(
     snapshot = resumed.get("snapshot", state) if in_memory else None
     snapshot = jax.tree.map(jnp.copy, snapshot) if in_memory else None
 
+    stall = StallMonitor()  # warns when rounding keeps eating the updates
+
     def consume(pending) -> str | None:
         """Logs one step, applies the policy: "rollback", "stop" or None."""
         nonlocal snapshot
         index, metrics, batch, state_out, seconds = pending
         rec = _host_record(index, metrics)
+        stall.check(rec)
         if seconds is not None:
             rec["time_s"] = seconds
         if eval_fn is not None and (index + 1) % eval_every == 0:

@@ -26,6 +26,7 @@ from _stablecore.fit import policy_note as _policy_note
 from _stablecore.fit import show as _show
 from _stablecore.fit import warn_if_short as _warn_if_short
 from _stablecore.lock import DirectoryLock
+from _stablecore.low_precision import STAT_NAMES, StallMonitor
 from torchref._src.checkpoint import CheckpointManager, _is_sharded
 from torchref._src.diagnostics import (
     check_record,
@@ -103,6 +104,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
             value = value.detach().float().item() if kind is not bool else value
         rec[key] = kind(value)
     _add_skip_reason(rec, metrics.get("grads_finite"), metrics.get("spike"))
+    rec.update({k: float(metrics[k]) for k in STAT_NAMES if k in metrics})
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value
@@ -437,6 +439,7 @@ def _run(
     # unwrapped module (no collective: the ranks' re-runs take different
     # paths, e.g. one stops at its non-finite batch rows).
     locate_step = _locate_step(step)
+    stall = StallMonitor()  # warns when rounding keeps eating the updates
     locatable = locate_step is not None
     i = start
     try:
@@ -449,6 +452,7 @@ def _run(
             metrics = step(batch)
             done = i + 1
             entry = _host_record(i, metrics)
+            stall.check(entry)
             if time_steps:
                 entry["time_s"] = time.perf_counter() - t0
             if eval_fn is not None and done % eval_every == 0:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from _stablecore.checks import check_microbatches as _core_check_microbatches
+from _stablecore.low_precision import STAT_NAMES
 from torchref._src import distributed as _dist
 from torchref._src.diagnostics import CheckPoints
 from torchref._src.loss_scale import (
@@ -29,6 +30,7 @@ from torchref._src.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
 )
+from torchref._src.low_precision import rounding_stats
 from torchref._src.precision import get_policy
 from torchref._src.spikes import SkipSpikes
 from torchref._src.transforms import (
@@ -502,8 +504,14 @@ class TrainStep(_DeferredRecords):
             : 4 if self.spikes is None else 5
         ]
         flags = [t for pair in self._pending for t in pair]
-        values = _to_host([metrics[key] for key in keys] + flags)
-        self._record(values[len(keys) :])
+        rounding = [k for k in STAT_NAMES if k in metrics]
+        values = _to_host(
+            [metrics[key] for key in keys] + flags + [metrics[k] for k in rounding]
+        )
+        self._record(values[len(keys) : len(keys) + len(flags)])
+        metrics.update(
+            zip(rounding, map(float, values[len(keys) + len(flags) :]), strict=True)
+        )
         state = self._skip_state
         metrics.update(zip(keys[:3], (float(v) for v in values), strict=False))
         metrics["grads_finite"] = bool(values[3])
@@ -636,6 +644,9 @@ class TrainStep(_DeferredRecords):
         }
         if self.spikes is not None:
             metrics["spike"] = spike
+        stats = rounding_stats(opt)
+        if stats is not None:  # low_precision_adamw: what rounding lost
+            metrics.update(stats._asdict())
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics
