@@ -12,6 +12,7 @@ the intended update known.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -31,7 +32,7 @@ from torchref import transforms as ttx
 ULP_BELOW_1 = 2.0**-8
 
 
-def _jax_run(grads, params, jit=True, **kw):
+def _jax_run(grads, params, jit=False, **kw):
     tx = jtx.low_precision_adamw(**kw)
     p = {"w": jnp.asarray(params, jnp.bfloat16)}
     state = tx.init(p)
@@ -115,11 +116,11 @@ def test_both_frameworks_agree_under_jit(mode, mu, nu):
         )
 
 
-@pytest.mark.parametrize("fraction", [0.3, 0.5])
-def test_stochastic_rounding_is_unbiased_where_nearest_loses_the_step(fraction):
-    # A step of `fraction` ulp down from 1, 4096 entries: nearest keeps 1
-    # (0.5: the tie goes to the even 1.0), the mean of the stochastic draws
-    # is 1 - fraction * ulp within 5 standard errors, in both frameworks.
+def test_stochastic_rounding_is_unbiased_where_nearest_loses_the_step():
+    # A step of exactly half an ulp down from 1, 4096 entries: nearest keeps
+    # 1 (the tie goes to the even 1.0), the mean of the stochastic draws is
+    # 1 - ulp / 2 within 5 standard errors, in both frameworks.
+    fraction = 0.5
     n, lr = 4096, fraction * ULP_BELOW_1
     kw = dict(learning_rate=lr, eps=0.0, weight_decay=0.0)
     for run in (_jax_run, _torch_run):
@@ -248,8 +249,13 @@ def _batches(n):
     return [rng.normal(size=(4, 8)).astype(np.float32) for _ in range(n)]
 
 
+@functools.cache
+def _jax_step():
+    return jtrain.make_train_step(_jax_loss)
+
+
 def test_jax_resume_mid_stochastic_run_is_bitwise(tmp_path):
-    step = jtrain.make_train_step(_jax_loss)
+    step = _jax_step()
     batches = _batches(6)
     state = _jax_state()
     for i, b in enumerate(batches):
@@ -318,7 +324,7 @@ def test_the_shared_examples_run():
 
 
 def test_jax_step_has_no_conditional_and_no_host_transfer():
-    step = jtrain.make_train_step(_jax_loss)
+    step = _jax_step()
     state, batch = _jax_state(), jnp.asarray(_batches(1)[0])
     assert not has_conditional(step.lower(state, batch))
     with jax.transfer_guard("disallow"):
@@ -330,7 +336,7 @@ def test_a_stall_reaches_the_records_and_warns_in_both():
     # lr = 1e-6 on bfloat16 weights in [0.5, 1.5]: every update is far
     # below half an ulp; after StallMonitor's 50 steps fit warns.
     batches = _batches(1) * 50
-    step = jtrain.make_train_step(_jax_loss)
+    step = _jax_step()
     with pytest.warns(RuntimeWarning, match="rounding lost more than 50%"):
         _, hist = jtrain.fit(_jax_state(1e-6, "nearest"), step, batches, progress=False)
     assert [h["lost_update"] for h in hist] == [1.0] * 50
@@ -352,3 +358,32 @@ def test_a_stall_reaches_the_records_and_warns_in_both():
             progress=False,
         )
     assert max(h["lost_update"] for h in hist) < 0.2
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"mu_dtype": "int8"}, r"mu_dtype must be one of .*'float8_e4m3fn'.*'int8'"),
+        ({"nu_dtype": "float64"}, r"nu_dtype must be one of .*got 'float64'"),
+        ({"param_update": "round"}, r"param_update must be one of .*'kahan'.*'round'"),
+        ({"eps": -1.0}, r"eps must be a float >= 0.0, got -1.0"),
+        ({"weight_decay": float("nan")}, r"weight_decay must be a float >= 0.0"),
+        ({"seed": 1.5}, r"seed must be an int, got 1.5"),
+    ],
+)
+def test_bad_options_are_named_in_both(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jtx.low_precision_adamw(1e-3, **kw)
+    w = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match=match):
+        ttx.low_precision_adamw([w], 1e-3, **kw)
+
+
+def test_stochastic_rounding_refuses_float16_parameters_in_both():
+    match = r"param_update='stochastic' .* got float16 at"
+    tx = jtx.low_precision_adamw(1e-3, param_update="stochastic")
+    with pytest.raises(ValueError, match=match + r" \['w'\]"):
+        tx.init({"w": jnp.ones(2, jnp.float16)})
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    with pytest.raises(ValueError, match=match + " parameter 0"):
+        ttx.low_precision_adamw([w], 1e-3, param_update="stochastic")

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from _stablecore.low_precision import (
@@ -154,6 +155,14 @@ def _zero_stats() -> RoundingStats:
     return RoundingStats(*(jnp.zeros([], _F32) for _ in RoundingStats._fields))
 
 
+def _hyper(name: str, value: Any, low: float, high: float | None) -> Any:
+    """A Python number is checked; an array passes as it is (what
+    ``optax.inject_hyperparams`` hands over, possibly traced)."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return value
+    return check_hyper(name, value, low, high)
+
+
 def _check_params(mode: str, params: Any) -> None:
     if mode != "stochastic":
         return
@@ -243,14 +252,15 @@ def low_precision_adamw(
     """
     lr_fn = learning_rate if callable(learning_rate) else None
     if lr_fn is None:
-        check_hyper("learning_rate", learning_rate, 0.0, None)
-    b1, b2 = check_hyper("b1", b1, 0.0, 1.0), check_hyper("b2", b2, 0.0, 1.0)
-    eps = check_hyper("eps", eps, 0.0, None)
-    weight_decay = check_hyper("weight_decay", weight_decay, 0.0, None)
+        _hyper("learning_rate", learning_rate, 0.0, None)
+    b1, b2 = _hyper("b1", b1, 0.0, 1.0), _hyper("b2", b2, 0.0, 1.0)
+    eps = _hyper("eps", eps, 0.0, None)
+    weight_decay = _hyper("weight_decay", weight_decay, 0.0, None)
     mu_dtype = check_state_dtype("mu_dtype", mu_dtype)
     nu_dtype = check_state_dtype("nu_dtype", nu_dtype)
     mode = check_param_update(param_update)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    is_array = isinstance(seed, (jax.Array, np.ndarray))  # inject_hyperparams
+    if not is_array and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an int, got {seed!r}")
 
     def init_fn(params):
