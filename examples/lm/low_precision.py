@@ -153,6 +153,9 @@ def run_torch(config, weights, batches, heldout, dtype, param_update) -> dict:
     from examples.lm.parts_torch import build_model, to_torch
     from torchref import train, transforms
 
+    # One intra-op thread, as the harness runs torch: on the shared 2-core
+    # machine two threads spend most of a step spinning in OpenMP.
+    torch.set_num_threads(1)
     model = build_model(config, weights).to(getattr(torch, dtype)).train()
     opt = transforms.low_precision_adamw(
         model.parameters(),
