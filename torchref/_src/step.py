@@ -476,8 +476,11 @@ class TrainStep(_DeferredRecords):
             ``optimizer.step()`` and leaves the loss scale to the gradients'
             flag, as the JAX step does; `skip_state` counts it as the JAX
             step's inner guard does: ``last_grads_finite`` False, no
-            ``non_finite_updates``). With ``sync=False`` the same keys
-            hold 0-d tensors (float32, bool and int64; ``spike`` a bool).
+            ``non_finite_updates``), and the `RoundingStats` fields
+            (``"lost_update"``, ...: floats, in the same host transfer) when
+            the optimizer is a `low_precision_adamw`. With ``sync=False``
+            the same keys hold 0-d tensors (float32, bool and int64;
+            ``spike`` a bool).
         """
         if self._stage != "ready":
             raise RuntimeError(
