@@ -15,7 +15,8 @@ bytes of parameters and optimizer state (summed over the arrays the run
 holds at its end: counted, not computed from dtypes) and the seconds per
 step (this machine, this run: compare within one table only)::
 
-    python -m examples.lm.low_precision --out examples/lm/results/low_precision.json
+    # the README's table, examples/lm/results/low_precision.json:
+    python -m examples.lm.low_precision --steps 300 --width 64 --out FILE
     python -m examples.lm.low_precision --quick        # 60 steps at width 64
 
 The learning rate is the sweep's lowest peak (3e-3, README.md), where the
