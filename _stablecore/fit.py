@@ -50,6 +50,8 @@ def show(bar, rec) -> None:
         loss_scale=f"{rec['loss_scale']:.3g}",
         skipped=rec["skipped_total"],
         refresh=False,
+        # low_precision_adamw's share of the update lost to rounding
+        **({"lost": f"{rec['lost_update']:.0%}"} if "lost_update" in rec else {}),
     )
     bar.update(1)
 

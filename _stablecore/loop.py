@@ -27,6 +27,7 @@ import json
 from typing import Any, Protocol
 
 from _stablecore.fit import show, warn_if_short
+from _stablecore.low_precision import StallMonitor
 from _stablecore.nan_policy import RESTORES, NanPolicy, PolicyState
 
 
@@ -99,6 +100,7 @@ class FitLoop:
         self.history: list[dict[str, Any]] = []
         self.pending = self.action = self.location = None
         self.stop_asked = False
+        self.stall = StallMonitor()  # warns when rounding keeps eating updates
 
     # The run.
 
@@ -168,6 +170,7 @@ class FitLoop:
         drops its batches here: its record counts them). `pulled`: batches
         already taken after this step's (the lookahead's)."""
         rec = self.a.record(pending)
+        self.stall.check(rec)  # low_precision_adamw: rounding eating updates
         index = rec["step"]
         every = self.evaluate_every
         if every is not None and (index + 1) % every == 0:

@@ -5,6 +5,13 @@ Implementation in `jaxstable._src.transforms`.
 
 from jaxstable._src.guard_state import SkipNonFiniteState as SkipNonFiniteState
 from jaxstable._src.guard_state import SkipSpikesState as SkipSpikesState
+from jaxstable._src.low_precision import (
+    LowPrecisionAdamWState as LowPrecisionAdamWState,
+)
+from jaxstable._src.low_precision import RoundingStats as RoundingStats
+from jaxstable._src.low_precision import StallMonitor as StallMonitor
+from jaxstable._src.low_precision import low_precision_adamw as low_precision_adamw
+from jaxstable._src.low_precision import rounding_stats as rounding_stats
 from jaxstable._src.spikes import find_spike_state as find_spike_state
 from jaxstable._src.spikes import skip_spikes as skip_spikes
 from jaxstable._src.transforms import (

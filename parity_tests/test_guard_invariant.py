@@ -119,6 +119,36 @@ CASES = [
         lambda: optax.adamw(1.0, weight_decay=1e5),
         lambda ps: torch.optim.AdamW(ps, lr=1.0, weight_decay=1e5),
     ),
+    # low_precision_adamw: here the guard never has to act (bad=()): the
+    # optimizer itself never divides a first moment by a second moment that
+    # underflowed. Plain Adam with eps=0 writes m / 0 = inf in both cases.
+    Case(
+        # bfloat16 gradients of 1e-24: g * g = 1e-48 is 0 in float32 (and in
+        # bfloat16), m = 1e-25 is not; eps=0.
+        "low_precision_adamw_bfloat16_second_moment_underflow",
+        "bfloat16",
+        {"w": [1.0, 1.0]},
+        [{"w": [1e-24, 1.0]}, {"w": [1e-24, 1.0]}],
+        (),
+        lambda: jtx.low_precision_adamw(
+            1e-3, eps=0.0, mu_dtype="bfloat16", nu_dtype="bfloat16"
+        ),
+        lambda ps: ttx.low_precision_adamw(
+            ps, 1e-3, eps=0.0, mu_dtype="bfloat16", nu_dtype="bfloat16"
+        ),
+    ),
+    Case(
+        # float8_e4m3fn second moments with a per-tensor scale: v = 1e-3 *
+        # [1, 1e-8] maps 1e-11 to 4.5e-6, below e4m3's smallest normal
+        # (2**-6); stored as 0 it would make step 1's m / (0 + eps=0) = inf.
+        "low_precision_adamw_float8_second_moment_underflow",
+        "float32",
+        {"w": [1.0, 1.0]},
+        [{"w": [1.0, 1e-4]}, {"w": [1.0, 0.0]}],
+        (),
+        lambda: jtx.low_precision_adamw(1e-3, eps=0.0, nu_dtype="float8_e4m3fn"),
+        lambda ps: ttx.low_precision_adamw(ps, 1e-3, eps=0.0, nu_dtype="float8_e4m3fn"),
+    ),
 ]
 
 

@@ -17,11 +17,11 @@ MODULES = [
     "distributed",
 ]
 # The public module `train` is implemented in three: the step, checkpoints, fit;
-# `transforms` in three (the spike guard and the guard states apart);
-# `diagnostics` in two (the check points apart).
+# `transforms` in four (the spike guard, the guard states and the
+# low-precision AdamW apart); `diagnostics` in two (the check points apart).
 SRC_MODULES = {
     "train": ["step", "checkpoint", "fit"],
-    "transforms": ["transforms", "spikes", "guard_state"],
+    "transforms": ["transforms", "spikes", "guard_state", "low_precision"],
     "diagnostics": ["diagnostics", "check_points"],
 }
 

@@ -35,7 +35,9 @@ JAX_ONLY = {
     "train": {"TrainState", "make_train_step", "nnx_loss"},
     # optax keeps a transformation's state in a NamedTuple; torch's
     # AccumulateGradients wrapper holds its position in the window itself.
-    "transforms": {"AccumulateGradientsState"},
+    # ... and `low_precision_adamw`'s in one too (torch keeps it per parameter
+    # in the optimizer's `state`).
+    "transforms": {"AccumulateGradientsState", "LowPrecisionAdamWState"},
     # Shardings are JAX's way to place arrays (torch wraps the module in
     # DDP/fully_shard instead), and only XLA exposes a compiled program whose
     # collectives can be counted.
@@ -50,9 +52,11 @@ TORCH_ONLY = {
     # on top of the real torch.amp.GradScaler.
     "loss_scale": {"DynamicGradScaler", "StaticGradScaler"},
     # The optimizer-wrapper classes that torch's `skip_non_finite` and
-    # `stable_optimizer` return (optax returns GradientTransformations).
+    # `stable_optimizer` return, and the optimizer `low_precision_adamw`
+    # returns (optax returns GradientTransformations).
     "transforms": {
         "AccumulateGradients",
+        "LowPrecisionAdamW",
         "SkipNonFinite",
         "SkipSpikes",
         "StableOptimizer",

@@ -5,6 +5,11 @@ Implementation in `torchref._src.transforms`.
 
 from torchref._src.guard_state import SkipNonFiniteState as SkipNonFiniteState
 from torchref._src.guard_state import SkipSpikesState as SkipSpikesState
+from torchref._src.low_precision import LowPrecisionAdamW as LowPrecisionAdamW
+from torchref._src.low_precision import RoundingStats as RoundingStats
+from torchref._src.low_precision import StallMonitor as StallMonitor
+from torchref._src.low_precision import low_precision_adamw as low_precision_adamw
+from torchref._src.low_precision import rounding_stats as rounding_stats
 from torchref._src.spikes import SkipSpikes as SkipSpikes
 from torchref._src.spikes import find_spike_state as find_spike_state
 from torchref._src.spikes import skip_spikes as skip_spikes

@@ -26,6 +26,7 @@ from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
 from _stablecore.lock import DirectoryLock
 from _stablecore.loop import FitLoop as _FitLoop
+from _stablecore.low_precision import STAT_NAMES
 from _stablecore.nan_policy import NanPolicy as NanPolicy
 from jaxstable._src.checkpoint import CheckpointManager
 from jaxstable._src.diagnostics import (
@@ -96,6 +97,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     if m.get("microbatches_dropped") is not None:
         # drop_non_finite_microbatches: the micro-batches this step dropped.
         rec["microbatches_dropped"] = int(m["microbatches_dropped"])
+    rec.update({k: float(m[k]) for k in STAT_NAMES if k in m})
     aux = m.get("aux")
     if aux is not None:
         rec.update(_scalar_record("aux", aux))

@@ -24,6 +24,7 @@ from jaxstable._src.check_points import CheckPoints
 from jaxstable._src.distributed import _axis_size
 from jaxstable._src.guard_state import INJECT_STATES, SkipSpikesState, outer_guard
 from jaxstable._src.loss_scale import NoOpLossScale, all_finite
+from jaxstable._src.low_precision import rounding_stats
 from jaxstable._src.precision import LOSS_SCOPE, get_policy, warn_if_not_applied
 from jaxstable._src.transforms import (
     AccumulateGradientsState,
@@ -757,7 +758,9 @@ def make_train_step(
       invariant above), ``grads_finite`` (bool: the loss and the gradients,
       the flag the loss scale reacts to),
       ``skipped_total`` (int32), ``spike`` (bool, only when ``tx`` is a
-      `jaxstable.transforms.skip_spikes`), and ``aux`` with ``has_aux``.
+      `jaxstable.transforms.skip_spikes`), the `RoundingStats` fields
+      (``lost_update``, ...; only with a `low_precision_adamw` in ``tx``)
+      and ``aux`` with ``has_aux``.
       A ``tx`` that takes extra args (an `optax.chain` of them, `skip_spikes`,
       `optax.contrib.reduce_on_plateau`) gets ``value=loss`` (the unscaled
       loss, the micro-batches' mean) and ``grads_finite=``; a skipped step
@@ -1038,6 +1041,9 @@ def make_train_step(
             metrics["spike"] = _outer_skip_state(opt_state).last_spike
         if dropped is not None:
             metrics["microbatches_dropped"] = dropped
+        stats = rounding_stats(opt_state)
+        if stats is not None:  # low_precision_adamw: what rounding lost
+            metrics.update(stats._asdict())
         if has_aux:
             metrics["aux"] = aux
         return new_state, metrics

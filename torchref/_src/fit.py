@@ -23,6 +23,7 @@ from _stablecore.fit import open_log as _open_log
 from _stablecore.fit import policy_note as _policy_note
 from _stablecore.lock import DirectoryLock
 from _stablecore.loop import FitLoop as _FitLoop
+from _stablecore.low_precision import STAT_NAMES
 from _stablecore.nan_policy import NanPolicy as NanPolicy
 from torchref._src.checkpoint import CheckpointManager, _is_sharded
 from torchref._src.diagnostics import (
@@ -104,6 +105,7 @@ def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
     if metrics.get("microbatches_dropped") is not None:
         # drop_non_finite_microbatches: the micro-batches this step dropped.
         rec["microbatches_dropped"] = int(metrics["microbatches_dropped"])
+    rec.update({k: float(metrics[k]) for k in STAT_NAMES if k in metrics})
     if metrics.get("aux") is not None:
         for path, value in _scalar_leaves(metrics["aux"]):
             rec["aux" + path] = value

@@ -24,6 +24,7 @@ import torch
 
 from _stablecore.checks import check_microbatch_drop as _check_microbatch_drop
 from _stablecore.checks import check_microbatches as _core_check_microbatches
+from _stablecore.low_precision import STAT_NAMES
 from torchref._src import distributed as _dist
 from torchref._src.check_points import CheckPoints
 from torchref._src.loss_scale import (
@@ -31,6 +32,7 @@ from torchref._src.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
 )
+from torchref._src.low_precision import rounding_stats
 from torchref._src.precision import get_policy
 from torchref._src.spikes import SkipSpikes
 from torchref._src.transforms import (
@@ -590,8 +592,11 @@ class TrainStep(_DeferredRecords):
             ``optimizer.step()`` and leaves the loss scale to the gradients'
             flag, as the JAX step does; `skip_state` counts it as the JAX
             step's inner guard does: ``last_grads_finite`` False, no
-            ``non_finite_updates``). With ``sync=False`` the same keys
-            hold 0-d tensors (float32, bool and int64; ``spike`` a bool).
+            ``non_finite_updates``), and the `RoundingStats` fields
+            (``"lost_update"``, ...: floats, in the same host transfer) when
+            the optimizer is a `low_precision_adamw`. With ``sync=False``
+            the same keys hold 0-d tensors (float32, bool and int64;
+            ``spike`` a bool).
         """
         if self._stage != "ready":
             raise RuntimeError(
@@ -618,9 +623,15 @@ class TrainStep(_DeferredRecords):
             : 4 if self.spikes is None else 5
         ]
         flags = [t for pair in self._pending for t in pair]
+        rounding = [metrics[k] for k in STAT_NAMES if k in metrics]
         dropped = [metrics[n] for n in ("microbatches_dropped",) if n in metrics]
-        values = _to_host([metrics[key] for key in keys] + flags + dropped)
+        values = _to_host([metrics[key] for key in keys] + flags + rounding + dropped)
         self._record(values[len(keys) : len(keys) + len(flags)])
+        at = len(keys) + len(flags)  # the rounding statistics, then dropped
+        names = [k for k in STAT_NAMES if k in metrics]
+        metrics.update(
+            zip(names, map(float, values[at : at + len(names)]), strict=True)
+        )
         state = self._skip_state
         metrics.update(zip(keys[:3], (float(v) for v in values), strict=False))
         metrics["grads_finite"] = bool(values[3])
@@ -765,6 +776,9 @@ class TrainStep(_DeferredRecords):
             metrics["spike"] = spike
         if kept is not None:
             metrics["microbatches_dropped"] = kept.dropped
+        stats = rounding_stats(opt)
+        if stats is not None:  # low_precision_adamw: what rounding lost
+            metrics.update(stats._asdict())
         if auxes[0] is not None:
             metrics["aux"] = auxes[0] if k is None else _combine_aux(auxes)
         return metrics
