@@ -143,7 +143,56 @@ if HAS_GPU:  # tight parity on a GPU: no TF32 / bf16-pass matmuls on either side
         pass
 
 
+@pytest.fixture(scope="module")
+def fewer_xla_optimizations():
+    """Compile this module's JAX programs with XLA's backend optimisations off.
+
+    For the end-to-end tests that check what a run does (which step goes
+    non-finite, where `locate` finds it, what the report says), not how fast
+    it runs: their few steps of tiny models spend most of their time in XLA's
+    compiler. ``jax_disable_most_optimizations`` (LLVM at -O0, its expensive
+    passes skipped; the HLO passes still run) took `examples/compare.py ocr
+    --quick` from 77 s to 50 s of CPU. It moves float16 results in their last
+    bits only: every module that asks for it was checked to assert the same
+    steps and causes with and without it. Subprocesses inherit it through
+    ``JAX_DISABLE_MOST_OPTIMIZATIONS``. Use with
+    ``pytestmark = pytest.mark.usefixtures("fewer_xla_optimizations")``.
+    """
+    import jax
+
+    name, env = "jax_disable_most_optimizations", "JAX_DISABLE_MOST_OPTIMIZATIONS"
+    before, before_env = jax.config.read(name), os.environ.get(env)
+    jax.config.update(name, True)
+    os.environ[env] = "1"
+    yield
+    jax.config.update(name, before)
+    if before_env is None:
+        os.environ.pop(env, None)
+    else:
+        os.environ[env] = before_env
+
+
+def pytest_configure(config):
+    # `make test` hands whole files to its xdist workers (--dist loadfile);
+    # by default xdist queues the files with the most tests first, which puts
+    # the few-test end-to-end files (a minute of CPU each) last, where one of
+    # them leaves the other worker idle. The order of the collection (below:
+    # long files first) is kept instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    # Longest first: the files holding a `slow` test (in collection order),
+    # then the others by their number of tests, most first (xdist's default).
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def cost(tests):
+        return (not any("slow" in t.keywords for t in tests), -len(tests))
+
+    items[:] = [t for tests in sorted(files.values(), key=cost) for t in tests]
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU; none is present")
