@@ -152,11 +152,15 @@ def fewer_xla_optimizations():
     it runs: their few steps of tiny models spend most of their time in XLA's
     compiler. ``jax_disable_most_optimizations`` (LLVM at -O0, its expensive
     passes skipped; the HLO passes still run) took `examples/compare.py ocr
-    --quick` from 77 s to 50 s of CPU. Results may move in their last bits
-    (the OCR float16 stable loss after 6 steps: 7.609 -> 7.600): every module
+    --quick` from 77 s to 50 s of CPU; with XLA's older elemental IR
+    emitters for CPU fusions instead of its MLIR fusion emitters
+    (``xla_cpu_use_fusion_emitters``) as well, to 29 s. Results may move in
+    their last bits (the OCR float16 stable loss after 6 steps: 7.609 ->
+    7.600, the same with both settings as with the first): every module
     that asks for it was checked to assert the same steps and causes, on the
     same values, with and without it. Subprocesses inherit it through
-    ``JAX_DISABLE_MOST_OPTIMIZATIONS``. Use with
+    ``JAX_DISABLE_MOST_OPTIMIZATIONS`` and ``XLA_FLAGS`` (this process
+    parsed its ``XLA_FLAGS`` when its backend started, at import). Use with
     ``pytestmark = pytest.mark.usefixtures("fewer_xla_optimizations")``.
 
     The setting is not part of JAX's in-memory cache keys, so the caches are
@@ -166,19 +170,25 @@ def fewer_xla_optimizations():
     The session's persistent cache keys hold the compile options.
     """
     import jax
+    from jax._src import compiler  # where jax builds every compile's options
 
-    name, env = "jax_disable_most_optimizations", "JAX_DISABLE_MOST_OPTIMIZATIONS"
-    before, before_env = jax.config.read(name), os.environ.get(env)
+    name, flag = "jax_disable_most_optimizations", "xla_cpu_use_fusion_emitters"
+    build = compiler.get_compile_options
+
+    def without_fusion_emitters(*args, env_options_overrides=None, **kwargs):
+        overrides = {**(env_options_overrides or {}), flag: False}
+        return build(*args, env_options_overrides=overrides, **kwargs)
+
+    before = jax.config.read(name)
     jax.clear_caches()
     jax.config.update(name, True)
-    os.environ[env] = "1"
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "get_compile_options", without_fusion_emitters)
+        patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+        patch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --{flag}=false")
+        yield
     jax.clear_caches()
     jax.config.update(name, before)
-    if before_env is None:
-        os.environ.pop(env, None)
-    else:
-        os.environ[env] = before_env
 
 
 def pytest_configure(config):
