@@ -23,17 +23,7 @@ $(STAMP): pyproject.toml Makefile
 
 # pytest-xdist workers (one per core here); a file's tests stay on one worker
 # (--dist loadfile), so each module-scoped fixture is built once. 0: serial.
-# A 6-file subset (221 tests) on a machine loaded by other jobs: serial 239 s
-# wall / 128 s CPU, 2 workers 95 s / 117 s CPU (no CPU lost to the split);
-# capping each worker's torch/XLA threads at 1 was slower: 112 s / 133 s CPU.
-# Whole suite, fresh clone, quiet 2-core machine: 9m18s (serial was 12m25s);
-# 1066 tests on 2026-11-23: 12m44s (14m13s for .ci/run with the venv);
-# 1586 tests on 2026-11-24 with the session's persistent compilation cache:
-# 8m59s on a quiet machine; a fresh clone, venv included: 10m51s (9m52s of
-# tests). 1638 tests, fresh clone, venv included, evening of 2026-11-24:
-# 10m56s (9m54s of tests, 18m38s CPU). CI ran the 1638 in 632 s. 1674
-# tests, fresh clone, venv included, night of 2026-11-24: 10m22s (9m30s of
-# tests, 18m54s CPU). Trim before adding.
+# Measured timings and how to measure them: CONTRIBUTING.md, "Test timings".
 TEST_WORKERS ?= 2
 
 test: venv

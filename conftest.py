@@ -143,7 +143,75 @@ if HAS_GPU:  # tight parity on a GPU: no TF32 / bf16-pass matmuls on either side
         pass
 
 
+@pytest.fixture(scope="module")
+def fewer_xla_optimizations():
+    """Compile this module's JAX programs with XLA's backend optimisations off.
+
+    For the end-to-end tests that check what a run does (which step goes
+    non-finite, where `locate` finds it, what the report says), not how fast
+    it runs: their few steps of tiny models spend most of their time in XLA's
+    compiler. ``jax_disable_most_optimizations`` (LLVM at -O0, its expensive
+    passes skipped; the HLO passes still run) took `examples/compare.py ocr
+    --quick` from 77 s to 50 s of CPU; with XLA's older elemental IR
+    emitters for CPU fusions instead of its MLIR fusion emitters
+    (``xla_cpu_use_fusion_emitters``) as well, to 29 s. Results may move in
+    their last bits (the OCR float16 stable loss after 6 steps: 7.609 ->
+    7.600, the same with both settings as with the first): every module
+    that asks for it was checked to assert the same steps and causes, on the
+    same values, with and without it. Subprocesses inherit it through
+    ``JAX_DISABLE_MOST_OPTIMIZATIONS`` and ``XLA_FLAGS`` (this process
+    parsed its ``XLA_FLAGS`` when its backend started, at import). Use with
+    ``pytestmark = pytest.mark.usefixtures("fewer_xla_optimizations")``.
+
+    The setting is not part of JAX's in-memory cache keys, so the caches are
+    cleared on the way in and out: no program compiled one way runs where
+    the other was asked for (an eager op compiled at -O2 before would
+    otherwise meet its -O0 twin in a subprocess of a bitwise comparison).
+    The session's persistent cache keys hold the compile options.
+    """
+    import jax
+    from jax._src import compiler  # where jax builds every compile's options
+
+    name, flag = "jax_disable_most_optimizations", "xla_cpu_use_fusion_emitters"
+    build = compiler.get_compile_options
+
+    def without_fusion_emitters(*args, env_options_overrides=None, **kwargs):
+        overrides = {**(env_options_overrides or {}), flag: False}
+        return build(*args, env_options_overrides=overrides, **kwargs)
+
+    before = jax.config.read(name)
+    jax.clear_caches()
+    jax.config.update(name, True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiler, "get_compile_options", without_fusion_emitters)
+        patch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+        patch.setenv("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --{flag}=false")
+        yield
+    jax.clear_caches()
+    jax.config.update(name, before)
+
+
+def pytest_configure(config):
+    # `make test` hands whole files to its xdist workers (--dist loadfile);
+    # by default xdist queues the files with the most tests first, which puts
+    # the few-test end-to-end files (a minute of CPU each) last, where one of
+    # them leaves the other worker idle. The order of the collection (below:
+    # long files first) is kept instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    # Longest first: the files holding a `slow` test (in collection order),
+    # then the others by their number of tests, most first (xdist's default).
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def cost(tests):
+        return (not any("slow" in t.keywords for t in tests), -len(tests))
+
+    items[:] = [t for tests in sorted(files.values(), key=cost) for t in tests]
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a GPU; none is present")

@@ -28,6 +28,11 @@ from flax import serialization
 
 from parity_tests import resume_worker as worker
 
+# killed and resumed processes: queued first, compiled with fewer XLA
+# optimisations (conftest.py; the workers inherit it, so the reference run
+# of this process and theirs still compile alike and compare bitwise)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 ROOT = Path(__file__).resolve().parents[1]
 # The kills, in order: ("lines", seed) once the logs have a random number of
 # lines more (a random point of the runs); ("save", None) inside the commit

@@ -18,6 +18,10 @@ from examples import compare, harness
 from examples.harness import environment
 from examples.segmentation.task import TASK
 
+# end-to-end runs: queued first, compiled with fewer XLA optimisations
+# (conftest.py); the runs fail at the same steps from the same causes
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_KEYS = {
     "framework", "precision", "mode", "steps", "first_nonfinite_step",

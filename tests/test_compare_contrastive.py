@@ -20,6 +20,10 @@ from examples.contrastive import task as task_lib
 from examples.contrastive.task import TASK
 from examples.harness import jax_runner
 
+# end-to-end runs: queued first, compiled with fewer XLA optimisations
+# (conftest.py); the runs fail at the same steps from the same causes
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 QUICK = TASK.get_config(**TASK.quick)
 
 

@@ -28,6 +28,10 @@ from examples import compare, harness
 from examples.harness import devices
 from tests import test_global_loss
 
+# end-to-end runs (in a subprocess, which inherits the setting): queued
+# first, compiled with fewer XLA optimisations (conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 POISONED = 1  # the batch with a NaN pixel in its second half

@@ -28,6 +28,10 @@ from examples.lm import (
 )
 from examples.lm.task import TASK
 
+# end-to-end runs: queued first, compiled with fewer XLA optimisations
+# (conftest.py); the runs fail at the same steps from the same causes
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 QUICK = TASK.get_config(**TASK.quick)
 
 

@@ -16,6 +16,10 @@ import pytest
 from examples import compare, harness
 from examples.ocr.task import TASK
 
+# end-to-end runs: queued first, compiled with fewer XLA optimisations
+# (conftest.py); the runs fail at the same steps from the same causes
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RUN_KEYS = {

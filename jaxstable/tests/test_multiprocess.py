@@ -44,6 +44,10 @@ import time
 import numpy as np
 import pytest
 
+# processes launched and killed: queued first, compiled with fewer XLA
+# optimisations (conftest.py; the workers inherit it)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 STEPS = 12
 ROWS = 8  # global batch: 2 rows per device
 IN, HIDDEN, OUT = 4, 8, 3
