@@ -186,3 +186,15 @@ class StepHooks:
     def step(self) -> None:
         self.scheduler.step()
         self.ema.update(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's state and the EMA (fit checkpoints it)."""
+        ema = {n: t.clone() for n, t in self.ema.ema.items()}
+        return {"scheduler": self.scheduler.state_dict(), "ema": ema,
+                "updates": self.ema.updates}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.ema.updates = state["updates"]
+        for name, t in state["ema"].items():
+            self.ema.ema[name].copy_(t)

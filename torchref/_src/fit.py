@@ -539,6 +539,10 @@ class _TorchAdapter:
         self.snapshot_scheds = self._sched_states()
 
     def latest_checkpoint(self) -> int:
+        # A save still in flight (this very step's period) is not on disk
+        # yet, but the restore waits for it: wait here too, or the record
+        # names the one before it (seen: rewind_to 0 for 4, 1 run in 5).
+        self.mgr.wait()
         return self.mgr.latest_step()
 
     def save(self, done: int, metrics, fit_state: dict, keep: bool) -> None:

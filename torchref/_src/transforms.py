@@ -876,7 +876,8 @@ class _GuardedStep:
             # (global) flag is read on the host, one sync per step.
             if not bool(bad_grads):
                 optimizer.step()
-            return bad_grads
+            # A python bool where the caller read the flag on the host.
+            return torch.as_tensor(bad_grads, dtype=torch.bool)
         if check_update:
             _refuse_sharded_update_check(params)
         if self.on_host(optimizer):
