@@ -20,6 +20,7 @@ import torch
 from jaxstable import loss_scale as jls
 from jaxstable import train as jtrain
 from jaxstable import transforms as jtransforms
+from parity_tests.fit_forms import new_form
 from torchref import loss_scale as tls
 from torchref import train as ttrain
 
@@ -54,25 +55,10 @@ def _torch_setup():
     return step
 
 
-def _new_form(train, folder, kw):
-    """fit's keywords of the old form here (checkpoint_dir, checkpoint_every,
-    resume, log_path, progress) in the new form: these tests count the
-    warnings fit gives, and the old form adds a DeprecationWarning."""
-    kw = {"checkpoint_dir": folder / "ck", **kw}
-    ck = kw.pop("checkpoint_dir")
-    every, resume = kw.pop("checkpoint_every", None), kw.pop("resume", False)
-    if ck is not None:
-        kw["checkpoint"] = train.Checkpointing(ck, every=every, resume=resume)
-    elif every is not None or resume:
-        kw.update(checkpoint_dir=None, checkpoint_every=every, resume=resume)
-    kw["log"] = train.Log(kw.pop("log_path", None), progress=False)
-    return kw
-
-
 def _fit(framework, folder, data, **kw):
     """``(final params as numpy, history)`` of a fit into `folder`."""
     train = jtrain if framework == "jax" else ttrain
-    kw = _new_form(train, folder, kw)
+    kw = new_form(train, folder, kw)
     if framework == "jax":
         state, step = _jax_setup()
         batches = _convert(jnp.asarray, data)

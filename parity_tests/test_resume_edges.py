@@ -28,6 +28,7 @@ import torch
 
 from _stablecore import lock as core_lock
 from jaxstable import train as jtrain
+from parity_tests.fit_forms import new_form
 from parity_tests.test_checkpoint_integrity import (
     DATA,
     _ckpt,
@@ -45,26 +46,11 @@ TWO_BAD[4] = DATA[3]
 DEAD_PID = 2**22 + 1
 
 
-def _new_form(train, folder, kw):
-    """fit's keywords of the old form here (checkpoint_dir, checkpoint_every,
-    resume, log_path, progress) in the new form: these tests count the
-    warnings fit gives, and the old form adds a DeprecationWarning."""
-    kw = {"checkpoint_dir": folder / "ck", **kw}
-    ck = kw.pop("checkpoint_dir")
-    every, resume = kw.pop("checkpoint_every", None), kw.pop("resume", False)
-    if ck is not None:
-        kw["checkpoint"] = train.Checkpointing(ck, every=every, resume=resume)
-    elif every is not None or resume:
-        kw.update(checkpoint_dir=None, checkpoint_every=every, resume=resume)
-    kw["log"] = train.Log(kw.pop("log_path", None), progress=False)
-    return kw
-
-
 def _run(framework, folder: Path, data, **kw):
     """``(summary, history)`` of a fit into ``folder/ck``: the summary holds
     the final params' bytes, step count, skipped total and loss scale."""
     train = jtrain if framework == "jax" else ttrain
-    kw = _new_form(train, folder, kw)
+    kw = new_form(train, folder, kw)
     if framework == "jax":
         state, step = _jax_setup()
         state, hist = jtrain.fit(state, step, _convert(jnp.asarray, data), **kw)
