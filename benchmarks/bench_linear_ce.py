@@ -79,8 +79,16 @@ def _jax_fns(y):
     }
 
 
+DEVICE = "cpu"  # --device cuda: torch on the GPU (JAX takes its default backend)
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def _torch_fns(y):
-    yt = torch.from_numpy(y)
+    yt = torch.from_numpy(y).to(DEVICE)
 
     def lean(h, w):
         return tl.linear_cross_entropy(h, w, yt, ignore_index=-100)
@@ -99,8 +107,8 @@ def _torch_run(f, h, w):
 
 def _torch_inputs(h, k, dtype):
     dt = getattr(torch, dtype)
-    th = torch.tensor(h).to(dt).requires_grad_()
-    tw = torch.tensor(k.T.copy()).to(dt).requires_grad_()
+    th = torch.tensor(h).to(DEVICE, dt).requires_grad_()
+    tw = torch.tensor(k.T.copy()).to(DEVICE, dt).requires_grad_()
     return th, tw
 
 
@@ -128,7 +136,24 @@ def _status_kib(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
+def torch_peak_cuda(n, d, v, dtype, name) -> int:
+    """On the GPU: the peak of the bytes torch's allocator holds during one
+    fwd+bwd above what it held before, less the gradients both paths write."""
+    h, k, y = _inputs(n, d, v)
+    th, tw = _torch_inputs(h, k, dtype)
+    f = _torch_fns(y)[name]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    _torch_run(f, th, tw)
+    torch.cuda.synchronize()
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in (th, tw))
+    return torch.cuda.max_memory_allocated() - before - grads
+
+
 def torch_peak(n, d, v, dtype, name) -> int:
+    if DEVICE == "cuda":
+        return torch_peak_cuda(n, d, v, dtype, name)
     out = subprocess.run(
         [sys.executable, __file__, "--torch-peak", str(n), str(d), str(v), dtype, name],
         capture_output=True, text=True, check=True,
@@ -152,6 +177,7 @@ def bench(n, d, v, dtype, reps):
     tfns = _torch_fns(y)
     for f in tfns.values():
         _torch_run(f, th, tw)
+    _sync()
     times = {f"jax_{k}": [] for k in jfns} | {f"torch_{k}": [] for k in tfns}
     rng = random.Random(0)
     for _ in range(reps):
@@ -163,6 +189,7 @@ def bench(n, d, v, dtype, reps):
                 jax.block_until_ready(jfns[name](jh, jk))
             else:
                 _torch_run(tfns[name], th, tw)
+                _sync()
             times[f"{fw}_{name}"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     peak = {name: torch_peak(n, d, v, dtype, name) for name in tfns}
@@ -199,11 +226,11 @@ def to_markdown(results, device, load=None, load_end=None) -> str:
             f"| {r['vocab']} | {r['dtype']} "
             f"| {t['lean'] / MiB:.1f} / {t['naive'] / MiB:.1f} = "
             f"{r['jax_temp_ratio']:.3f} "
-            f"| {m['jax_lean'] * 1e3:.0f} / {m['jax_naive'] * 1e3:.0f} = "
+            f"| {m['jax_lean'] * 1e3:.3g} / {m['jax_naive'] * 1e3:.3g} = "
             f"{r['jax_time_ratio']:.2f} "
             f"| {p['lean'] / MiB:.1f} / {p['naive'] / MiB:.1f} = "
             f"{r['torch_peak_ratio']:.3f} "
-            f"| {m['torch_lean'] * 1e3:.0f} / {m['torch_naive'] * 1e3:.0f} = "
+            f"| {m['torch_lean'] * 1e3:.3g} / {m['torch_naive'] * 1e3:.3g} = "
             f"{r['torch_time_ratio']:.2f} |"
         )
     r0 = results[0]
@@ -242,11 +269,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device here")
     device = (
         f"{cpu_name()}, {os.cpu_count()} cores (CPU; jax {jax.__version__}, "
         f"torch {torch.__version__})"
     )
+    if DEVICE == "cuda":
+        device = (
+            f"{torch.cuda.get_device_name()} (jax {jax.__version__} on "
+            f"{jax.devices()[0]}, torch {torch.__version__})"
+        )
     load = os.getloadavg()  # the machine is shared: timings depend on it
     results = []
     for v in VOCABS:
@@ -260,11 +297,12 @@ def main() -> None:
         "device": device, "platform": platform.platform(),
         "load_start": load, "load_end": end,
     }  # fmt: skip
-    (RESULTS / "bench_linear_ce_cpu.json").write_text(
+    stem = f"bench_linear_ce_{'gpu' if DEVICE == 'cuda' else 'cpu'}"
+    (RESULTS / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
     )
     text = to_markdown(results, device, load, end)
-    (RESULTS / "bench_linear_ce_cpu.md").write_text(text)
+    (RESULTS / f"{stem}.md").write_text(text)
     print(text)
 
 

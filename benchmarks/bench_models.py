@@ -442,7 +442,7 @@ def param_counts(s) -> dict:
 
 def trained_params(s, x, y) -> int:
     """Parameters that get a gradient in torch (the others' grad stays None)."""
-    model = TORCH_MODELS[s.kind](s)
+    model = TORCH_MODELS[s.kind](s).eval()  # batch norm on one sample: eval
     xt = torch.from_numpy(x[:1])
     if s.kind == "gpt":
         xt = xt.long()
@@ -536,6 +536,7 @@ def git_commit() -> str:
 def device_info(args, loadavg_start, commit) -> dict:
     return {
         "cpu": cpu_name(),
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "cores": os.cpu_count(),
         "cpus_pinned": len(os.sched_getaffinity(0)),
         "loadavg_start": loadavg_start,
@@ -638,7 +639,9 @@ def to_markdown(payload: dict) -> str:
     lines = [
         "# The guard's cost on real-model shapes (`benchmarks/bench_models.py`)",
         "",
-        f"Each row is one run on one machine: **{d['cpu']}**, "
+        "Each row is one run on one machine: **"
+        + (f"{d['gpu']}** (host: {d['cpu']})" if d.get("gpu") else f"{d['cpu']}**")
+        + ", "
         f"{d['cores']} cores visible, "
         f"process pinned to {d['cpus_pinned']} (`--cpus`); the last run's "
         f"load average {d['loadavg_start']} at start / {d['loadavg_end']} at "
@@ -662,7 +665,8 @@ def to_markdown(payload: dict) -> str:
         "",
         summary_table(payload),
         "",
-        "## Models (scaled; see the script's docstring)",
+        f"## Models ({cfg.get('shape_set', 'scaled')} sizes; see the script's "
+        "docstring)",
         "",
         "| model | stands for | params | with a gradient | leaves "
         "| FLOPs/param/sample here | at the real size |",
@@ -827,6 +831,13 @@ def main() -> None:
     ap.add_argument("--compile-workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     ap.add_argument(
+        "--shapes",
+        choices=("scaled", "real"),
+        default="scaled",
+        help="scaled: the CPU sizes above; real: the real models' sizes "
+        "(_models.REAL_SHAPES), for a GPU",
+    )
+    ap.add_argument(
         "--update-docs",
         action="store_true",
         help="also rewrite the summary table in " + ", ".join(DOCS_WITH_SUMMARY),
@@ -862,9 +873,10 @@ def main() -> None:
     commit = git_commit()  # the code measured (the tree may change meanwhile)
     run_tag = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + f" ({commit[:10]})"
     t_start = time.perf_counter()
+    shapes = REAL_SHAPES if args.shapes == "real" else SHAPES
     models, rows = {}, []
     for name in args.models.split(","):
-        s = SHAPES[name]
+        s = shapes[name]
         if args.quick:
             s = quick_shape(s)
         x, y = make_batch(s, 2)
@@ -894,6 +906,17 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            # Written after every row: a run stopped at a time limit (a
+            # GPU lease) keeps the rows it measured.
+            write_results(args, loadavg_start, commit, t_start, shapes, models, rows)
+    write_results(
+        args, loadavg_start, commit, t_start, shapes, models, rows, final=True
+    )
+
+
+def write_results(
+    args, loadavg_start, commit, t_start, shapes, models, rows, final=False
+):
     payload = {
         "device": device_info(args, loadavg_start, commit),
         "config": {
@@ -904,7 +927,8 @@ def main() -> None:
             "only": args.only,
             "torch_autocast": args.torch_autocast,
             "wall_s": time.perf_counter() - t_start,
-            "shapes": {n: dataclasses.asdict(SHAPES[n]) for n in models},
+            "shape_set": args.shapes,
+            "shapes": {n: dataclasses.asdict(shapes[n]) for n in models},
         },
         "models": models,
         "rows": rows,
@@ -917,8 +941,10 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     md = to_markdown(payload)
     (out / f"{stem}.md").write_text(md + "\n")
+    if not final:
+        return
     print(md)
-    if args.update_docs and not args.quick:
+    if args.update_docs and not args.quick and args.shapes == "scaled":
         print("summary table rewritten in:", ", ".join(update_docs(payload)))
 
 

@@ -74,8 +74,28 @@ tests_rc=${PIPESTATUS[0]}
 } >"$RESULTS/tests_gpu.md"
 fi
 if [ "$PARTS" != tests ]; then
-  "$PY" benchmarks/bench_gpu.py --device cuda
-  bench_rc=$?
+  # GPU_LIMIT_<PART>=seconds stops one benchmark at a time limit (a lease's
+  # command has one); bench_models.py writes its results after every row,
+  # so a stopped run keeps what it measured. 0: no limit.
+  bench() {
+    local limit=$1
+    shift
+    if [ "$limit" -gt 0 ]; then timeout "$limit" "$PY" "$@"; else "$PY" "$@"; fi
+    local rc=$?
+    echo "make gpu-check: $* exited $rc"
+    [ "$rc" -eq 0 ] || bench_rc=1
+  }
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # jax and torch share the GPU
+  # The guard's cost at the real models' sizes, torch (bf16 autocast) and JAX.
+  bench "${GPU_LIMIT_MODELS:-0}" benchmarks/bench_models.py --device cuda \
+    --shapes real --cpus 0 --compile-workers 8
+  # Cross-entropy (the Pallas kernel) against the copy-bandwidth floor, and
+  # the guarded segmentation step; GPU_BENCH_GPU_ONLY=ce runs the first.
+  bench "${GPU_LIMIT_CE:-0}" benchmarks/bench_gpu.py --device cuda \
+    --only "${GPU_BENCH_GPU_ONLY:-all}"
+  # linear_cross_entropy at 32k and 128k vocabularies against the naive path.
+  bench "${GPU_LIMIT_LINEAR_CE:-0}" benchmarks/bench_linear_ce.py --device cuda \
+    --tokens 8192 --features 1024
 fi
 echo "make gpu-check: tests exit $tests_rc, benchmarks exit $bench_rc; results in $RESULTS/"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
