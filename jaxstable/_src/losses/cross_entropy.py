@@ -423,14 +423,14 @@ def softmax_cross_entropy(
     float32 copy of the logits is materialised (fp16 ``exp`` overflows above
     11.09; float32 after max-subtraction never does).
 
-    On a GPU backend with one device, for float16/bfloat16/float32 logits
-    with up to 2**18 classes and no ``z_loss``, the forward and backward run
-    as one Pallas (Triton) kernel each that reads the logits once (the same
-    formulas; not yet measured on a GPU). With several devices the XLA path
-    (the kernel has no partitioning rule for sharded logits). The
-    environment variable ``JAXSTABLE_CE_KERNEL`` (read when the loss is
-    traced): ``0`` keeps the XLA path everywhere, ``1`` takes the kernel on
-    several devices too (inside `jax.shard_map`).
+    With ``JAXSTABLE_CE_KERNEL=1`` (read when the loss is traced), on a GPU
+    backend, for float16/bfloat16/float32 logits with up to 2**18 classes
+    and no ``z_loss``, the forward and backward run as one Pallas (Triton)
+    kernel each that reads the logits once (the same formulas). By default
+    (``auto``, or ``0``) the XLA path: on an H200 the kernel was slower than
+    it on 8 of 10 benchmark rows (benchmarks/results/bench_gpu_gpu_ce.md).
+    The kernel has no partitioning rule: ask for it with several devices
+    only inside `jax.shard_map`.
 
     Precision: float32; float64 for float64 ``logits`` (x64 on; the module
     docstring's rule). All-equal logits have the gradient ``1/C - [c == y]``
