@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[torch,examples,dev,models]"
+	$(PY) -m pip install -q -e ".[jax,torch,examples,dev,models]"
 	touch $(STAMP)
 
 # pytest-xdist workers (one per core here); a file's tests stay on one worker
