@@ -24,7 +24,8 @@ except ModuleNotFoundError as err:
     if (err.name or "").split(".")[0] not in _CAMP:
         raise
     raise ModuleNotFoundError(
-        f"jaxstable runs on JAX and {err.name!r} is not installed: "
-        'pip install "jaxstable[jax]" installs it with flax, optax, orbax and jmp',
+        f"jaxstable needs {err.name!r}, which is not installed: "
+        'pip install "jaxstable[jax]" installs the JAX camp '
+        "(jax, flax, optax, orbax-checkpoint, chex, jmp)",
         name=err.name,
     ) from err

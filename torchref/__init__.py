@@ -22,7 +22,7 @@ except ModuleNotFoundError as err:
     if (err.name or "").split(".")[0] not in _CAMP:
         raise
     raise ModuleNotFoundError(
-        f"torchref runs on PyTorch and {err.name!r} is not installed: "
-        'pip install "jaxstable[torch]" installs PyTorch',
+        f"torchref needs {err.name!r}, which is not installed: "
+        'pip install "jaxstable[torch]" installs the PyTorch camp (torch)',
         name=err.name,
     ) from err
