@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[torch,examples,dev,models]"
+	$(PY) -m pip install -q -e ".[jax,torch,examples,dev,models]"
 	touch $(STAMP)
 
 # pytest-xdist workers (one per core here); a file's tests stay on one worker
@@ -26,9 +26,11 @@ $(STAMP): pyproject.toml Makefile
 # Measured timings and how to measure them: CONTRIBUTING.md, "Test timings".
 TEST_WORKERS ?= 2
 
+# mypy: the public modules' types (pyproject's [tool.mypy]), then the suite.
 test: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 demo: venv
@@ -62,10 +64,11 @@ gpu-wheels:
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 format: venv
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache site
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache site

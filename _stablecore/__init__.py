@@ -11,3 +11,7 @@ torch or numpy); no public API (users import `jaxstable` or `torchref`,
 whose modules re-export what they need under their own names and keep the
 docstrings with examples in their framework).
 """
+
+# The release's version, the one place it is written: pyproject.toml reads it
+# (setuptools' dynamic version) and both packages re-export it.
+__version__ = "0.1.0"

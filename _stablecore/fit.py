@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from _stablecore.checkpoint import temp_path
@@ -63,7 +64,7 @@ def batches_from(batches, position: int, steps: int | None):
     anything else is iterated and its first `position` batches dropped.
     """
     if position and hasattr(batches, "__getitem__") and hasattr(batches, "__len__"):
-        it = (batches[i] for i in range(position, len(batches)))
+        it: Iterator[Any] = (batches[i] for i in range(position, len(batches)))
     else:
         it = itertools.islice(iter(batches), position, None)
     return it if steps is None else itertools.islice(it, max(steps - position, 0))

@@ -115,7 +115,8 @@ def parse_callee(code, lasti: int):
         return None
     if not isinstance(node, ast.Call):
         return None
-    func, parts = node.func, []
+    func = node.func
+    parts: list[tuple[str, Any]] = []
     while True:
         if isinstance(func, ast.Attribute):
             parts.append(("attr", func.attr))
@@ -172,7 +173,7 @@ def cause(o: Any, where: str, dtype_max: Callable[[str], float | None]) -> str:
         if exp_over:
             text += f" (exp of up to {ins[0].max:.3g} > {math.log(lim):.4g})"
         return text
-    if exp_over:  # no finite float64 value to compare (exp(1e4))
+    if exp_over and lim is not None:  # no finite float64 to compare (exp(1e4))
         return (
             f"{out.dtype} overflow: exp of up to {ins[0].max:.3g} > "
             f"{math.log(lim):.4g} (log of {lim:.6g}) {where}"

@@ -98,7 +98,8 @@ class FitLoop:
         self.saves, self.saved_at, self.bar, self.out = saves, saved_at, bar, out
         self.in_memory = policy.restores and policy.restore_to == "memory"
         self.history: list[dict[str, Any]] = []
-        self.pending = self.action = self.location = None
+        self.pending = self.location = None
+        self.action: str | None = None
         self.stop_asked = False
         self.stall = StallMonitor()  # warns when rounding keeps eating updates
 

@@ -192,7 +192,7 @@ class PolicyState:
         self.policy = policy
         self.run = self.rollbacks = self.located = self.snapshot_at = 0
         self.trained_from = 0
-        self.first_bad = None
+        self.first_bad: int | None = None
         self.recent: list[int] = []
 
     def state(self) -> dict[str, Any]:

@@ -7,11 +7,25 @@ precision policies (`jaxstable.precision`), NaN diagnostics
 This package never imports torch; its twin `torchref` never imports jax.
 """
 
-from jaxstable import diagnostics as diagnostics
-from jaxstable import loss_scale as loss_scale
-from jaxstable import losses as losses
-from jaxstable import precision as precision
-from jaxstable import train as train
-from jaxstable import transforms as transforms
+from _stablecore import __version__ as __version__
 
-__version__ = "0.1.0"
+# `pip install jaxstable` installs neither framework: each camp comes with its
+# extra (CONTRIBUTING.md, "Packaging"). Name the extra when the camp is absent.
+_CAMP = ("jax", "jaxlib", "flax", "optax", "orbax", "chex", "jmp", "numpy")
+
+try:
+    from jaxstable import diagnostics as diagnostics
+    from jaxstable import loss_scale as loss_scale
+    from jaxstable import losses as losses
+    from jaxstable import precision as precision
+    from jaxstable import train as train
+    from jaxstable import transforms as transforms
+except ModuleNotFoundError as err:
+    if (err.name or "").split(".")[0] not in _CAMP:
+        raise
+    raise ModuleNotFoundError(
+        f"jaxstable needs {err.name!r}, which is not installed: "
+        'pip install "jaxstable[jax]" installs the JAX camp '
+        "(jax, flax, optax, orbax-checkpoint, chex, jmp)",
+        name=err.name,
+    ) from err

@@ -5,11 +5,24 @@ Built on what careful PyTorch users already use (`F.cross_entropy`,
 re-implements them. This package never imports jax.
 """
 
-from torchref import diagnostics as diagnostics
-from torchref import loss_scale as loss_scale
-from torchref import losses as losses
-from torchref import precision as precision
-from torchref import train as train
-from torchref import transforms as transforms
+from _stablecore import __version__ as __version__
 
-__version__ = "0.1.0"
+# `pip install jaxstable` installs neither framework: each camp comes with its
+# extra (CONTRIBUTING.md, "Packaging"). Name the extra when the camp is absent.
+_CAMP = ("torch", "numpy")
+
+try:
+    from torchref import diagnostics as diagnostics
+    from torchref import loss_scale as loss_scale
+    from torchref import losses as losses
+    from torchref import precision as precision
+    from torchref import train as train
+    from torchref import transforms as transforms
+except ModuleNotFoundError as err:
+    if (err.name or "").split(".")[0] not in _CAMP:
+        raise
+    raise ModuleNotFoundError(
+        f"torchref needs {err.name!r}, which is not installed: "
+        'pip install "jaxstable[torch]" installs the PyTorch camp (torch)',
+        name=err.name,
+    ) from err
