@@ -30,10 +30,10 @@ Only the values still needed are kept: each variable is dropped after its
 last use, and the outputs of the update are checked as they appear and
 dropped (but the first non-finite parameter and its origin); an origin reads
 its facts (stats, float64 recomputation) when reported, and at most
-`locate_trace._LAZY` unread origins hold their op's inputs. So locate holds about what the
-compiled step holds (`benchmarks/bench_locate.py`). The traced jaxprs are
-kept per step, as `jax.jit` keeps its traces. The jitted step is never
-touched: nothing here runs on the hot path.
+`locate_trace._LAZY` unread origins hold their op's inputs. So locate holds
+about what the compiled step holds (`benchmarks/bench_locate.py`). The
+traced jaxprs are kept per step, as `jax.jit` keeps its traces. The jitted
+step is never touched: nothing here runs on the hot path.
 """
 
 from __future__ import annotations
@@ -335,12 +335,12 @@ def _failure(run: _Run, ls: Any, cls: type) -> Any:
 
 
 def _update_phase(step, state, grads, run, cls):
-    """``state.tx.update`` op by op, guards off (see `_Interpreter`); each
-    output leaf is checked as it is computed and dropped unless non-finite
-    (or a float16 Adam ``nu``, for the message): no copy of the new
-    parameters and optimizer state is held. The update gets what the
-    step's does: ``value=`` the unscaled loss (`reduce_on_plateau` needs
-    it) besides ``grads_finite``."""
+    """``state.tx.update`` op by op, guards off (see
+    `locate_trace._Interpreter`); each output leaf is checked as it is
+    computed and dropped unless non-finite (or a float16 Adam ``nu``, for
+    the message): no copy of the new parameters and optimizer state is held.
+    The update gets what the step's does: ``value=`` the unscaled loss
+    (`reduce_on_plateau` needs it) besides ``grads_finite``."""
     import optax
 
     tx = state.tx

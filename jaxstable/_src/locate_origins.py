@@ -93,8 +93,8 @@ class Origin:
     and inputs and max |x| of its elements recomputed in float64. They are
     computed when first read (arrays are immutable), so an origin no
     reported value keeps (one per bad leaf of an update) costs nothing; as
-    an unread origin holds its op's inputs, at most `_LAZY` of them wait at
-    a time, the others are computed at once."""
+    an unread origin holds its op's inputs, at most `locate_trace._LAZY` of
+    them wait at a time, the others are computed at once."""
 
     index: int
     op: str
