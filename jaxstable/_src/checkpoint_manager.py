@@ -178,7 +178,7 @@ class CheckpointManager:
         snapshot: Any = None,
     ) -> None:
         """`save`, plus what `fit` keeps: its NaN-policy state and rollback
-        snapshot (both under the checksum)."""
+        snapshot (both under the checksum). `fit` calls it; use `save`."""
         _check_int("step", step, 0)
         self.wait()
         kept = None

@@ -174,7 +174,8 @@ class CheckpointManager:
         fit_extras: dict | None = None,
     ) -> None:
         """`save`, plus what `fit` keeps: its NaN-policy state, rollback
-        snapshot and extras (schedulers, data RNG), all under the checksum."""
+        snapshot and extras (schedulers, data RNG), all under the checksum.
+        `fit` calls it; use `save`."""
         _check_int("step", step, 0)
         self.wait()
         kept = None
