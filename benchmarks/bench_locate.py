@@ -76,10 +76,10 @@ from flax import nnx
 from jaxstable import diagnostics as jd
 from jaxstable import train as jt
 from jaxstable import transforms as jtx
-from jaxstable._src import _locate as jengine
+from jaxstable._src import locate_trace as jengine
 from torchref import diagnostics as td
 from torchref import train as tt
-from torchref._src import _locate as tengine
+from torchref._src import locate_trace as tengine
 
 FP16 = "params=float32,compute=float16,output=float32"
 PAGE = os.sysconf("SC_PAGE_SIZE")

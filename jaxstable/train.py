@@ -1,12 +1,13 @@
 """JAX: public API of `jaxstable.train`.
 
 Implementation in `jaxstable._src.step` (the state and the guarded step),
-`jaxstable._src.checkpoint` (checkpoints) and `jaxstable._src.fit` (the loop).
+`jaxstable._src.checkpoint` and `checkpoint_manager` (checkpoints) and
+`jaxstable._src.fit` (the loop).
 """
 
-from jaxstable._src.checkpoint import CheckpointManager as CheckpointManager
 from jaxstable._src.checkpoint import load_checkpoint as load_checkpoint
 from jaxstable._src.checkpoint import save_checkpoint as save_checkpoint
+from jaxstable._src.checkpoint_manager import CheckpointManager as CheckpointManager
 from jaxstable._src.fit import NAN_POLICIES as NAN_POLICIES
 from jaxstable._src.fit import Checkpointing as Checkpointing
 from jaxstable._src.fit import Log as Log

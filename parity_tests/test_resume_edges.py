@@ -124,11 +124,12 @@ def _write_format_1(framework, path: Path, trained, n: int) -> None:
         import orbax.checkpoint as ocp
         from flax import serialization
 
-        from jaxstable._src.checkpoint import _digest_v1, _state_types
+        from jaxstable._src.checkpoint_checks import state_types
+        from jaxstable._src.checkpoint_format import _digest_v1
 
         tree = serialization.to_state_dict(jax.device_get(trained))
         meta = {"format": "jaxstable-checkpoint-1", "step": n, "data_position": n,
-                "types": {"opt_state": _state_types(trained.opt_state)},
+                "types": {"opt_state": state_types(trained.opt_state)},
                 "sha256": _digest_v1(tree)}  # fmt: skip
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
@@ -139,10 +140,11 @@ def _write_format_1(framework, path: Path, trained, n: int) -> None:
     import hashlib
     import io
 
-    from torchref._src.checkpoint import _classes, _rng_states
+    from torchref._src.checkpoint_checks import class_names
+    from torchref._src.checkpoint_format import rng_states
 
-    state = {**trained.state_dict(), "classes": _classes(trained),
-             "rng": _rng_states(), "data_position": n}  # fmt: skip
+    state = {**trained.state_dict(), "classes": class_names(trained),
+             "rng": rng_states(), "data_position": n}  # fmt: skip
     buf = io.BytesIO()
     torch.save(state, buf)
     digest = hashlib.sha256(buf.getvalue()).hexdigest()
@@ -368,9 +370,9 @@ def test_a_dead_runs_lock_is_stale_and_a_live_ones_is_refused(
 
 
 def test_both_fits_take_the_one_lock():
-    from jaxstable._src import checkpoint as jckpt
+    from jaxstable._src import checkpoint_manager as jckpt
     from jaxstable._src import fit as jfit
-    from torchref._src import checkpoint as tckpt
+    from torchref._src import checkpoint_manager as tckpt
     from torchref._src import fit as tfit
 
     assert jfit.DirectoryLock is tfit.DirectoryLock is core_lock.DirectoryLock

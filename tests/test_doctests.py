@@ -20,7 +20,7 @@ MODULES = [
 # `transforms` in four (the spike guard, the guard states and the
 # low-precision AdamW apart); `diagnostics` in two (the check points apart).
 SRC_MODULES = {
-    "train": ["step", "checkpoint", "fit"],
+    "train": ["step", "checkpoint", "checkpoint_manager", "fit"],
     "transforms": ["transforms", "spikes", "guard_state", "low_precision"],
     "diagnostics": ["diagnostics", "check_points"],
 }

@@ -1,12 +1,13 @@
 """PyTorch: public API of `torchref.train`.
 
 Implementation in `torchref._src.step` (the guarded step),
-`torchref._src.checkpoint` (checkpoints) and `torchref._src.fit` (the loop).
+`torchref._src.checkpoint` and `checkpoint_manager` (checkpoints) and
+`torchref._src.fit` (the loop).
 """
 
-from torchref._src.checkpoint import CheckpointManager as CheckpointManager
 from torchref._src.checkpoint import load_checkpoint as load_checkpoint
 from torchref._src.checkpoint import save_checkpoint as save_checkpoint
+from torchref._src.checkpoint_manager import CheckpointManager as CheckpointManager
 from torchref._src.fit import NAN_POLICIES as NAN_POLICIES
 from torchref._src.fit import Checkpointing as Checkpointing
 from torchref._src.fit import Log as Log

@@ -28,7 +28,7 @@ from _stablecore.lock import DirectoryLock
 from _stablecore.loop import FitLoop as _FitLoop
 from _stablecore.low_precision import STAT_NAMES
 from _stablecore.nan_policy import NanPolicy as NanPolicy
-from jaxstable._src.checkpoint import CheckpointManager
+from jaxstable._src.checkpoint_manager import CheckpointManager
 from jaxstable._src.diagnostics import (
     CheckPoints,
     check_record,
@@ -525,7 +525,7 @@ class _JaxAdapter:
         # With the NaN policy's state and, unless it is this very state, the
         # rollback snapshot: a resumed run goes on as the uninterrupted one.
         kept = self.snapshot_state if keep else None
-        self.mgr._save(done, self.state, None, metrics, fit_state, kept)
+        self.mgr.save_for_fit(done, self.state, None, metrics, fit_state, kept)
 
     def raise_non_finite(self, rec, run, pending, history, policy, location):
         _, metrics, batch, state_out, _ = pending

@@ -178,7 +178,8 @@ def test_a_format_1_checkpoint_with_one_loss_scale_factor_restores(tmp_path):
     import orbax.checkpoint as ocp
     from flax import serialization
 
-    from jaxstable._src.checkpoint import _digest_v1, _state_types
+    from jaxstable._src.checkpoint_checks import state_types
+    from jaxstable._src.checkpoint_format import _digest_v1
 
     tx = transforms.stable_optimizer(optax.sgd(0.1))
     saved = train.TrainState.create(
@@ -190,7 +191,7 @@ def test_a_format_1_checkpoint_with_one_loss_scale_factor_restores(tmp_path):
     del ls["growth_factor"], ls["backoff_factor"]
     tree["loss_scale"] = {**ls, "factor": 4.0}
     meta = {"format": "jaxstable-checkpoint-1", "step": 3, "data_position": 3,
-            "types": {"opt_state": _state_types(saved.opt_state)},
+            "types": {"opt_state": state_types(saved.opt_state)},
             "sha256": _digest_v1(tree)}  # fmt: skip
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)

@@ -56,10 +56,10 @@ class _Recording(train.CheckpointManager):
         super().__init__(*args, **kwargs)
         self.handed = []
 
-    def _save(self, step, state, data_position=None, metrics=None, fit_state=None,
-              snapshot=None):  # fmt: skip
+    def save_for_fit(self, step, state, data_position=None, metrics=None,
+                     fit_state=None, snapshot=None):  # fmt: skip
         self.handed.append((fit_state, json.dumps(fit_state)))
-        super()._save(step, state, data_position, metrics, fit_state, snapshot)
+        super().save_for_fit(step, state, data_position, metrics, fit_state, snapshot)
 
 
 def test_fit_hands_no_live_object_to_a_save(tmp_path):

@@ -18,7 +18,7 @@ from jax.experimental import io_callback
 
 from jaxstable import diagnostics, train
 from jaxstable import loss_scale as jls
-from jaxstable._src import _locate as engine
+from jaxstable._src import locate_scopes, locate_trace
 
 FP16 = "params=float32,compute=float16,output=float32"
 
@@ -357,7 +357,7 @@ def test_hot_path_hlo_unchanged_and_classes_restored():
     assert _hlo(fresh, state, _xy()) == before
     # locate's module scopes never reach a step traced outside it.
     debug = fresh.lower(state, _xy()).as_text(debug_info=True)
-    assert "layers" in debug and engine._MARK not in debug
+    assert "layers" in debug and locate_scopes.MARK not in debug
 
 
 def test_memory_bounded_by_live_values():
@@ -376,7 +376,7 @@ def test_memory_bounded_by_live_values():
     state = train.TrainState.create(params={"w": jnp.ones(n)}, optimizer=optax.sgd(1))
     assert diagnostics.locate(step, state, jnp.ones(n), finite=False) is None
     one = 4 * n
-    assert one * 2 <= engine.stats["peak_live_bytes"] <= 4 * one
+    assert one * 2 <= locate_trace.stats["peak_live_bytes"] <= 4 * one
 
 
 def test_fit_stop_puts_location_in_error_and_record(tmp_path):
@@ -562,7 +562,7 @@ def test_update_outputs_are_not_held():
     state = train.TrainState.create(params=params, optimizer=optax.adam(1e-3))
     assert diagnostics.locate(step, state, jnp.ones(1 << 14), finite=False) is None
     leaf = 4 << 14
-    grads_run, update_run = engine.stats["peaks"]
+    grads_run, update_run = locate_trace.stats["peaks"]
     assert grads_run <= 11 * leaf  # the 8 gradients it keeps, 2 in flight
     assert update_run <= 20 * leaf, update_run / leaf
 

@@ -25,7 +25,8 @@ from _stablecore.lock import DirectoryLock
 from _stablecore.loop import FitLoop as _FitLoop
 from _stablecore.low_precision import STAT_NAMES
 from _stablecore.nan_policy import NanPolicy as NanPolicy
-from torchref._src.checkpoint import CheckpointManager, _is_sharded
+from torchref._src.checkpoint_manager import CheckpointManager
+from torchref._src.checkpoint_sharded import is_sharded as _is_sharded
 from torchref._src.diagnostics import (
     check_record,
     format_checks,
@@ -306,7 +307,7 @@ def fit(
             if writer or _is_sharded(step):  # FSDP2: every rank its shards
                 extras = {"schedulers": [s.state_dict() for s, _ in scheds]}
                 # what the first rollback goes back to
-                mgr._save(start, step, None, None, None, None, extras)
+                mgr.save_for_fit(start, step, None, None, None, None, extras)
         return _run(
             step, batches, steps, policy, log, checkpoint_every, eval_fn,
             eval_every, on_step, mgr, start, batch_transform, resumed, group,
@@ -555,7 +556,7 @@ class _TorchAdapter:
             "snapshot_schedulers": self.snapshot_scheds if keep else None,
         }
         kept = self.snapshot_state if keep else None
-        self.mgr._save(done, self.step, None, metrics, fit_state, kept, extras)
+        self.mgr.save_for_fit(done, self.step, None, metrics, fit_state, kept, extras)
 
     def raise_non_finite(self, rec, run, pending, history, policy, location):
         _raise_non_finite(self.step, rec, run, pending[2], history, policy, location)

@@ -13,7 +13,7 @@ import torch
 
 from torchref import diagnostics, train
 from torchref import loss_scale as tls
-from torchref._src import _locate as engine
+from torchref._src import locate_trace
 
 
 class Net(torch.nn.Module):
@@ -306,8 +306,8 @@ def test_memory_bounded():
     loc = diagnostics.locate(step, torch.full((n,), 1e10))
     assert (loc.phase, loc.op) == ("loss", "mul")
     one = 4 * n
-    assert one <= engine.stats["peak_tagged_bytes"] <= 3 * one
-    assert engine.stats["peak_live_bytes"] == 0
+    assert one <= locate_trace.stats["peak_tagged_bytes"] <= 3 * one
+    assert locate_trace.stats["peak_live_bytes"] == 0
 
 
 def test_fit_stop_puts_location_in_error_and_record(tmp_path):
@@ -548,9 +548,9 @@ def test_torch_compile_paths_have_no_orig_mod():
 def test_storage_key_of_a_tensor_without_storage_is_none():
     # locate watches parameters by storage address; a sparse one has none
     # and is left unwatched instead of failing the whole locate.
-    from torchref._src._locate import _storage_key
+    from torchref._src.locate_trace import storage_key
 
     dense = torch.zeros(3)
-    assert _storage_key(dense) == dense.untyped_storage().data_ptr()
-    assert _storage_key(dense[1:]) == _storage_key(dense)  # a view: one storage
-    assert _storage_key(torch.zeros(2).to_sparse()) is None
+    assert storage_key(dense) == dense.untyped_storage().data_ptr()
+    assert storage_key(dense[1:]) == storage_key(dense)  # a view: one storage
+    assert storage_key(torch.zeros(2).to_sparse()) is None
