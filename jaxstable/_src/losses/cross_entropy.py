@@ -487,47 +487,16 @@ def softmax_cross_entropy(
         labels = np.asarray(labels)
     labels_given = labels
     logits, labels = _as_arrays(logits=logits, labels=labels)
-    _check_float("logits", logits)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(
-            f"labels must be an integer array of class indices, got dtype "
-            f"{labels.dtype} (probability targets are not supported)"
-        )
-    if logits.ndim == 0:
-        raise ValueError("logits must have a class axis, got a scalar")
-    if not -logits.ndim <= axis < logits.ndim:
-        raise ValueError(
-            f"axis={axis} is out of range for logits with {logits.ndim} dims"
-        )
-    expected = (
-        logits.shape[: axis % logits.ndim] + logits.shape[axis % logits.ndim + 1 :]
-    )
-    if labels.shape != expected:
-        raise ValueError(
-            f"labels.shape={labels.shape} must equal logits.shape={logits.shape} "
-            f"without the class axis {axis}, i.e. {expected}"
-        )
+    _check_logits_and_labels(logits, labels, axis)
     n_classes = logits.shape[axis]
-    if n_classes == 0:
-        raise ValueError(f"logits have 0 classes along axis {axis}")
     smoothing = float(label_smoothing)
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if weights is not None:
         (weights,) = _as_arrays(weights=weights)
-        _check_float("weights", weights)
-        if weights.shape != (n_classes,):
-            raise ValueError(
-                f"weights must have shape ({n_classes},) (one per class), got "
-                f"{weights.shape}"
-            )
+        _check_class_weights(weights, n_classes)
     if _is_concrete(labels) and labels.size:
-        lab = np.asarray(labels_given)  # as given, not wrapped to int32
-        bad = (lab < 0) | (lab >= n_classes)
-        if ignore_index is not None:
-            bad &= lab != ignore_index
-        if bad.any():
-            raise ValueError(_bad_label_message(lab[bad], n_classes, ignore_index))
+        _check_label_range(np.asarray(labels_given), n_classes, ignore_index)
 
     x = jnp.moveaxis(logits, axis, -1)
     # On a GPU the Pallas kernel; it has no z-loss term, so z_loss > 0 takes XLA's.
@@ -548,3 +517,49 @@ def softmax_cross_entropy(
         return _masked_mean(total, jnp.sum(valid, dtype=ct))
     w_y = jnp.where(valid, weights.astype(ct)[safe], 0.0)
     return _weighted_mean(total, jnp.sum(valid), jnp.sum(w_y))
+
+
+def _check_logits_and_labels(logits, labels, axis: int) -> None:
+    """Float logits with a class axis at `axis`, integer labels of the
+    logits' shape without it, at least one class."""
+    _check_float("logits", logits)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"labels must be an integer array of class indices, got dtype "
+            f"{labels.dtype} (probability targets are not supported)"
+        )
+    if logits.ndim == 0:
+        raise ValueError("logits must have a class axis, got a scalar")
+    if not -logits.ndim <= axis < logits.ndim:
+        raise ValueError(
+            f"axis={axis} is out of range for logits with {logits.ndim} dims"
+        )
+    expected = (
+        logits.shape[: axis % logits.ndim] + logits.shape[axis % logits.ndim + 1 :]
+    )
+    if labels.shape != expected:
+        raise ValueError(
+            f"labels.shape={labels.shape} must equal logits.shape={logits.shape} "
+            f"without the class axis {axis}, i.e. {expected}"
+        )
+    if logits.shape[axis] == 0:
+        raise ValueError(f"logits have 0 classes along axis {axis}")
+
+
+def _check_class_weights(weights, n_classes: int) -> None:
+    _check_float("weights", weights)
+    if weights.shape != (n_classes,):
+        raise ValueError(
+            f"weights must have shape ({n_classes},) (one per class), got "
+            f"{weights.shape}"
+        )
+
+
+def _check_label_range(lab: np.ndarray, n_classes: int, ignore_index) -> None:
+    """Concrete labels (as given, not wrapped to int32) are classes or
+    `ignore_index`."""
+    bad = (lab < 0) | (lab >= n_classes)
+    if ignore_index is not None:
+        bad &= lab != ignore_index
+    if bad.any():
+        raise ValueError(_bad_label_message(lab[bad], n_classes, ignore_index))
