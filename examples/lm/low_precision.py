@@ -26,12 +26,12 @@ within one table only)::
 The optimizer settings are GPT-3 Small's (Brown et al. 2020, table 2.1 and
 appendix B): peak learning rate 6e-4, AdamW b1 0.9, b2 0.95, eps 1e-8,
 weight decay 0.1, a cosine to a tenth of the peak (the task's b2, eps and
-cosine already are). There most Adam steps of a weight of 0.02 (the init's
-scale) are near half its bfloat16 ulp (2**-9 of it, 4e-5), the cosine's
-tail (6e-5) puts them below it, and the decay (``lr * wd`` = 6e-5 of a
-weight, below 2**-9) rounds to nothing: the classic stall, at an ordinary
-setting. At the sweep's lowest peak (3e-3, README.md) the stall cost only
-+0.4% bits per byte.
+cosine already are). Half a bfloat16 ulp of a weight of 0.02 (the init's
+scale) is 6.1e-5: at the peak an Adam step below a tenth of the learning
+rate rounds away, at the cosine's tail (6e-5) even a full-size one does,
+and the decay (``lr * wd`` = 6e-5 of a weight, below 2**-9) rounds to
+nothing: the classic stall, at an ordinary setting. At the sweep's lowest
+peak (3e-3, README.md) the stall cost only +0.4% bits per byte.
 
 Example:
     >>> a = parse_args(["--quick", "--framework", "torch"])
@@ -290,7 +290,7 @@ def reading(rows: list[dict]) -> str:
         ref = run["float32"]
 
         def gap(name, run=run, ref=ref):
-            return f"{run[name]['bits_per_byte'] / ref['bits_per_byte'] - 1:+.1%}"
+            return f"{run[name]['bits_per_byte'] / ref['bits_per_byte'] - 1:+.2%}"
 
         def mem(name, key, run=run, ref=ref):
             return f"{run[name][key] / ref[key]:.5f}"
@@ -311,22 +311,26 @@ def reading(rows: list[dict]) -> str:
             f"of the float32 master's, {mem('stochastic', 'entry_bytes')} and "
             f"{mem('kahan', 'entry_bytes')} counting the arrays shaped like a "
             f"parameter only (the rest, {rest('float32')} bytes in float32 and "
-            f"{rest('stochastic')} with stochastic rounding, are scalars: bias "
-            "corrections, rounding statistics, step counts, JAX's random key)."
+            f"{rest('stochastic')} with stochastic rounding, are scalars: step "
+            "counts, bias corrections and rounding statistics, per tensor in "
+            "torch; JAX's stochastic rounding adds its key)."
         )  # fmt: skip
     return "\n".join(lines)
 
 
 def section(data: dict) -> str:
-    """The report's section on a run set (``--out``'s JSON): the command,
-    the settings, the table and `reading`."""
+    """The report's section on a run set (``--out``'s JSON; an optional
+    ``"note"`` says how it was run where the command does not): the
+    command, the settings, the table and `reading`."""
     from examples.harness import environment
 
     c = data["config"]
     return "\n".join([
         "## Pure bfloat16 parameters and states: the stall and its cures",
         "",
-        f"Command: `{data['command']}`  ",
+        f"Command: `{data['command']}`"
+        + (f" ({data['note']})" if data.get("note") else "")
+        + "  ",
         f"Environment: {environment.describe(data.get('environment'))}; one "
         "run on one machine (2 shared CPU cores: the seconds per step compare "
         "within this table only).  ",
