@@ -402,3 +402,32 @@ def test_stochastic_rounding_refuses_float16_parameters_in_both():
     w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
     with pytest.raises(ValueError, match=match + " parameter 0"):
         ttx.low_precision_adamw([w], 1e-3, param_update="stochastic")
+
+
+@pytest.mark.parametrize("moments", [("float32", "bfloat16"), FLOAT8])
+def test_per_tensor_scales_only_for_the_narrow_formats(moments):
+    # float16 and float8 need a per-tensor scale for their narrow exponent
+    # range; float32 and bfloat16 (the same exponent range) would hold a
+    # scale of 1 per tensor: 8 bytes per tensor for nothing. The state's
+    # bytes then do not grow with the number of tensors, only with entries.
+    scaled = [d for d in moments if d in FLOAT8]
+    kw = dict(mu_dtype=moments[0], nu_dtype=moments[1], param_update="kahan")
+
+    def jax_bytes(tensors):
+        p = {str(i): jnp.ones(64 // tensors, jnp.bfloat16) for i in range(tensors)}
+        state = jtx.low_precision_adamw(1e-3, **kw).init(p)
+        assert (state.mu_scale == ()) == (moments[0] not in FLOAT8)
+        assert (state.nu_scale == ()) == (moments[1] not in FLOAT8)
+        return sum(x.nbytes for x in jax.tree.leaves(state))
+
+    assert jax_bytes(8) - jax_bytes(1) == 7 * 4 * len(scaled)
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = ttx.low_precision_adamw([w], 1e-3, **kw)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    held = {k for k in opt.state[w] if k.endswith("_scale")}
+    assert held == {
+        name + "_scale"
+        for name, d in zip(("mu", "nu"), moments, strict=True)
+        if d in FLOAT8
+    }

@@ -107,6 +107,12 @@ class Task:
         task's reading of its runs' records (a failure that is not a
         non-finite step, e.g. the language model's attention-logit growth);
         ``summary.json`` holds it as ``diagnosis``, ``report.md`` its text.
+      report_sections: optional, ``report_sections(out) -> markdown``: what
+        the task adds at the end of ``report.md`` from result files of its
+        own in the output folder ``out`` (the lm task's low-precision run
+        set, ``low_precision.json``), ``""`` when there are none. The text
+        goes between section markers (`report.put_section` replaces it
+        in place when the task's own CLI writes new results).
 
     Example:
         >>> from examples.segmentation.task import TASK
@@ -133,6 +139,7 @@ class Task:
     curves: tuple[tuple[str, str], ...] = ()
     gradient_threshold: float | None = None
     diagnose: Callable[[list[Any]], dict[str, Any]] | None = None
+    report_sections: Callable[[str], str] | None = None
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name.isidentifier()):

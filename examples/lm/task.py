@@ -168,4 +168,6 @@ TASK = Task(
     # steps at 1e-3 (max 1.4e-4, JAX vs torch).
     gradient_threshold=1e-3,
     diagnose=probe.diagnose,
+    # the low-precision run set (`low_precision.py --out`), where there is one
+    report_sections=own_part(__package__, "low_precision.report_section"),
 )

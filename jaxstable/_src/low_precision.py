@@ -52,9 +52,10 @@ class LowPrecisionAdamWState(NamedTuple):
       b2_power: float32, ``b2 ** count``.
       mu: the first moments, in ``mu_dtype`` (divided by ``mu_scale``).
       nu: the second moments, in ``nu_dtype`` (divided by ``nu_scale``).
-      mu_scale: float32 per tensor: ``max|mu| / dtype max`` for float16 and
-        float8 storage, 1 otherwise.
-      nu_scale: float32 per tensor, the same for ``nu``.
+      mu_scale: float32 per tensor, ``max|mu| / dtype max``, for float16 and
+        float8 storage (their narrow exponent range); ``()`` for float32 and
+        bfloat16, whose range is float32's: a scale there would always be 1.
+      nu_scale: the same for ``nu``.
       compensation: the Kahan buffers (``param_update="kahan"``), one per
         parameter in its dtype: the part of the updates not yet in it;
         ``()`` otherwise.
@@ -75,22 +76,23 @@ class LowPrecisionAdamWState(NamedTuple):
     stats: RoundingStats
 
 
-def _load(q: jax.Array, scale: jax.Array) -> jax.Array:
-    return q.astype(_F32) * scale
+def _load(q: jax.Array, scale: jax.Array | None) -> jax.Array:
+    return q.astype(_F32) if scale is None else q.astype(_F32) * scale
 
 
 def _store(x: jax.Array, dtype: str, floor: bool):
     """``(stored, scale, underflowed)``: x in ``dtype`` (scaled per tensor for
-    the narrow formats, clipped to the largest finite: float8_e4m3fn has no
-    inf). With ``floor``, a positive entry below the smallest normal is
-    stored as that normal, never as 0 (a second moment read back as 0 would
-    make the next update ``m / eps``)."""
+    the narrow formats, ``scale`` None for the others; clipped to the largest
+    finite: float8_e4m3fn has no inf). With ``floor``, a positive entry below
+    the smallest normal is stored as that normal, never as 0 (a second
+    moment read back as 0 would make the next update ``m / eps``)."""
     big, tiny = DTYPE_LIMITS[dtype]
-    scale = jnp.ones([], _F32)
+    scale, y = None, x
     if dtype in SCALED_DTYPES:
         amax = jnp.max(jnp.abs(x))
         scale = jnp.where(amax > 0, amax / _F32(big), _F32(1.0))
-    y = jnp.clip(x / scale, -_F32(big), _F32(big))
+        y = x / scale
+    y = jnp.clip(y, -_F32(big), _F32(big))
     under = jnp.logical_and(y > 0, y < _F32(tiny))
     if floor:
         y = jnp.where(under, _F32(tiny), y)
@@ -269,15 +271,19 @@ def low_precision_adamw(
         def zeros(dtype):
             return jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
 
-        ones = jax.tree.map(lambda p: jnp.ones([], _F32), params)
+        def scales(dtype):
+            if dtype not in SCALED_DTYPES:
+                return ()
+            return jax.tree.map(lambda p: jnp.ones([], _F32), params)
+
         return LowPrecisionAdamWState(
             count=jnp.zeros([], jnp.int32),
             b1_power=jnp.ones([], _F32),
             b2_power=jnp.ones([], _F32),
             mu=zeros(mu_dtype),
             nu=zeros(nu_dtype),
-            mu_scale=ones,
-            nu_scale=jax.tree.map(jnp.copy, ones),
+            mu_scale=scales(mu_dtype),
+            nu_scale=scales(nu_dtype),
             compensation=(
                 jax.tree.map(lambda p: jnp.zeros_like(p), params)
                 if mode == "kahan"
@@ -298,11 +304,16 @@ def low_precision_adamw(
         b2_power = state.b2_power * _F32(b2)
         bc1, bc2 = _F32(1.0) - b1_power, _F32(1.0) - b2_power
         treedef = jax.tree.structure(params)
-        leaves = [treedef.flatten_up_to(t) for t in (updates, params)]
-        leaves += [
-            treedef.flatten_up_to(t)
-            for t in (state.mu, state.mu_scale, state.nu, state.nu_scale)
-        ]
+        n = treedef.num_leaves
+
+        def flat(tree, dtype=None):  # a scale's dtype: None where it holds none
+            if dtype is not None and dtype not in SCALED_DTYPES:
+                return [None] * n
+            return treedef.flatten_up_to(tree)
+
+        leaves = [flat(updates), flat(params), flat(state.mu)]
+        leaves += [flat(state.mu_scale, mu_dtype), flat(state.nu)]
+        leaves += [flat(state.nu_scale, nu_dtype)]
         comps = treedef.flatten_up_to(state.compensation) if mode == "kahan" else None
         key, keys = state.key, None
         if mode == "stochastic":
@@ -336,8 +347,8 @@ def low_precision_adamw(
             b2_power=b2_power,
             mu=mu,
             nu=nu,
-            mu_scale=mu_scale,
-            nu_scale=nu_scale,
+            mu_scale=mu_scale if mu_dtype in SCALED_DTYPES else (),
+            nu_scale=nu_scale if nu_dtype in SCALED_DTYPES else (),
             compensation=comp_tree if mode == "kahan" else (),
             key=key,
             stats=_stats(parts),

@@ -50,23 +50,26 @@ def _storage(dtype: str) -> torch.dtype:
     return torch.uint8 if dtype.startswith("float8") else getattr(torch, dtype)
 
 
-def _load(q: torch.Tensor, scale: torch.Tensor, dtype: str) -> torch.Tensor:
+def _load(q: torch.Tensor, scale: torch.Tensor | None, dtype: str) -> torch.Tensor:
     if q.dtype == torch.uint8:
         q = q.view(getattr(torch, dtype))
-    return q.to(_F32) * scale
+    return q.to(_F32) if scale is None else q.to(_F32) * scale
 
 
 def _store(x: torch.Tensor, dtype: str, floor: bool):
     """``(stored, scale, underflowed)``, as jaxstable's `_store`: scaled per
-    tensor for the narrow formats, clipped to the largest finite (torch
-    saturates a float8_e4m3fn cast where JAX gives NaN), a positive entry
-    below the smallest normal stored as that normal with ``floor``."""
+    tensor for the narrow formats (``scale`` None for the others), clipped
+    to the largest finite (torch saturates a float8_e4m3fn cast where JAX
+    gives NaN), a positive entry below the smallest normal stored as that
+    normal with ``floor``."""
     big, tiny = DTYPE_LIMITS[dtype]
-    scale = torch.ones((), dtype=_F32, device=x.device)
+    scale, y = None, x
     if dtype in SCALED_DTYPES:
         amax = x.abs().amax()
-        scale = torch.where(amax > 0, amax / big, scale)
-    y = (x / scale).clamp(-big, big)
+        one = torch.ones((), dtype=_F32, device=x.device)
+        scale = torch.where(amax > 0, amax / big, one)
+        y = x / scale
+    y = y.clamp(-big, big)
     under = (y > 0) & (y < tiny)
     if floor:
         y = torch.where(under, torch.full_like(y, tiny), y)
@@ -131,7 +134,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     state: ``step`` (a python int), ``b1_power`` / ``b2_power`` (float32
     running products of the bias correction), ``mu`` / ``nu`` (stored
     moments; float8 ones as their uint8 bits), ``mu_scale`` / ``nu_scale``
-    (float32 per tensor),
+    (float32 per tensor, for float16 and float8 storage only),
     ``compensation`` (``param_update="kahan"``) and ``rounding`` (the sums
     behind `rounding_stats`). Every tensor keeps its dtype through
     ``load_state_dict`` (torch's own would cast them all to the parameter's).
@@ -213,7 +216,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         st["nu"] = torch.zeros(
             p.shape, dtype=_storage(group["nu_dtype"]), device=p.device
         )
-        st["mu_scale"], st["nu_scale"] = one.clone(), one.clone()
+        for name in ("mu", "nu"):
+            if group[name + "_dtype"] in SCALED_DTYPES:
+                st[name + "_scale"] = one.clone()
         if group["param_update"] == "kahan":
             st["compensation"] = torch.zeros_like(
                 p, memory_format=torch.preserve_format
@@ -246,10 +251,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         st["b2_power"] = st["b2_power"] * b2
         bc1, bc2 = 1.0 - st["b1_power"], 1.0 - st["b2_power"]
         g32 = p.grad.to(_F32)
-        m = b1 * _load(st["mu"], st["mu_scale"], group["mu_dtype"]) + (1.0 - b1) * g32
-        v = b2 * _load(st["nu"], st["nu_scale"], group["nu_dtype"]) + (1.0 - b2) * (
-            g32 * g32
-        )
+        mu = _load(st["mu"], st.get("mu_scale"), group["mu_dtype"])
+        nu = _load(st["nu"], st.get("nu_scale"), group["nu_dtype"])
+        m = b1 * mu + (1.0 - b1) * g32
+        v = b2 * nu + (1.0 - b2) * (g32 * g32)
         adam = (m / bc1) / (torch.sqrt(v / bc2) + group["eps"])
         # v == 0 with m != 0: g * g underflowed; m / (0 + eps) would be a
         # step of unknown scale.
@@ -260,8 +265,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if mode == "stochastic":
             gen = self._generator(p.device, _seed(group["seed"], index, st["step"]))
         new_p, new_c, eff = _apply(mode, p, u, st.get("compensation"), gen)
-        st["mu"], st["mu_scale"], _ = _store(m, group["mu_dtype"], floor=False)
-        st["nu"], st["nu_scale"], under = _store(v, group["nu_dtype"], floor=True)
+        st["mu"], mu_scale, _ = _store(m, group["mu_dtype"], floor=False)
+        st["nu"], nu_scale, under = _store(v, group["nu_dtype"], floor=True)
+        for name, scale in (("mu_scale", mu_scale), ("nu_scale", nu_scale)):
+            if scale is not None:
+                st[name] = scale
         if mode == "kahan":
             st["compensation"].copy_(new_c)
         p.copy_(new_p)
