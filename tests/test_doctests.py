@@ -20,6 +20,7 @@ MODULES = [
 # `transforms` in four (the spike guard, the guard states and the
 # low-precision AdamW apart); `diagnostics` in two (the check points apart).
 SRC_MODULES = {
+    "loss_scale": ["loss_scale", "loss_scale_math"],
     "train": ["step", "checkpoint", "fit"],
     "transforms": ["transforms", "spikes", "guard_state", "low_precision"],
     "diagnostics": ["diagnostics", "check_points"],
