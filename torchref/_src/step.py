@@ -301,7 +301,7 @@ class TrainStep(_DeferredRecords, StepStateDict):
         self._buffer_guard = BufferGuard(model)
         # Under DDP/FSDP2: the process group's size, the loss share each
         # replica backpropagates and the hook that tells a loss_fn bypassing
-        # the wrapper (see `_step`); None / 1 in one process.
+        # the wrapper (see `step_loss.backward_share`); None / 1 in one process.
         self._replicas = _dist._Replicas.of(model)
         if self.drop_non_finite_microbatches and self._replicas is not None:
             raise ValueError(
