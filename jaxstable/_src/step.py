@@ -52,11 +52,11 @@ class TrainStep:
         `fit` to report which gradient leaves went non-finite.
       jit: whether calls are jitted.
       donate: whether a jitted call donates its input state.
-      spec: the `StepSpec`: what `make_train_step` was given, checked.
-      loss_fn, policy, policy_spec, has_state, has_aux, microbatches,
-        drop_non_finite_microbatches: read from ``spec`` (``policy``
-        parsed to a `jmp.Policy` or None); `jaxstable.diagnostics.locate`
-        reads the first four.
+      spec: what `make_train_step` was given, checked (a frozen dataclass).
+      loss_fn, policy, policy_spec, has_state, has_aux: read from ``spec``
+        (``policy`` parsed to a `jmp.Policy` or None), read by
+        `jaxstable.diagnostics.locate`.
+      microbatches, drop_non_finite_microbatches: read from ``spec``.
       compute_dtypes: after a call that traced the step with a policy whose
         compute dtype differs from its params': ``{dtype name: count}`` of
         the matmuls and convolutions of the loss and its gradient; None
