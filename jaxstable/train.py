@@ -1,8 +1,14 @@
 """JAX: public API of `jaxstable.train`.
 
+<<<<<<< HEAD
 Implementation in `jaxstable._src.step` (the state and the guarded step),
 `jaxstable._src.checkpoint` and `checkpoint_manager` (checkpoints) and
 `jaxstable._src.fit` (the loop).
+=======
+Implementation in `jaxstable._src.step` (the guarded step; its state in
+`step_state`, its micro-batches, checks, loss and records beside it),
+`jaxstable._src.checkpoint` (checkpoints) and `jaxstable._src.fit` (the loop).
+>>>>>>> h-step
 """
 
 from jaxstable._src.checkpoint import load_checkpoint as load_checkpoint
@@ -14,7 +20,7 @@ from jaxstable._src.fit import Log as Log
 from jaxstable._src.fit import NanPolicy as NanPolicy
 from jaxstable._src.fit import NonFiniteError as NonFiniteError
 from jaxstable._src.fit import fit as fit
-from jaxstable._src.step import TrainState as TrainState
 from jaxstable._src.step import TrainStep as TrainStep
 from jaxstable._src.step import make_train_step as make_train_step
-from jaxstable._src.step import nnx_loss as nnx_loss
+from jaxstable._src.step_state import TrainState as TrainState
+from jaxstable._src.step_state import nnx_loss as nnx_loss

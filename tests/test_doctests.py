@@ -16,11 +16,23 @@ MODULES = [
     "train",
     "distributed",
 ]
-# The public module `train` is implemented in three: the step, checkpoints, fit;
+# The public module `train` is implemented in eight: the step and its five
+# helper modules, checkpoints, fit; `loss_scale` in two (the arithmetic apart);
 # `transforms` in four (the spike guard, the guard states and the
 # low-precision AdamW apart); `diagnostics` in two (the check points apart).
 SRC_MODULES = {
-    "train": ["step", "checkpoint", "checkpoint_manager", "fit"],
+    "loss_scale": ["loss_scale", "loss_scale_math"],
+    "train": [
+        "step",
+        "step_state",
+        "step_checks",
+        "step_loss",
+        "step_records",
+        "microbatches",
+        "checkpoint",
+        "checkpoint_manager",
+        "fit",
+    ],
     "transforms": ["transforms", "spikes", "guard_state", "low_precision"],
     "diagnostics": ["diagnostics", "check_points"],
 }

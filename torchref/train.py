@@ -1,6 +1,7 @@
 """PyTorch: public API of `torchref.train`.
 
-Implementation in `torchref._src.step` (the guarded step),
+Implementation in `torchref._src.step` (the guarded step; its micro-batches,
+checks, loss, state and records beside it),
 `torchref._src.checkpoint` and `checkpoint_manager` (checkpoints) and
 `torchref._src.fit` (the loop).
 """

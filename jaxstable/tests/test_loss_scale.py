@@ -316,7 +316,7 @@ def test_div_rn_rounds_like_ieee_division_where_the_gpu_does_not():
     # XLA:GPU divides float32 with div.full (<= 2 ulp); the loss scale's
     # divisions go through the integer long division instead, on every
     # backend, so checking it here on CPU checks the code the GPU runs.
-    from jaxstable._src.loss_scale import _div_rn
+    from jaxstable._src.loss_scale_math import _div_rn
 
     rng = np.random.default_rng(0)
     n = 200_000
@@ -356,7 +356,8 @@ def test_mul_f64_is_torchs_float64_product_rounded_to_float32():
     # float32 (what _amp_update_scale_ computes), on random pairs and on
     # pairs built so that the float64 product is exactly a float32 rounding
     # midpoint (where a single rounding of the exact product would differ).
-    from jaxstable._src.loss_scale import _float64_limbs, _mul_f64
+    from jaxstable._src.loss_scale_math import float64_limbs as _float64_limbs
+    from jaxstable._src.loss_scale_math import mul_f64 as _mul_f64
 
     rng = np.random.default_rng(0)
     n = 20_000

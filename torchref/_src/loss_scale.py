@@ -23,13 +23,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from _stablecore.checks import check_count as _check_count
 from _stablecore.loss_scale import resolve_factors as _core_resolve_factors
+from torchref._src.loss_scale_math import HUGE, TINY, f32
+
+# Imported from here by torchref._src.transforms (split apart in its own
+# change); their home is now loss_scale_math.
+from torchref._src.loss_scale_math import all_finite as all_finite
+from torchref._src.loss_scale_math import flat_tensors as _tensors  # noqa: F401
 
 __all__ = [
     "DynamicGradScaler",
@@ -37,91 +42,7 @@ __all__ = [
     "NoOpLossScale",
     "StaticGradScaler",
     "StaticLossScale",
-    "all_finite",
 ]
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    """Flattens a tensor, module, mapping or (nested) sequence into tensors."""
-    if tree is None:
-        return []
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, torch.nn.Module):
-        return list(tree.parameters())
-    if isinstance(tree, Mapping):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, Iterable) and not isinstance(tree, str | bytes):
-        return [t for v in tree for t in _tensors(v)]
-    return []  # python numbers, strings, ...: not tensors, nothing to check
-
-
-def all_finite(tensors: Any) -> bool:
-    """Whether every element of every tensor is finite (no NaN, no +-Inf).
-
-    Maths: ``all(isfinite(x) for x in every tensor)``, decided exactly in any
-    dtype. Fast path: one fused ``torch._foreach_norm(ord=1)`` per device and
-    dtype (float32 accumulation for fp16/bf16), one host sync per device: a
-    NaN or Inf anywhere makes its tensor's L1 norm NaN or Inf, so finite
-    norms prove every element finite. Only when a norm is not finite (a
-    non-finite element, or a sum of huge finite values above float32's
-    3.4e38) is each tensor checked with `isfinite`, so overflowing sums never
-    count as non-finite. On an H100 the per-tensor version cost ~200 kernel
-    launches and ~50 syncs per step of a 50-parameter model (Adam's CPU
-    ``step`` tensors were copied to the GPU one by one).
-
-    Args:
-        tensors: a tensor, an `nn.Module` (its parameters), a mapping or a
-            (nested) sequence of tensors; `None` entries and non-tensors are
-            ignored. Integer and bool tensors are always finite; a sparse
-            tensor is checked by its coalesced values.
-
-    Returns:
-        A python bool; True for an empty collection.
-
-    Example:
-        >>> import torch
-        >>> all_finite([torch.ones(3), torch.tensor([1.0, 2.0])])
-        True
-        >>> all_finite({"w": torch.tensor([1.0, float("nan")])})
-        False
-        >>> all_finite([torch.full((2,), 3e38), torch.full((2,), 3e38)])
-        True
-    """
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t in _tensors(tensors):
-        if t.is_floating_point() or t.is_complex():
-            if t.is_sparse:
-                # Its coalesced values: duplicate indices summed, as the
-                # optimizer will apply them (float16 duplicates can overflow
-                # when summed; GradScaler coalesces float16 sparse grads for
-                # the same reason). _foreach_norm has no sparse kernel.
-                t = (t if t.is_coalesced() else t.coalesce())._values()
-            groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    per_device: dict[Any, list[torch.Tensor]] = {}
-    for (device, dtype), group in groups.items():
-        if dtype.is_complex:
-            flag = torch.stack([torch.isfinite(t).all() for t in group]).all()
-        else:
-            acc = torch.float64 if dtype == torch.float64 else torch.float32
-            norms = torch._foreach_norm(group, 1, dtype=acc)
-            flag = torch.isfinite(torch.stack(norms)).all()
-        per_device.setdefault(device, []).append(flag)
-    for device, flags in per_device.items():
-        if bool(torch.stack(flags).all()):
-            continue
-        # Exact per tensor: a huge but finite sum is not a non-finite value.
-        for (dev, _), group in groups.items():
-            if dev == device and not all(bool(torch.isfinite(t).all()) for t in group):
-                return False
-    return True
-
-
-# float32's smallest normal and largest finite numbers: the scale is a
-# float32 tensor, and the JAX twin cannot hold a subnormal scale (XLA flushes
-# it to 0), so both accept [2**-126, 3.4028235e38] only.
-_TINY = 2.0**-126
-_HUGE = float(torch.finfo(torch.float32).max)
 
 
 def _check_scale(name: str, value: Any) -> float:
@@ -135,10 +56,10 @@ def _check_scale(name: str, value: Any) -> float:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     v32 = (
         torch.tensor(float(value), dtype=torch.float32).item()
-        if value <= _HUGE
+        if value <= HUGE
         else math.inf
     )
-    if not _TINY <= v32 <= _HUGE:
+    if not TINY <= v32 <= HUGE:
         raise ValueError(
             f"{name} must be a float32 normal number, between 2**-126 "
             f"(1.1754944e-38; XLA flushes smaller values to 0) and 3.4028235e+38, "
@@ -442,11 +363,11 @@ class DynamicLossScale:
                 f"counter must be an int with 0 <= counter < period={self.period}, "
                 f"got {self.counter!r}"
             )
-        if _f32(floor) > _f32(scale):
+        if f32(floor) > f32(scale):
             # Same text as jaxstable's: a scale below its floor would be
             # RAISED by the next backoff.
             raise ValueError(
-                f"min_loss_scale={_f32(floor)!r} must be <= loss_scale={_f32(scale)!r}"
+                f"min_loss_scale={f32(floor)!r} must be <= loss_scale={f32(scale)!r}"
             )
         set_ = object.__setattr__
         set_(self, "loss_scale", scale)
@@ -472,8 +393,3 @@ class DynamicLossScale:
             hysteresis=self.hysteresis,
             counter=self.counter,
         )
-
-
-def _f32(value: float) -> float:
-    """`value` rounded to float32, as the scale tensor holds it."""
-    return torch.tensor(value, dtype=torch.float32).item()

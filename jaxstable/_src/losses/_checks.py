@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+# The one host-readability test (not a tracer), shared with the loss scales.
+from jaxstable._src.loss_scale_math import is_concrete as _is_concrete
 
 Array = Any  # jax.Array or anything jnp.asarray accepts
 
@@ -21,11 +23,6 @@ _F32 = jnp.float32
 # subnormal one is flushed to 0 by XLA on CPU: 0 / (0 + eps) = NaN) and of
 # the focal loss' modulating base (see sigmoid_focal_loss)
 _TINY = float(np.finfo(np.float32).tiny)
-
-
-def _is_concrete(x) -> bool:
-    """True when `x` holds values now (not a tracer under jit/vmap/grad)."""
-    return not isinstance(x, jax.core.Tracer)
 
 
 def _as_arrays(**inputs):
