@@ -1,14 +1,9 @@
 """JAX: public API of `jaxstable.train`.
 
-<<<<<<< HEAD
-Implementation in `jaxstable._src.step` (the state and the guarded step),
-`jaxstable._src.checkpoint` and `checkpoint_manager` (checkpoints) and
-`jaxstable._src.fit` (the loop).
-=======
 Implementation in `jaxstable._src.step` (the guarded step; its state in
 `step_state`, its micro-batches, checks, loss and records beside it),
-`jaxstable._src.checkpoint` (checkpoints) and `jaxstable._src.fit` (the loop).
->>>>>>> h-step
+`jaxstable._src.checkpoint` and `checkpoint_manager` (checkpoints) and
+`jaxstable._src.fit` (the loop).
 """
 
 from jaxstable._src.checkpoint import load_checkpoint as load_checkpoint
