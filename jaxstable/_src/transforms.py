@@ -192,21 +192,49 @@ def clip_by_global_norm(
         coef = jnp.minimum((1.0 / (norm + eps32)) * max32, jnp.float32(1.0))
         # Scaled domain: the true coefficient is coef_s * 2**-90.
         coef_s = (1.0 / (scaled_norm + eps32 * jnp.float32(_NORM_SCALE))) * max32
-        unclipped = coef_s >= jnp.float32(_NORM_UNSCALE)
-        down, coef_s = _opaque((jnp.float32(_NORM_SCALE), coef_s))
+        first, second = _clip_factors(
+            norm_coef=coef, scaled_coef=coef_s, overflow=overflow
+        )
 
         def clip(g):
             if not jnp.issubdtype(jnp.result_type(g), jnp.inexact):
                 return g
             dtype = jnp.result_type(g)
             g32 = jnp.asarray(g, jnp.promote_types(dtype, jnp.float32))
-            small = (g32 * down) * coef_s
-            big = jnp.where(unclipped, g32, small)
-            return jnp.where(overflow, big, g32 * coef).astype(dtype)
+            return ((g32 * first) * second).astype(dtype)
 
         return jax.tree_util.tree_map(clip, updates), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _clip_factors(
+    *, norm_coef: jax.Array, scaled_coef: jax.Array, overflow: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The clip as two scalar factors: every gradient becomes ``(g * first) *
+    second``, two multiplies per element whichever case holds.
+
+    - the sum of squares did not overflow: ``(coef, 1)``, ``g * coef``
+      (``x * 1`` is exact: the same bits as one multiply);
+    - it overflowed and the norm is above ``max_norm``: ``(2**-90,
+      coef_s)``, the scaled domain, ``(g * 2**-90) * coef_s``;
+    - it overflowed but the norm is within ``max_norm`` (``coef_s >=
+      2**90``): ``(1, 1)``, the gradient as it is.
+
+    The same values as choosing among the three products element by
+    element, with two multiplies instead of three and two selects (the
+    update check and each written leaf recompute the clipped gradient).
+    `_opaque` keeps XLA from folding the two factors into one, which is
+    subnormal, so flushed to 0, for a norm above 8.5e37.
+    """
+    one = jnp.ones([], jnp.float32)
+    unclipped = scaled_coef >= jnp.float32(_NORM_UNSCALE)
+    scaled = jnp.logical_and(overflow, jnp.logical_not(unclipped))
+    first = jnp.where(
+        overflow, jnp.where(unclipped, one, jnp.float32(_NORM_SCALE)), norm_coef
+    )
+    second = jnp.where(scaled, scaled_coef, one)
+    return _opaque((first, second))
 
 
 def _add_and_max(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
@@ -221,13 +249,26 @@ def _add_and_max(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
 _PARAMS_PER_CHECK = 4
 
 
+def _finite_factors(x: jax.Array) -> list[jax.Array]:
+    """float32 arrays whose product with 0 is NaN exactly where an element
+    of ``x`` is not finite: ``x`` itself (float16 and bfloat16 values are
+    float32 values), a complex leaf's real and imaginary parts, and ``x *
+    0`` for a float64 leaf (whose finite values may overflow float32)."""
+    parts = [jnp.real(x), jnp.imag(x)] if jnp.iscomplexobj(x) else [x]
+    if jnp.finfo(jnp.result_type(parts[0])).bits > 32:
+        parts = [p * jnp.zeros([], p.dtype) for p in parts]
+    return [p.astype(jnp.float32) for p in parts]
+
+
 def _finite_together(written: list[jax.Array], state: list[jax.Array]) -> jax.Array:
     """`all_finite` of the leaves ``written`` and ``state``, few reductions.
 
-    ``x * 0`` is 0 for a finite element and NaN for inf or NaN (in any float
-    dtype, and in each part of a complex one), so a sum of ``leaf * 0`` over
-    leaves of one shape, then over its elements, is NaN exactly when one of
-    those elements is not finite. Adding the leaves first lets XLA fuse all
+    ``0 * x`` is 0 for a finite element and NaN for inf or NaN, and so is
+    ``0 * x * y * ...`` (a product of 0 with finite values stays 0, one of
+    NaN stays NaN): that product over the leaves of one shape (each part of
+    a complex one, see `_finite_factors`), then its sum over the elements,
+    is NaN exactly when one of those elements is not finite, one multiply
+    per leaf and element. Multiplying the leaves first lets XLA fuse all
     that computes them (the whole optimizer update, see `_writes_finite`)
     into one loop. An optax state mirrors the params (Adam's ``mu`` and
     ``nu`` have their tree), so the i-th state leaf of a shape goes with the
@@ -243,16 +284,17 @@ def _finite_together(written: list[jax.Array], state: list[jax.Array]) -> jax.Ar
         k = seen[x.shape]
         seen[x.shape] += 1
         index = k % per_shape[x.shape] if per_shape[x.shape] else k
-        zero = x * jnp.zeros([], x.dtype)
-        if jnp.iscomplexobj(zero):
-            zero = jnp.real(zero) + jnp.imag(zero)
         key = (x.shape, index // _PARAMS_PER_CHECK)
-        groups.setdefault(key, []).append(zero.astype(jnp.float32))
+        groups.setdefault(key, []).extend(_finite_factors(x))
     if not groups:
         return jnp.ones([], jnp.bool_)
     rows = []
-    for zeros in groups.values():
-        total = functools.reduce(operator.add, zeros)
+    for factors in groups.values():
+        # 0 * a * b * ...: 0 while every factor is finite, NaN from the
+        # first that is not (0 * inf and 0 * nan are NaN, and NaN stays).
+        total = functools.reduce(
+            operator.mul, factors[1:], factors[0] * jnp.zeros([], jnp.float32)
+        )
         # Sum and max: a second operand keeps the reduce XLA's own fused
         # loop (see `loss_scale._leading_rows`); either is NaN when a term is.
         added, largest = _leading_rows((total, total), _add_and_max)
@@ -306,6 +348,25 @@ def _finite_elements(x: jax.Array) -> jax.Array:
     return jnp.abs(x) <= jnp.finfo(dtype).max
 
 
+def _kept_elements(ok: jax.Array, x: jax.Array) -> jax.Array:
+    """``ok and x is finite``, elementwise, for an inexact array (``ok`` for
+    any other).
+
+    ``|x| <= (max if ok else -1)``: one compare against a scalar chosen
+    once, instead of a compare and an ``and`` per element (False for inf,
+    NaN and, when not ``ok``, everything).
+    """
+    dtype = jnp.result_type(x)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.logical_and(
+            _kept_elements(ok, jnp.real(x)), _kept_elements(ok, jnp.imag(x))
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return ok
+    bound = jnp.where(ok, jnp.finfo(dtype).max, -1).astype(dtype)
+    return jnp.abs(x) <= bound
+
+
 def _keep_finite(ok: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``ok``, else ``old``, and ``old`` for any element of
     ``new`` that is not finite.
@@ -320,7 +381,7 @@ def _keep_finite(ok: jax.Array, new: Any, old: Any) -> Any:
     """
 
     def keep(a, b):
-        return jnp.where(jnp.logical_and(ok, _finite_elements(a)), a, b)
+        return jnp.where(_kept_elements(ok, a), a, b)
 
     return jax.tree_util.tree_map(keep, new, old)
 
@@ -339,8 +400,14 @@ def _keep_finite_updates(ok: jax.Array, updates: Any, params: Any) -> Any:
         if u is None:
             return None
         written = jnp.asarray(p + u).astype(jnp.result_type(p))
-        finite = jnp.logical_and(_finite_elements(u), _finite_elements(written))
-        return jnp.where(jnp.logical_and(ok, finite), u, jnp.zeros_like(u))
+        if jnp.issubdtype(jnp.result_type(p), jnp.inexact):
+            # A non-finite update writes a non-finite parameter (inf + x,
+            # nan + x and inf - inf are not finite, in any dtype they are
+            # cast to), so the written value's test covers the update's.
+            kept = _kept_elements(ok, written)
+        else:
+            kept = jnp.logical_and(ok, _finite_elements(u))
+        return jnp.where(kept, u, jnp.zeros_like(u))
 
     return jax.tree_util.tree_map(keep, updates, params, is_leaf=lambda x: x is None)
 
@@ -374,13 +441,16 @@ def skip_non_finite(
     overflow to inf while ``m / (sqrt(v) + eps)`` is a finite 0).
 
     Cost: the check recomputes the update in a pass of its own that writes
-    nothing and sums ``leaf * 0`` (NaN exactly where a value is not finite),
-    one reduction per leaf shape and per 4 parameters (their new values and
-    optimizer state together); the update that is kept is computed again
-    with the selection fused in. Compiled on XLA:CPU, Adam's check reads
-    gradients, moments and parameters once more and the step stores no
-    param-sized array the plain step does not (only per-row sums);
-    `benchmarks/bench_step.py` has the bytes.
+    nothing and sums ``0 * leaf * leaf * ...`` (NaN exactly where a value is
+    not finite), one reduction per leaf shape and per 4 parameters (their
+    new values and optimizer state together); the update that is kept is
+    computed again with the selection fused in (one compare per written
+    element). Compiled on XLA:CPU, Adam's check reads gradients, moments and
+    parameters once more and the step stores no param-sized array the plain
+    step does not (only per-row sums); guarded Adam computes 61 FLOPs per
+    parameter to plain Adam's 13 (`jaxstable/tests/test_guard_cost.py`);
+    `benchmarks/bench_step.py` and `benchmarks/bench_models.py` have the
+    bytes and times.
 
     Unlike `optax.apply_if_finite`, which applies the update once more than
     ``max_consecutive_errors`` bad steps happened in a row, a bad update is
