@@ -17,11 +17,22 @@ MODULES = [
     "distributed",
 ]
 # The public module `train` is implemented in three: the step, checkpoints, fit;
-# `transforms` in four (the spike guard, the guard states and the
-# low-precision AdamW apart); `diagnostics` in two (the check points apart).
+# `transforms` in nine (clipping, the update check, the guarded step, the
+# guard, stable_optimizer, accumulation, the spike guard, the guard states,
+# the low-precision AdamW); `diagnostics` in two (the check points apart).
 SRC_MODULES = {
     "train": ["step", "checkpoint", "fit"],
-    "transforms": ["transforms", "spikes", "guard_state", "low_precision"],
+    "transforms": [
+        "clipping",
+        "update_check",
+        "guard_step",
+        "guard",
+        "stable_optimizer",
+        "accumulate",
+        "spikes",
+        "guard_state",
+        "low_precision",
+    ],
     "diagnostics": ["diagnostics", "check_points"],
 }
 

@@ -204,20 +204,20 @@ def test_the_write_keeps_no_non_finite_element_whatever_the_check_said():
     # The update check tests a recomputation of what the step writes; the
     # write itself also keeps the old value of any non-finite element, so the
     # invariant never rests on two compilations agreeing bitwise.
-    from jaxstable._src.transforms import _keep_finite, _keep_finite_updates
+    from jaxstable._src.update_check import keep_finite, keep_finite_updates
 
     ok = jnp.ones([], jnp.bool_)
     new = {"m": jnp.array([1.0, jnp.inf, jnp.nan]), "count": jnp.array(3)}
     old = {"m": jnp.array([5.0, 6.0, 7.0]), "count": jnp.array(2)}
-    out = jax.jit(_keep_finite)(ok, new, old)
+    out = jax.jit(keep_finite)(ok, new, old)
     assert out["m"].tolist() == [1.0, 6.0, 7.0] and int(out["count"]) == 3
-    out = jax.jit(_keep_finite)(~ok, new, old)
+    out = jax.jit(keep_finite)(~ok, new, old)
     assert out["m"].tolist() == [5.0, 6.0, 7.0] and int(out["count"]) == 2
     # an update whose parameter overflows in the params' dtype is zeroed
     params = {"w": jnp.array([0.0, 60000.0, 1.0], jnp.float16)}
     updates = {"w": jnp.array([1.0, 8000.0, jnp.nan], jnp.float16)}
-    out = jax.jit(_keep_finite_updates)(ok, updates, params)
+    out = jax.jit(keep_finite_updates)(ok, updates, params)
     assert out["w"].tolist() == [1.0, 0.0, 0.0]
     z = jnp.array([1 + 1j, complex(jnp.inf, 0.0)], jnp.complex64)
-    out = _keep_finite(ok, z, jnp.zeros(2, jnp.complex64))
+    out = keep_finite(ok, z, jnp.zeros(2, jnp.complex64))
     assert out.tolist() == [1 + 1j, 0j]
