@@ -16,10 +16,12 @@ MODULES = [
     "train",
     "distributed",
 ]
-# The public module `train` is implemented in eight: the step and its five
-# helper modules, checkpoints, fit; `loss_scale` in two (the arithmetic apart);
-# `transforms` in four (the spike guard, the guard states and the
-# low-precision AdamW apart); `diagnostics` in two (the check points apart).
+# The public module `train` is implemented in nine: the step and its five
+# helper modules, checkpoints (two), fit; `loss_scale` in two (the arithmetic
+# apart); `transforms` in nine (clipping, the update check, the guarded step,
+# the guard, stable_optimizer, accumulation, the spike guard, the guard
+# states, the low-precision AdamW); `diagnostics` in two (the check points
+# apart).
 SRC_MODULES = {
     "loss_scale": ["loss_scale", "loss_scale_math"],
     "train": [
@@ -33,7 +35,17 @@ SRC_MODULES = {
         "checkpoint_manager",
         "fit",
     ],
-    "transforms": ["transforms", "spikes", "guard_state", "low_precision"],
+    "transforms": [
+        "clipping",
+        "update_check",
+        "guard_step",
+        "guard",
+        "stable_optimizer",
+        "accumulate",
+        "spikes",
+        "guard_state",
+        "low_precision",
+    ],
     "diagnostics": ["diagnostics", "check_points"],
 }
 

@@ -1,6 +1,6 @@
 """The guard's state types and the one walker that finds a state by type.
 
-`skip_non_finite` (`jaxstable._src.transforms`) and `skip_spikes`
+`skip_non_finite` (`jaxstable._src.guard`) and `skip_spikes`
 (`jaxstable._src.spikes`) keep these states; the train step, the
 accumulation and the spike guard tell a guard by them. Kept apart so that
 every module imports them from here and none imports a sibling transform

@@ -18,17 +18,13 @@ import numpy as np
 import optax
 
 from _stablecore.checks import check_spike_args
+from jaxstable._src.clipping import global_norm
+from jaxstable._src.guard import check_optimizer, scalar_flag, skip_non_finite
 from jaxstable._src.guard_state import (
     SkipNonFiniteState,
     SkipSpikesState,
     find_state,
     outer_guard,
-)
-from jaxstable._src.transforms import (
-    _check_optimizer,
-    _scalar_flag,
-    global_norm,
-    skip_non_finite,
 )
 
 __all__ = ["SkipSpikesState", "find_spike_state", "skip_spikes"]
@@ -203,7 +199,7 @@ def skip_spikes(
       >>> int(state.spikes_total), int(transforms.find_skip_state(state).skipped_total)
       (1, 2)
     """
-    _check_optimizer(inner, "skip_spikes")
+    check_optimizer(inner, "skip_spikes")
     window, min_history, threshold, min_ratio = check_spike_args(
         window,
         min_history,
@@ -247,7 +243,7 @@ def skip_spikes(
         norm = global_norm(updates)
         finite = jnp.isfinite(norm)
         if grads_finite is not None:
-            finite = jnp.logical_and(finite, _scalar_flag(grads_finite))
+            finite = jnp.logical_and(finite, scalar_flag(grads_finite))
         log_tiny = jnp.float32(_LOG_TINY)
         x = jnp.where(norm >= _TINY, jnp.log(jnp.maximum(norm, _TINY)), log_tiny)
         spike = _is_outlier(

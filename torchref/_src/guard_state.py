@@ -1,6 +1,6 @@
 """The guard's state types and the one walker that finds a state by type.
 
-`SkipNonFinite` (`torchref._src.transforms`) and `SkipSpikes`
+`SkipNonFinite` (`torchref._src.guard`) and `SkipSpikes`
 (`torchref._src.spikes`) keep these states; the accumulation and the finders
 tell a guard by them. Kept apart so that every module imports them from here
 and none imports a sibling wrapper for a type (as `jaxstable._src.guard_state`).

@@ -17,16 +17,16 @@ from typing import Any
 import torch
 
 from _stablecore.checks import check_spike_args
-from torchref._src.guard_state import SkipNonFiniteState, SkipSpikesState, find_state
-from torchref._src.transforms import (
-    AccumulateGradients,
+from torchref._src.accumulate import AccumulateGradients
+from torchref._src.clipping import global_norm
+from torchref._src.guard import (
+    OptimizerView,
     SkipNonFinite,
-    _check_optimizer,
-    _OptimizerView,
-    _scalar_flag,
-    global_norm,
+    check_optimizer,
+    scalar_flag,
     skip_non_finite,
 )
+from torchref._src.guard_state import SkipNonFiniteState, SkipSpikesState, find_state
 
 __all__ = ["SkipSpikes", "SkipSpikesState", "find_spike_state", "skip_spikes"]
 
@@ -99,7 +99,7 @@ class _Decision:
         norm = torch.as_tensor(norm, dtype=torch.float32).detach()
         s, dev = self.state, norm.device
         s._to(dev)
-        finite = _scalar_flag(finite, dev) & torch.isfinite(norm)
+        finite = scalar_flag(finite, dev) & torch.isfinite(norm)
         log_tiny = _const(_LOG_TINY, dev)
         x = torch.where(
             norm >= _TINY, torch.log(torch.clamp(norm, min=_TINY)), log_tiny
@@ -148,7 +148,7 @@ class _Decision:
         t["position"] = (t["position"] + grow) % self.window
 
 
-class SkipSpikes(_OptimizerView):
+class SkipSpikes(OptimizerView):
     """An optimizer wrapper that skips spikes and non-finite steps.
 
     Made by `skip_spikes`. `optimizer` is the guarded wrapper (a
@@ -171,7 +171,7 @@ class SkipSpikes(_OptimizerView):
     def __init__(self, optimizer, window, min_history, threshold, min_ratio):
         self.plain = not isinstance(optimizer, SkipNonFinite)
         if self.plain:  # a guard (stable_optimizer) is no torch Optimizer
-            _check_optimizer(optimizer, "skip_spikes")
+            check_optimizer(optimizer, "skip_spikes")
         self.optimizer = skip_non_finite(optimizer) if self.plain else optimizer
         self._decision = _Decision(window, min_history, threshold, min_ratio)
 

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchref import transforms as tr
-from torchref._src import transforms as impl
+from torchref._src import clipping, guard, guard_step, update_check
 from torchref.train import TrainStep
 
 
@@ -31,7 +31,7 @@ class _Net(torch.nn.Module):
 
 def _used_bytes(opt, params) -> int:
     """Bytes of `params` and their optimizer state: one copy of them."""
-    return sum(t.nbytes for t in impl._written(opt, list(params)))
+    return sum(t.nbytes for t in guard_step._written(opt, list(params)))
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -89,9 +89,9 @@ def test_parameters_without_gradients_are_never_copied_or_touched(monkeypatch):
     # element: the unused Linear(64, 64) (4160 elements, 15x the used ones)
     # and its state are neither copied nor written, on a skipped step too.
     copied = []
-    take = impl._DeviceSelect.take
+    take = update_check.DeviceSelect.take
     monkeypatch.setattr(
-        impl._DeviceSelect,
+        update_check.DeviceSelect,
         "take",
         lambda s, ts: copied.append(sum(t.numel() for t in ts)) or take(s, ts),
     )
@@ -104,14 +104,18 @@ def test_parameters_without_gradients_are_never_copied_or_touched(monkeypatch):
     _set_grads(model, 1.0)
     model.unused.weight.grad = torch.ones_like(model.unused.weight)
     opt.step()  # the unused layer has state now, from a step with a gradient
-    versions = [t._version for t in impl._written(adam, [*model.unused.parameters()])]
+    versions = [
+        t._version for t in guard_step._written(adam, [*model.unused.parameters()])
+    ]
     copied.clear()
     for value in (1.0, math.nan, 1.0):
         _set_grads(model, value)
         opt.step()
-    used = sum(t.numel() for t in impl._written(adam, [*model.used.parameters()]))
+    used = sum(t.numel() for t in guard_step._written(adam, [*model.used.parameters()]))
     assert copied == [used] * 3  # 272 + 2 * 272 + 2 step counts
-    after = [t._version for t in impl._written(adam, [*model.unused.parameters()])]
+    after = [
+        t._version for t in guard_step._written(adam, [*model.unused.parameters()])
+    ]
     assert after == versions
     assert opt.skip_state.skipped_total == 1
 
@@ -143,9 +147,11 @@ def test_a_proved_update_takes_no_copy(monkeypatch):
     # float32 Adam under a clip (device path, fused) and on the host path
     # (any Adam): no undo copy at all, and the skipped step is still skipped.
     takes = []
-    take = impl._DeviceSelect.take
+    take = update_check.DeviceSelect.take
     monkeypatch.setattr(
-        impl._DeviceSelect, "take", lambda s, ts: takes.append(len(ts)) or take(s, ts)
+        update_check.DeviceSelect,
+        "take",
+        lambda s, ts: takes.append(len(ts)) or take(s, ts),
     )
     for fused, decide_on in ((True, "auto"), (False, "host")):
         model = _Net()
@@ -154,10 +160,10 @@ def test_a_proved_update_takes_no_copy(monkeypatch):
         for value in (1.0, math.nan, 1.0):
             _set_grads(model, value)
             before = [
-                t.clone() for t in impl._written(adam, [*model.used.parameters()])
+                t.clone() for t in guard_step._written(adam, [*model.used.parameters()])
             ]
             opt.step()
-            after = impl._written(adam, [*model.used.parameters()])
+            after = guard_step._written(adam, [*model.used.parameters()])
             same = len(after) == len(before) and all(
                 torch.equal(a, b) for a, b in zip(after, before, strict=True)
             )
@@ -167,7 +173,7 @@ def test_a_proved_update_takes_no_copy(monkeypatch):
 
 
 def _bound(opt, params, m):
-    return impl._UpdateBound().proven(opt, params, m)
+    return update_check.UpdateBound().proven(opt, params, m)
 
 
 def _adam_step(**kw):
@@ -210,7 +216,7 @@ def test_update_bound_reads_a_loaded_state_once_and_bounds_it():
     # moments are bounded from their values, huge ones are not proved.
     opt, params = _adam_step(lr=1e-3)
     opt.step()
-    bound = impl._UpdateBound()
+    bound = update_check.UpdateBound()
     assert bound.proven(opt, params, 1.0)
     bound.record(opt, params)
     assert bound.proven(opt, params, 1.0)  # known now, nothing read
@@ -348,11 +354,12 @@ def test_device_path_reads_nothing_and_a_loaded_state_once(monkeypatch):
 
     reads = []
 
-    def counting(values, real=impl._to_host):
+    def counting(values, real=clipping.to_host):
         reads.append(len(values))
         return real(values)
 
-    monkeypatch.setattr(impl, "_to_host", counting)
+    for module in (clipping, update_check, guard_step, guard):
+        monkeypatch.setattr(module, "to_host", counting)
     monkeypatch.setattr(step_impl, "_to_host", counting)
     x, y = torch.ones(2, 3), torch.zeros(2, 1)
     for wd in (1e-4, 0.0):

@@ -499,7 +499,7 @@ def test_pending_flags_stay_bounded_when_skip_state_is_never_read(wrap, monkeypa
     # Each step leaves two 0-d device flags until skip_state is read: a loop
     # that never reads it (step(sync=False), a plain skip_non_finite loop)
     # must not keep every step's flags (a GPU block each).
-    from torchref._src import transforms as _tr
+    from torchref._src import guard as _tr
     from torchref.train import TrainStep
 
     monkeypatch.setattr(_tr, "_MAX_PENDING", 4, raising=False)
@@ -528,12 +528,12 @@ def test_pending_flags_stay_bounded_when_skip_state_is_never_read(wrap, monkeypa
 def test_fused_steps_copy_nothing(make, monkeypatch):
     # A fused optimizer gets found_inf and nothing is copied or kept, its
     # first step included (whose state a skip removes without a copy).
-    from torchref._src import transforms as _tr
+    from torchref._src import update_check as _tr
 
     takes = []
-    take = _tr._DeviceSelect.take
+    take = _tr.DeviceSelect.take
     monkeypatch.setattr(
-        _tr._DeviceSelect, "take", lambda s, ts: takes.append(len(ts)) or take(s, ts)
+        _tr.DeviceSelect, "take", lambda s, ts: takes.append(len(ts)) or take(s, ts)
     )
     w = torch.nn.Parameter(torch.ones(3))
     make = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[make]
@@ -605,10 +605,10 @@ def test_update_check_on_sharded_parameters_is_refused_by_name(monkeypatch):
     # Both ways into the update check (step() and step(closure)) say so and
     # name the fix; the parameters are taken as DTensors here (no process
     # group needed).
-    from torchref._src import transforms as impl
+    from torchref._src import update_check as impl
 
     w = torch.nn.Parameter(torch.ones(2))
-    monkeypatch.setattr(impl, "_is_dtensor", lambda t: t is w)
+    monkeypatch.setattr(impl, "is_dtensor", lambda t: t is w)
     opt = tr.skip_non_finite(torch.optim.SGD([w], lr=0.1))
     w.grad = torch.ones(2)
     with pytest.raises(NotImplementedError, match="check_update=False"):
