@@ -15,7 +15,7 @@ import optax
 
 from jaxstable._src.guard import check_optimizer, scalar_flag
 from jaxstable._src.guard_state import outer_guard
-from jaxstable._src.loss_scale import all_finite
+from jaxstable._src.loss_scale_math import all_finite
 
 __all__ = ["AccumulateGradientsState", "accumulate_gradients"]
 

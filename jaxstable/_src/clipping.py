@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstable._src.loss_scale import _NORM_SCALE, _opaque, _sums_of_squares
+from jaxstable._src.loss_scale_math import NORM_SCALE, opaque, sums_of_squares
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 
@@ -33,7 +33,7 @@ def concrete_float(x: Any) -> float | None:
 # The float32 sum of squares overflows once the norm passes 2**64 = 1.8e19
 # (finite gradients of 1e20 gave an inf norm, and the clip multiplied every
 # gradient by 0). Then the norm comes from the sum with every element times
-# 2**-90 (`loss_scale._NORM_SCALE`), which cannot overflow below 2**52
+# 2**-90 (`loss_scale_math.NORM_SCALE`), which cannot overflow below 2**52
 # elements of float32's max; the squares it loses to underflow (elements
 # below 2**27) change a norm above 2**64 by less than 2**-74 relative per
 # element.
@@ -54,17 +54,17 @@ def _norms(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(norm, scaled_norm, overflow)`` of the inexact leaves of `tree`.
 
     ``norm`` is `global_norm`; ``scaled_norm`` the norm of every element
-    times `_NORM_SCALE`; ``overflow`` says that the plain sum of squares
+    times `NORM_SCALE`; ``overflow`` says that the plain sum of squares
     overflowed although the scaled one did not (the leaves are finite), in
     which case ``norm = scaled_norm * 2**90`` (inf only when the norm itself
     is above float32's max). One reduction per leaf reads it once for both
-    sums (`loss_scale._sums_of_squares`), the same one `all_finite` uses.
+    sums (`loss_scale_math.sums_of_squares`), the same one `all_finite` uses.
     """
     leaves = inexact_leaves(tree)
     if not leaves:
         zero = jnp.zeros([], jnp.float32)
         return zero, zero, jnp.zeros([], jnp.bool_)
-    plain, scaled = _sums_of_squares(leaves)
+    plain, scaled = sums_of_squares(leaves)
     inf = jnp.float32(jnp.inf)
     overflow = jnp.logical_and(jnp.logical_not(plain < inf), scaled < inf)
     scaled_norm = jnp.sqrt(scaled)
@@ -85,7 +85,7 @@ def global_norm(tree: Any) -> jax.Array:
 
     Cannot overflow while the norm is representable: when the float32 sum of
     squares overflows (a norm above 1.8e19, e.g. two gradients of 1e20) it
-    is recomputed with every element scaled by 2**-90 (see `_NORM_SCALE`),
+    is recomputed with every element scaled by 2**-90 (see `NORM_SCALE`),
     so the norm of ``[1e20, 1e20]`` is 1.41e20, not inf. torch's
     `clip_grad_norm_` returns inf there; `torchref.transforms.global_norm`
     does the same as this function (a documented deviation from torch, only
@@ -167,7 +167,7 @@ def clip_by_global_norm(
         max32 = jnp.asarray(max_norm, jnp.float32)
         coef = jnp.minimum((1.0 / (norm + eps32)) * max32, jnp.float32(1.0))
         # Scaled domain: the true coefficient is coef_s * 2**-90.
-        coef_s = (1.0 / (scaled_norm + eps32 * jnp.float32(_NORM_SCALE))) * max32
+        coef_s = (1.0 / (scaled_norm + eps32 * jnp.float32(NORM_SCALE))) * max32
         first, second = _clip_factors(
             norm_coef=coef, scaled_coef=coef_s, overflow=overflow
         )
@@ -200,14 +200,14 @@ def _clip_factors(
     The same values as choosing among the three products element by
     element, with two multiplies instead of three and two selects (the
     update check and each written leaf recompute the clipped gradient).
-    `_opaque` keeps XLA from folding the two factors into one, which is
+    `opaque` keeps XLA from folding the two factors into one, which is
     subnormal, so flushed to 0, for a norm above 8.5e37.
     """
     one = jnp.ones([], jnp.float32)
     unclipped = scaled_coef >= jnp.float32(_NORM_UNSCALE)
     scaled = jnp.logical_and(overflow, jnp.logical_not(unclipped))
     first = jnp.where(
-        overflow, jnp.where(unclipped, one, jnp.float32(_NORM_SCALE)), norm_coef
+        overflow, jnp.where(unclipped, one, jnp.float32(NORM_SCALE)), norm_coef
     )
     second = jnp.where(scaled, scaled_coef, one)
-    return _opaque((first, second))
+    return opaque((first, second))

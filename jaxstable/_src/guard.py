@@ -22,7 +22,7 @@ from _stablecore.checks import check_bool as _core_check_bool
 from jaxstable._src.clipping import concrete_float
 from jaxstable._src.guard_state import SkipNonFiniteState, find_state
 from jaxstable._src.guard_step import guarded_update
-from jaxstable._src.loss_scale import all_finite
+from jaxstable._src.loss_scale_math import all_finite
 
 __all__ = ["SkipNonFiniteState", "find_skip_state", "skip_non_finite"]
 

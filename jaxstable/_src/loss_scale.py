@@ -42,16 +42,6 @@ from jaxstable._src.loss_scale_math import (
     unscale_tree,
 )
 
-# Imported from here by jaxstable._src.transforms (split apart in its own
-# change): the norm's pieces, whose home is now loss_scale_math.
-from jaxstable._src.loss_scale_math import NORM_SCALE as _NORM_SCALE  # noqa: F401
-from jaxstable._src.loss_scale_math import leading_rows as _leading_rows  # noqa: F401
-from jaxstable._src.loss_scale_math import opaque as _opaque  # noqa: F401
-from jaxstable._src.loss_scale_math import row_total as _row_total  # noqa: F401
-from jaxstable._src.loss_scale_math import (  # noqa: F401
-    sums_of_squares as _sums_of_squares,
-)
-
 T = TypeVar("T")
 
 __all__ = [

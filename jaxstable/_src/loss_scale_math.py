@@ -4,7 +4,7 @@ The float32 division rounded to nearest on every backend (`_div_rn`), the
 float32-times-float64 product torch's scale update takes (`mul_f64`), the
 unscale by the reciprocal (`unscale_tree`), and the one reduction that both tests
 every gradient for finiteness (`all_finite`) and carries the overflow-safe
-norm (`sums_of_squares`, read by `jaxstable._src.transforms`). No class here:
+norm (`sums_of_squares`, read by `jaxstable._src.clipping`). No class here:
 `jaxstable._src.loss_scale` holds the loss scales built on it.
 """
 

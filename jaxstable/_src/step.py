@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstable._src.clipping import global_norm
 from jaxstable._src.guard_state import outer_guard
 from jaxstable._src.loss_scale_math import all_finite
 from jaxstable._src.microbatches import summed_microbatch_grads
@@ -37,7 +38,7 @@ from jaxstable._src.step_checks import (
 from jaxstable._src.step_loss import as_varying, replicas, share_grad
 from jaxstable._src.step_records import input_names, step_metrics
 from jaxstable._src.step_state import TrainState, keep_hyperparams, keep_model_state
-from jaxstable._src.transforms import _keep_finite, _writes_finite, global_norm
+from jaxstable._src.update_check import keep_finite, writes_finite
 
 __all__ = ["TrainStep", "make_train_step"]
 
@@ -494,10 +495,10 @@ def apply_update(
     # same two checks (the gradient flag is reused; the new params and
     # optimizer state are checked in a pass that recomputes them, as
     # `skip_non_finite` does).
-    written_ok = _writes_finite(update, grads, state.opt_state, state.params)
+    written_ok = writes_finite(update, grads, state.opt_state, state.params)
     applied = jnp.logical_and(finite, written_ok)
-    params = _keep_finite(applied, params, state.params)
-    return params, _keep_finite(applied, opt_state, state.opt_state), applied
+    params = keep_finite(applied, params, state.params)
+    return params, keep_finite(applied, opt_state, state.opt_state), applied
 
 
 def train_step(

@@ -20,8 +20,8 @@ import optax
 
 from _stablecore.checks import check_microbatch_drop
 from _stablecore.checks import check_microbatches as _core_check_microbatches
+from jaxstable._src.accumulate import AccumulateGradientsState
 from jaxstable._src.precision import get_policy
-from jaxstable._src.transforms import AccumulateGradientsState
 
 __all__ = [
     "StepSpec",

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstable._src.guard import check_optimizer
 from jaxstable._src.guard_state import INJECT_STATES, SkipSpikesState
 from jaxstable._src.loss_scale import NoOpLossScale
 from jaxstable._src.loss_scale_math import all_finite
-from jaxstable._src.transforms import _check_optimizer
 
 __all__ = ["TrainState", "nnx_loss"]
 
@@ -89,7 +89,7 @@ class TrainState:
           >>> int(s.step), type(s.loss_scale).__name__
           (0, 'NoOpLossScale')
         """
-        _check_optimizer(optimizer, "TrainState.create")
+        check_optimizer(optimizer, "TrainState.create")
         return cls(
             step=jnp.zeros([], jnp.int32),
             params=params,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxstable._src.clipping import inexact_leaves
-from jaxstable._src.loss_scale import _leading_rows, _opaque, _row_total
+from jaxstable._src.loss_scale_math import leading_rows, opaque, row_total
 
 __all__ = ["keep_finite", "keep_finite_updates", "writes_finite"]
 
@@ -84,10 +84,10 @@ def _finite_together(written: list[jax.Array], state: list[jax.Array]) -> jax.Ar
             operator.mul, factors[1:], factors[0] * jnp.zeros([], jnp.float32)
         )
         # Sum and max: a second operand keeps the reduce XLA's own fused
-        # loop (see `loss_scale._leading_rows`); either is NaN when a term is.
-        added, largest = _leading_rows((total, total), _add_and_max)
+        # loop (see `loss_scale_math.leading_rows`); either is NaN when a term is.
+        added, largest = leading_rows((total, total), _add_and_max)
         rows.append(added + largest)
-    return jnp.isfinite(_row_total(rows))
+    return jnp.isfinite(row_total(rows))
 
 
 def writes_finite(update_fn: Any, updates: Any, state: Any, params: Any) -> jax.Array:
@@ -95,7 +95,7 @@ def writes_finite(update_fn: Any, updates: Any, state: Any, params: Any) -> jax.
 
     What it writes: the new state and the new parameters ``params + update``
     (the update itself when ``params`` is None). The check recomputes the
-    update from its inputs in a pass that writes nothing: `_opaque` on the
+    update from its inputs in a pass that writes nothing: `opaque` on the
     state and params keeps XLA from merging it with the caller's own call,
     whose result is selected with the flag this returns. Checking the
     caller's materialised result instead costs a write of every new value, a
@@ -109,7 +109,7 @@ def writes_finite(update_fn: Any, updates: Any, state: Any, params: Any) -> jax.
     leaves, treedef = jax.tree_util.tree_flatten((state, params))
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     # Python numbers stay as they are (a barrier would make them arrays).
-    for i, x in zip(arrays, _opaque([leaves[i] for i in arrays]), strict=True):
+    for i, x in zip(arrays, opaque([leaves[i] for i in arrays]), strict=True):
         leaves[i] = x
     state, params = treedef.unflatten(leaves)
     new_updates, new_state = update_fn(updates, state, params)

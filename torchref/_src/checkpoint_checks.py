@@ -17,7 +17,8 @@ import torch
 
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
 from torchref._src.distributed import _plain
-from torchref._src.step import TrainStep, _scaler_kind, param_names
+from torchref._src.step import TrainStep
+from torchref._src.step_state import param_names, scaler_kind
 
 _STATE_KEYS = ("model", "optimizer", "scaler", "skip_state", "steps_done")
 
@@ -112,8 +113,8 @@ def check_scaler_class(path: Any, classes: dict, saved: dict, step: TrainStep) -
     else:  # an older file: only the keys tell, and Static reads as GradScaler
         enabled = step._scaler_enabled()
         kinds = [
-            _scaler_kind(saved),
-            _scaler_kind(step.scaler.state_dict() if enabled else {}),
+            scaler_kind(saved),
+            scaler_kind(step.scaler.state_dict() if enabled else {}),
         ]
     if kinds[0] != kinds[1]:
         raise ValueError(

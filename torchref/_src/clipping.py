@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.nn.utils import get_total_norm
 
-from torchref._src.loss_scale import _tensors
+from torchref._src.loss_scale_math import flat_tensors
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 
@@ -172,7 +172,7 @@ def global_norm(tensors: Any) -> torch.Tensor:
         >>> float(global_norm(torch.tensor([1e20, 1e20]))) > 1.4e20
         True
     """
-    return norm_and_finite(_tensors(tensors))[0].to(torch.float32)
+    return norm_and_finite(flat_tensors(tensors))[0].to(torch.float32)
 
 
 def _grads(parameters: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

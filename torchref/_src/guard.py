@@ -36,7 +36,7 @@ from torchref._src.clipping import (
 )
 from torchref._src.guard_state import SkipNonFiniteState, find_state
 from torchref._src.guard_step import GuardedStep
-from torchref._src.loss_scale import all_finite
+from torchref._src.loss_scale_math import all_finite
 from torchref._src.update_check import StepUndo
 
 __all__ = ["SkipNonFinite", "SkipNonFiniteState", "find_skip_state", "skip_non_finite"]

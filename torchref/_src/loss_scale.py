@@ -31,11 +31,6 @@ from _stablecore.checks import check_count as _check_count
 from _stablecore.loss_scale import resolve_factors as _core_resolve_factors
 from torchref._src.loss_scale_math import HUGE, TINY, f32
 
-# Imported from here by torchref._src.transforms (split apart in its own
-# change); their home is now loss_scale_math.
-from torchref._src.loss_scale_math import all_finite as all_finite
-from torchref._src.loss_scale_math import flat_tensors as _tensors  # noqa: F401
-
 __all__ = [
     "DynamicGradScaler",
     "DynamicLossScale",

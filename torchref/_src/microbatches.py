@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torchref._src.check_points import CheckPoints
-from torchref._src.transforms import _all_finite_t
+from torchref._src.clipping import all_finite_t
 
 __all__ = ["KeptMicrobatches", "combine_aux", "split_batch"]
 
@@ -133,7 +133,7 @@ class KeptMicrobatches:
         """After its backward: added to the sum where finite, its buffers
         put back where not (selects on the device, no host read)."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        ok = torch.isfinite(loss) & _all_finite_t(grads).to(loss.device)
+        ok = torch.isfinite(loss) & all_finite_t(grads).to(loss.device)
         w = torch.as_tensor(self.weight, dtype=torch.float32, device=loss.device)
         zero = torch.zeros((), dtype=torch.float32, device=loss.device)
         if self.wsum is None:

@@ -26,6 +26,22 @@ import torch
 
 from _stablecore.checks import check_microbatch_drop
 from torchref._src import distributed as _dist
+
+# The step's guard: the skip decision, the clip and the deferred records.
+from torchref._src.clipping import (
+    clip_by_global_norm,
+    clip_in_place,
+    norm_and_finite,
+    norm_read_on_host,
+    to_host,
+)
+from torchref._src.guard import (
+    DeferredRecords,
+    SkipNonFiniteState,
+    check_bool,
+    check_max_consecutive,
+)
+from torchref._src.guard_step import GuardedStep
 from torchref._src.microbatches import KeptMicrobatches, combine_aux, split_batch
 from torchref._src.step_checks import autocast_dtype as _autocast_dtype
 from torchref._src.step_checks import (
@@ -37,25 +53,6 @@ from torchref._src.step_checks import (
 from torchref._src.step_loss import backward_share, forward
 from torchref._src.step_records import device_metrics, read_metrics
 from torchref._src.step_state import BufferGuard, StepStateDict
-
-# torchref._src.checkpoint imports these two from here (it is split in its
-# own change); their home is now step_state.
-from torchref._src.step_state import param_names as param_names
-from torchref._src.step_state import scaler_kind as _scaler_kind  # noqa: F401
-
-# The step's guard: the skip decision, the clip and the deferred records.
-from torchref._src.transforms import (
-    SkipNonFiniteState,
-    _check_bool,
-    _check_max_consecutive,
-    _clip_in_place,
-    _DeferredRecords,
-    _GuardedStep,
-    _norm_and_finite,
-    _to_host,
-    clip_by_global_norm,
-    norm_read_on_host,
-)
 
 __all__ = ["TrainStep"]
 
@@ -72,7 +69,7 @@ class _Check(NamedTuple):
     loss: torch.Tensor  # the loss (the mean over the micro-batches)
 
 
-class TrainStep(_DeferredRecords, StepStateDict):
+class TrainStep(DeferredRecords, StepStateDict):
     """One guarded optimizer step: autocast, GradScaler, clip, skip.
 
     Order of work in ``step(batch)`` (that of the torch.amp docs):
@@ -283,20 +280,20 @@ class TrainStep(_DeferredRecords, StepStateDict):
         self.scaler = make_scaler(scaler, self.device_type)
         warn_if_disabled_scaler(self.scaler, self.device_type)
         self.autocast_dtype = _autocast_dtype(autocast_dtype, model)
-        self.max_consecutive = _check_max_consecutive(max_consecutive)
+        self.max_consecutive = check_max_consecutive(max_consecutive)
         self.clip = (
             None
             if max_grad_norm is None
             else clip_by_global_norm(max_grad_norm, eps=clip_eps)
         )
         self.restore_buffers_on_skip = bool(restore_buffers_on_skip)
-        self.check_update = _check_bool("check_update", check_update)
+        self.check_update = check_bool("check_update", check_update)
         self.microbatches = check_microbatches(microbatches)
         self.drop_non_finite_microbatches = check_microbatch_drop(
             drop_non_finite_microbatches, microbatch_weight, self.microbatches
         )
         self.microbatch_weight = microbatch_weight
-        self._guarded = _GuardedStep()
+        self._guarded = GuardedStep()
         self._guarded.decide_on = decide_on
         self._buffer_guard = BufferGuard(model)
         # Under DDP/FSDP2: the process group's size, the loss share each
@@ -406,7 +403,7 @@ class TrainStep(_DeferredRecords, StepStateDict):
                 "loss_fn called step() re-entrantly, or the previous step raised "
                 "half-way (call .reset() to discard it)"
             )
-        sync = _check_bool("sync", sync)
+        sync = check_bool("sync", sync)
         self._stage = "forward"
         try:
             metrics = self._step(batch)
@@ -534,11 +531,11 @@ class TrainStep(_DeferredRecords, StepStateDict):
         if read is not None:  # GradScaler's path: ONE read of flags and norm
             grad_norm, grads_ok = read[0], torch.ones((), dtype=torch.bool)
         elif self.clip is not None:
-            grad_norm, grads_ok = _clip_in_place(
+            grad_norm, grads_ok = clip_in_place(
                 grads, self.clip.max_norm, self.clip.eps, apply=finite
             )
         else:
-            grad_norm, grads_ok, _ = _norm_and_finite(grads)
+            grad_norm, grads_ok, _ = norm_and_finite(grads)
         bad = ~(finite & grads_ok.to(finite.device))
         # Written into GradScaler's flag (bad covers it), so that update()
         # backs off exactly when the step is skipped for its loss or grads.
@@ -558,7 +555,7 @@ class TrainStep(_DeferredRecords, StepStateDict):
         elif check.host:
             # The norm was not finite: the flag, the norm (a bound on every
             # gradient entry) and the buffers' flag in one read.
-            refuse, norm, buffers_bad = _to_host([refuse, norm, buffers_bad])
+            refuse, norm, buffers_bad = to_host([refuse, norm, buffers_bad])
             refuse, buffers_bad = bool(refuse), bool(buffers_bad)
         skipped = self._guarded.run(
             self.optimizer, refuse, self.check_update, max_norm, norm

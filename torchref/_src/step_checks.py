@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from _stablecore.checks import check_microbatches as _core_check_microbatches
+from torchref._src.guard import SkipNonFinite, check_optimizer, needs_closure
 from torchref._src.loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
@@ -23,7 +24,6 @@ from torchref._src.loss_scale import (
 )
 from torchref._src.precision import get_policy
 from torchref._src.spikes import SkipSpikes
-from torchref._src.transforms import SkipNonFinite, _check_optimizer, _needs_closure
 
 __all__ = [
     "autocast_dtype",
@@ -153,10 +153,10 @@ def check_step_parts(
             "pass the plain torch optimizer (TrainStep skips non-finite steps "
             "itself), not a torchref.transforms wrapper: use wrapper.optimizer"
         )
-    _check_optimizer(optimizer, "TrainStep")
+    check_optimizer(optimizer, "TrainStep")
     if not callable(loss_fn):
         raise TypeError("loss_fn must be callable as loss_fn(model, batch)")
-    if _needs_closure(optimizer):
+    if needs_closure(optimizer):
         name = type(optimizer).__name__
         raise TypeError(
             f"TrainStep cannot drive {name}: its step() re-evaluates the loss "

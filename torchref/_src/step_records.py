@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from _stablecore.low_precision import STAT_NAMES
+from torchref._src.clipping import to_host
 from torchref._src.low_precision import rounding_stats
-from torchref._src.transforms import _to_host
 
 __all__ = ["device_metrics", "read_metrics"]
 
@@ -66,7 +66,7 @@ def read_metrics(metrics: dict[str, Any], flags: list[Any], spikes: bool) -> lis
     ]
     rounding = [metrics[k] for k in STAT_NAMES if k in metrics]
     dropped = [metrics[n] for n in ("microbatches_dropped",) if n in metrics]
-    values = _to_host([metrics[key] for key in keys] + flags + rounding + dropped)
+    values = to_host([metrics[key] for key in keys] + flags + rounding + dropped)
     at = len(keys) + len(flags)  # the rounding statistics, then dropped
     names = [k for k in STAT_NAMES if k in metrics]
     metrics.update(zip(names, map(float, values[at : at + len(names)]), strict=True))

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from torchref._src import distributed as _dist
-from torchref._src.transforms import SkipNonFiniteState, _all_finite_t, _DeviceSelect
+from torchref._src.clipping import all_finite_t
+from torchref._src.guard import SkipNonFiniteState
+from torchref._src.update_check import DeviceSelect
 
 __all__ = ["BufferGuard", "StepStateDict", "param_names", "scaler_kind"]
 
@@ -37,7 +39,7 @@ class BufferGuard:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.buffers: list[torch.Tensor] = []
-        self.copy = _DeviceSelect()
+        self.copy = DeviceSelect()
         # Whether the copy follows the model's buffers now (the forward may
         # assign new ones, ``self.mean = 0.9 * self.mean + ...``).
         self.follow = True
@@ -63,7 +65,7 @@ class BufferGuard:
         )
         self.follow = same or self.copy.retarget(now)
         if not self.follow:
-            return ~_all_finite_t(now)
+            return ~all_finite_t(now)
         bad = self.copy.new_non_finite()
         return False if bad is None else bad
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from torchref._src.clipping import by_device_dtype, home_device, is_dtensor, to_host
-from torchref._src.loss_scale import all_finite
+from torchref._src.loss_scale_math import all_finite
 
 __all__ = ["DeviceSelect", "StepUndo", "UpdateBound"]
 

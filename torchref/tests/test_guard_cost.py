@@ -360,7 +360,7 @@ def test_device_path_reads_nothing_and_a_loaded_state_once(monkeypatch):
 
     for module in (clipping, update_check, guard_step, guard):
         monkeypatch.setattr(module, "to_host", counting)
-    monkeypatch.setattr(step_impl, "_to_host", counting)
+    monkeypatch.setattr(step_impl, "to_host", counting)
     x, y = torch.ones(2, 3), torch.zeros(2, 1)
     for wd in (1e-4, 0.0):
         model = torch.nn.Linear(3, 1)
