@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from _stablecore import bad_data as _bad_data
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
@@ -56,6 +57,7 @@ def fit(
     on_step: Callable[[dict[str, Any], Any], Any] | None = None,
     log: Log | str | os.PathLike | None = _LOG,
     batch_transform: Callable[[Any], Any] | None = None,
+    skip_batches: Iterable[int] | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -286,12 +288,13 @@ def fit(
     policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
     checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
     log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
+    given = _bad_data.given_positions(skip_batches)
     if jax.process_count() > 1:
         check_same_on_every_process(
             checkpoint_dir=_directory(checkpoint_dir),
             checkpoint_every=checkpoint_every,
             resume=resume, steps=steps, nan_policy=repr(policy),
-            eval_every=eval_every,
+            eval_every=eval_every, skip_batches=sorted(given),
         )  # fmt: skip
     peers = Peers()
     mgr, own_mgr, lock = _manager(checkpoint_dir)
@@ -300,10 +303,12 @@ def fit(
         to_disk = policy.restores and policy.restore_to == "disk"
         if mgr is not None and to_disk and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
+        directory = None if mgr is None else mgr.directory
+        bad = _bad_data.for_run(directory, given, jax.process_index() == 0)
         return _run(
             state, train_step, batches, steps, policy, log, checkpoint_every,
             eval_fn, eval_every, on_step, mgr, start, batch_transform, resumed,
-            peers,
+            peers, bad,
         )  # fmt: skip
     except BaseException as e:
         message = peers.failed(e)
@@ -324,7 +329,7 @@ def fit(
 
 def _run(
     state, train_step, batches, steps, policy, log, checkpoint_every, eval_fn,
-    eval_every, on_step, mgr, start, batch_transform, resumed, peers,
+    eval_every, on_step, mgr, start, batch_transform, resumed, peers, bad,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked):
     `FitLoop` over a `_JaxAdapter`. Returns ``(state, history)``."""
@@ -354,6 +359,7 @@ def _run(
     loop = _FitLoop(
         adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
         checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+        bad,
     )  # fmt: skip
     history = loop.run()
     return adapter.state, history

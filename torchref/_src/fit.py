@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from _stablecore import bad_data as _bad_data
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
@@ -50,6 +51,7 @@ def fit(
     log: Log | str | os.PathLike | None = _LOG,
     batch_transform: Callable[[Any], Any] | None = None,
     schedulers: Any = None,
+    skip_batches: Iterable[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -202,6 +204,7 @@ def fit(
         CheckpointManager,
     )  # fmt: skip
     scheds = _as_schedulers(schedulers)
+    given = _bad_data.given_positions(skip_batches)
     policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
     checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
     log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
@@ -225,10 +228,11 @@ def fit(
                 extras = {"schedulers": [s.state_dict() for s, _ in scheds]}
                 # what the first rollback goes back to
                 mgr._save(start, step, None, None, None, None, extras)
+        bad = _bad_batches(mgr, given, group)
         return _run(
             step, batches, steps, policy, log, checkpoint_every, eval_fn,
             eval_every, on_step, mgr, start, batch_transform, resumed, group,
-            scheds,
+            scheds, bad,
         )  # fmt: skip
     finally:
         try:
@@ -239,6 +243,17 @@ def fit(
         finally:
             if lock is not None:
                 lock.release()
+
+
+def _bad_batches(mgr, given, group) -> _bad_data.BadBatches:
+    """The run's bad-batch list: rank 0 reads the file beside the
+    checkpoints (and alone writes it) and gives every rank its entries, so
+    that all skip the same batches."""
+    directory = None if mgr is None else mgr.directory
+    writer = group.rank == 0
+    entries = _bad_data.read(_bad_data.file_in(directory)) if writer else []
+    entries = group.from_rank0(entries)
+    return _bad_data.for_run(directory, given, writer, entries)
 
 
 def _as_schedulers(schedulers: Any) -> list[tuple[Any, str]]:
@@ -327,7 +342,7 @@ def _data_iterator(batches, start: int, steps, resumed: dict):
 
 def _run(
     step, batches, steps, policy, log, checkpoint_every, eval_fn, eval_every,
-    on_step, mgr, start, batch_transform, resumed, group, scheds,
+    on_step, mgr, start, batch_transform, resumed, group, scheds, bad,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked):
     `FitLoop` over a `_TorchAdapter`. Returns the history."""
@@ -352,6 +367,7 @@ def _run(
     loop = _FitLoop(
         adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
         checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+        bad,
     )  # fmt: skip
     try:
         return loop.run()

@@ -107,6 +107,15 @@ class Group:
             return step, info
         return mgr.restore(step, chosen[0], **kwargs)
 
+    def from_rank0(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a broadcast; `obj` itself with one
+        rank)."""
+        if self.size == 1:
+            return obj
+        got = [obj]
+        self.dist.broadcast_object_list(got, src=0)
+        return got[0]
+
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is True on some rank (a collective)."""
         if self.size == 1:

@@ -1,0 +1,144 @@
+"""The bad-batch list of a run: data positions `fit` skips without running
+them, kept beside the checkpoints (standard library only, the same file for
+`jaxstable.train.fit` and `torchref.train.fit`).
+
+The file is ``<checkpoint directory>/bad_batches.json``::
+
+    {"format": "bad_batches", "version": 1,
+     "batches": [{"position": 3, "reason": "reproduced", "phase": "input",
+                  "path": "x", "step": 3},
+                 {"position": 7, "reason": "rewound", "rewind_from": 8},
+                 12]}
+
+``position`` is the batch's index in the run's data (the record's ``step``
+of the step that ran it). `fit` adds an entry for every located non-finite
+step that reproduced (``"reproduced"``: not a gradient overflow the loss
+scale handles) and for every batch a rewind threw away (``"rewound"``),
+and writes the file at once (atomically: a temporary file, fsync, rename).
+A user may add entries, as a bare position or a dict with ``position``, and
+remove them; every `fit` on the directory reads the file when it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from _stablecore.checkpoint import temp_path
+
+FILE = "bad_batches.json"
+FORMAT = "bad_batches"
+VERSION = 1
+
+
+def file_in(directory: str | os.PathLike | None) -> str | None:
+    """The list's path in a checkpoint directory (None: no directory)."""
+    return None if directory is None else os.path.join(os.fspath(directory), FILE)
+
+
+def _entry(item: Any, where: str) -> dict[str, Any]:
+    entry = {"position": item} if not isinstance(item, dict) else dict(item)
+    position = entry.get("position")
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(
+            f"{where}: each entry must be a data position (an int >= 0) or a "
+            f"dict with one as 'position', got {item!r}"
+        )
+    return entry
+
+
+def read(path: str | None) -> list[dict[str, Any]]:
+    """The entries of the list at `path` ([] when there is none)."""
+    if path is None or not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a bad-batch list (JSON: {e})") from None
+    items = data.get("batches") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise ValueError(
+            f"{path}: a bad-batch list is a JSON list of positions, or an object "
+            f"whose 'batches' is one, got {type(items).__name__}"
+        )
+    return [_entry(item, path) for item in items]
+
+
+def write(path: str, entries: list[dict[str, Any]]) -> None:
+    """Writes the list atomically (a reader sees the old file or the new)."""
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "batches": sorted(entries, key=lambda e: e["position"]),
+    }
+    tmp = temp_path(path)
+    with open(tmp, "x", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def given_positions(skip_batches: Any) -> frozenset[int]:
+    """fit's ``skip_batches=`` (None or positions) as a set, checked."""
+    if skip_batches is None:
+        return frozenset()
+    if isinstance(skip_batches, str | bytes) or not hasattr(skip_batches, "__iter__"):
+        raise TypeError(
+            f"skip_batches must be None or data positions (ints), got {skip_batches!r}"
+        )
+    return frozenset(_entry(p, "skip_batches")["position"] for p in skip_batches)
+
+
+class BadBatches:
+    """The positions a run skips: the list file's and those given.
+
+    Args:
+      path: the list file (None: nothing is written: no checkpoint
+        directory, or a process that does not write).
+      entries: the file's entries when the run started.
+      given: fit's ``skip_batches``.
+
+    Example:
+      >>> from _stablecore.bad_data import BadBatches
+      >>> bad = BadBatches(None, [{"position": 3, "reason": "reproduced"}], {5})
+      >>> 3 in bad, 4 in bad, 5 in bad
+      (True, False, True)
+      >>> bad.add([{"position": 4, "reason": "rewound"}, {"position": 3}])
+      [4]
+    """
+
+    def __init__(self, path: str | None, entries: list, given=frozenset()):
+        self.path = path
+        self.entries = list(entries)
+        self.positions = {e["position"] for e in self.entries} | set(given)
+
+    def __contains__(self, position: int) -> bool:
+        return position in self.positions
+
+    def add(self, new: list[dict[str, Any]]) -> list[int]:
+        """Adds the entries whose position is not listed yet and writes the
+        file; the positions added."""
+        listed = {e["position"] for e in self.entries}
+        fresh = [e for e in new if e["position"] not in listed]
+        fresh = list({e["position"]: e for e in fresh}.values())
+        if not fresh:
+            return []
+        self.entries += fresh
+        self.positions |= {e["position"] for e in fresh}
+        if self.path is not None:
+            write(self.path, self.entries)
+        return [e["position"] for e in fresh]
+
+
+def for_run(directory, given, writes: bool, entries=None) -> BadBatches:
+    """The `BadBatches` of a run on checkpoint `directory` (None: none):
+    the file's entries (or `entries`, read by another process), the
+    positions `given`, written by this process when `writes`."""
+    path = file_in(directory)
+    if entries is None:
+        entries = read(path)
+    return BadBatches(path if writes else None, entries, given)
