@@ -82,15 +82,16 @@ def write(path: str, entries: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
-def given_positions(skip_batches: Any) -> frozenset[int]:
-    """fit's ``skip_batches=`` (None or positions) as a set, checked."""
+def given_positions(skip_batches: Any, where: str = "fit") -> frozenset[int]:
+    """``skip_batches`` (None or positions) as a set, checked."""
     if skip_batches is None:
         return frozenset()
+    name = f"{where}: skip_batches"
     if isinstance(skip_batches, str | bytes) or not hasattr(skip_batches, "__iter__"):
         raise TypeError(
-            f"skip_batches must be None or data positions (ints), got {skip_batches!r}"
+            f"{name} must be None or data positions (ints), got {skip_batches!r}"
         )
-    return frozenset(_entry(p, "skip_batches")["position"] for p in skip_batches)
+    return frozenset(_entry(p, name)["position"] for p in skip_batches)
 
 
 class BadBatches:
@@ -100,7 +101,9 @@ class BadBatches:
       path: the list file (None: nothing is written: no checkpoint
         directory, or a process that does not write).
       entries: the file's entries when the run started.
-      given: fit's ``skip_batches``.
+      given: `Checkpointing`'s ``skip_batches``.
+      keeps: whether the run keeps a list (it has a checkpoint directory,
+        on process 0 / rank 0): else `add` adds nothing.
 
     Example:
       >>> from _stablecore.bad_data import BadBatches
@@ -111,8 +114,10 @@ class BadBatches:
       [4]
     """
 
-    def __init__(self, path: str | None, entries: list, given=frozenset()):
-        self.path = path
+    def __init__(
+        self, path: str | None, entries: list, given=frozenset(), keeps: bool = True
+    ):
+        self.path, self.keeps = path, keeps
         self.entries = list(entries)
         self.positions = {e["position"] for e in self.entries} | set(given)
 
@@ -125,7 +130,7 @@ class BadBatches:
         listed = {e["position"] for e in self.entries}
         fresh = [e for e in new if e["position"] not in listed]
         fresh = list({e["position"]: e for e in fresh}.values())
-        if not fresh:
+        if not fresh or not self.keeps:
             return []
         self.entries += fresh
         self.positions |= {e["position"] for e in fresh}
@@ -134,11 +139,11 @@ class BadBatches:
         return [e["position"] for e in fresh]
 
 
-def for_run(directory, given, writes: bool, entries=None) -> BadBatches:
+def for_run(directory, given, writes: bool, shared=None) -> BadBatches:
     """The `BadBatches` of a run on checkpoint `directory` (None: none):
-    the file's entries (or `entries`, read by another process), the
-    positions `given`, written by this process when `writes`."""
+    the file's entries, the positions `given`, written by this process when
+    `writes`. `shared`: ``(entries, keeps)`` as the writing process read
+    them (torch ranks may have no directory of their own)."""
     path = file_in(directory)
-    if entries is None:
-        entries = read(path)
-    return BadBatches(path if writes else None, entries, given)
+    entries, keeps = (read(path), path is not None) if shared is None else shared
+    return BadBatches(path if writes else None, entries, given, keeps)

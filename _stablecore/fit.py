@@ -13,6 +13,7 @@ import os
 import warnings
 from typing import Any
 
+from _stablecore.bad_data import given_positions
 from _stablecore.checkpoint import temp_path
 from _stablecore.checks import (
     check_bool,
@@ -166,15 +167,19 @@ class Checkpointing:
     or synchronous saves. ``every``: None (only the final checkpoint) or an
     int >= 1, a checkpoint every this many steps of the run. ``resume``:
     first restore the latest intact checkpoint there and go on from its
-    position (with no checkpoint yet, start the run). `fit` also takes a
-    bare directory or manager as ``checkpoint=`` (``every=None``,
-    ``resume=False``).
+    position (with no checkpoint yet, start the run). ``skip_batches``: data
+    positions the run skips without running them, with those of the
+    directory's ``bad_batches.json`` (which fit keeps: docs/locate.md);
+    they are not written to it. `fit` also takes a bare directory or
+    manager as ``checkpoint=`` (``every=None``, ``resume=False``).
 
     Example:
       >>> # from jaxstable.train (or torchref.train) import Checkpointing
       >>> c = Checkpointing("runs/ckpt", every=100, resume=True)
       >>> c.every, c.resume
       (100, True)
+      >>> Checkpointing("runs/ckpt", skip_batches=[7, 3]).skip_batches
+      (3, 7)
       >>> Checkpointing("runs/ckpt", every=0)
       Traceback (most recent call last):
       ...
@@ -184,6 +189,7 @@ class Checkpointing:
     directory: Any
     every: int | None = None
     resume: bool = False
+    skip_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_needs(
@@ -192,6 +198,8 @@ class Checkpointing:
         )
         check_int("Checkpointing: every", self.every, 1, optional=True)
         check_bool("Checkpointing: resume", self.resume)
+        skip = tuple(sorted(given_positions(self.skip_batches, "Checkpointing")))
+        object.__setattr__(self, "skip_batches", skip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +261,7 @@ def checked_options(
         "checkpoint_dir": None if ckpt is None else ckpt.directory,
         "checkpoint_every": None if ckpt is None else ckpt.every,
         "resume": ckpt is not None and ckpt.resume,
+        "skip_batches": () if ckpt is None else ckpt.skip_batches,
     }
 
 

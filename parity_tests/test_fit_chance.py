@@ -138,7 +138,8 @@ def test_chance_is_skipped_and_cause_stops_with_on_chance_ignore(tmp_path):
         assert "bad_batches_listed" not in chance  # chance is not bad data
         assert not (folder / "bad_batches.json").exists()
         # The same policy on a NaN in the data: it reproduces, fit stops.
-        err = _fit_raises(framework, _data(5, nan_at=[2]), nan_policy=policy)
+        data = _data(5, nan_at=[2])
+        err = _fit_raises(framework, data, nan_policy=policy, checkpoint=folder / "c")
         cause = err.history[-1]
         assert (err.step, cause["reproduced"]) == (2, True)
         assert cause["location"]["phase"] == "input"
@@ -190,14 +191,15 @@ def test_a_restarted_fit_skips_the_batch_that_stopped_it(tmp_path):
     assert records["jax"] == records["torch"]
 
 
-def test_skip_batches_and_an_edited_list_skip_without_running(tmp_path):
+def test_given_and_hand_written_bad_batches_are_skipped_without_running(tmp_path):
     data = _data(8)
     records = {}
     for framework in FRAMEWORKS:
         folder = tmp_path / framework
         folder.mkdir()
         (folder / "bad_batches.json").write_text("[5]")  # a user's list
-        w, hist = _fit(framework, data, skip_batches=[1, 2], checkpoint=folder)
+        ckpt = ttrain.Checkpointing(folder, skip_batches=[2, 1])
+        w, hist = _fit(framework, data, checkpoint=ckpt)
         assert [r["step"] for r in hist] == [0, 3, 4, 6, 7]
         assert [r.get("bad_batches_skipped") for r in hist] == [
             None, [1, 2], None, [5], None,
@@ -206,6 +208,16 @@ def test_skip_batches_and_an_edited_list_skip_without_running(tmp_path):
         np.testing.assert_array_equal(w, never)
         records[framework] = [_kept(r) for r in hist]
     assert records["jax"] == records["torch"]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_without_a_checkpoint_directory_no_list_is_kept(framework):
+    err = _fit_raises(
+        framework, _data(5, nan_at=[2]),
+        nan_policy=ttrain.NanPolicy.stop(max_consecutive=1),
+    )  # fmt: skip
+    assert err.history[-1]["reproduced"] is True
+    assert "bad_batches_listed" not in err.history[-1]
 
 
 def test_a_rewind_lists_the_batches_it_threw_away(tmp_path):

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from _stablecore import bad_data as _bad_data
+from _stablecore.bad_data import for_run as _bad_batches
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
@@ -57,7 +57,6 @@ def fit(
     on_step: Callable[[dict[str, Any], Any], Any] | None = None,
     log: Log | str | os.PathLike | None = _LOG,
     batch_transform: Callable[[Any], Any] | None = None,
-    skip_batches: Iterable[int] | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """Runs ``train_step`` over ``batches`` with logging and a NaN policy.
 
@@ -222,6 +221,25 @@ def fit(
         with a state placed by ``distributed.shard_state`` (checkpoints are
         then written from, and restored onto, the sharded state).
 
+    Chance or cause: a located step's record has ``"reproduced"`` (False:
+    `locate`'s re-run from the same state, batch and loss scale was finite or
+    failed elsewhere, a non-deterministic kernel or hardware; True: it
+    failed the same way, or the NaN is in the batch or parameters), and a
+    policy made with ``on_chance="ignore"`` locates every non-finite step and
+    lets one that did not reproduce count toward nothing (see `NanPolicy`).
+
+    Bad batches: with a checkpoint directory, the positions of located
+    non-finite steps that reproduced (a loss-scale overflow excepted) and of
+    the batches a rewind threw away are written at once to
+    ``checkpoint_dir/bad_batches.json`` (atomically, by process 0; the
+    adding step's record names them in ``"bad_batches_listed"``); every fit
+    on the directory reads it when it starts and skips those positions (and
+    ``Checkpointing(..., skip_batches=)``) without running the step (the
+    position advances; the next step's record lists them in
+    ``"bad_batches_skipped"``): the run equals one whose data never held
+    them. The file may be edited
+    (docs/locate.md).
+
     The keywords of the old form (``max_consecutive_nonfinite``,
     ``rollback_every``, ``checkpoint_dir``, ``eval_fn``, ``log_path``,
     ``progress`` ...) and a string ``nan_policy`` still work for one release,
@@ -277,7 +295,7 @@ def fit(
       ...     evaluate=(lambda s: {"p0": s.params[0]}, 2),
       ...     nan_policy=train.NanPolicy.skip(stop_after=2))
       >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stopped 2 after step 1
-      (4, ['skip_reason', "eval['p0']", 'location'])
+      (4, ['skip_reason', "eval['p0']", 'location', 'reproduced'])
       >>> hist[3]["eval['p0']"] == float(state.params[0]), hist[0]["time_s"] > 0
       (True, True)
     """
@@ -288,13 +306,13 @@ def fit(
     policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
     checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
     log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
-    given = _bad_data.given_positions(skip_batches)
+    given = opts["skip_batches"]
     if jax.process_count() > 1:
         check_same_on_every_process(
             checkpoint_dir=_directory(checkpoint_dir),
             checkpoint_every=checkpoint_every,
             resume=resume, steps=steps, nan_policy=repr(policy),
-            eval_every=eval_every, skip_batches=sorted(given),
+            eval_every=eval_every, skip_batches=list(given),
         )  # fmt: skip
     peers = Peers()
     mgr, own_mgr, lock = _manager(checkpoint_dir)
@@ -304,7 +322,7 @@ def fit(
         if mgr is not None and to_disk and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
         directory = None if mgr is None else mgr.directory
-        bad = _bad_data.for_run(directory, given, jax.process_index() == 0)
+        bad = _bad_batches(directory, given, jax.process_index() == 0)
         return _run(
             state, train_step, batches, steps, policy, log, checkpoint_every,
             eval_fn, eval_every, on_step, mgr, start, batch_transform, resumed,

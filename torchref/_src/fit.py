@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from _stablecore import bad_data as _bad_data
+from _stablecore.bad_data import BadBatches, file_in, for_run, read
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
@@ -51,7 +51,6 @@ def fit(
     log: Log | str | os.PathLike | None = _LOG,
     batch_transform: Callable[[Any], Any] | None = None,
     schedulers: Any = None,
-    skip_batches: Iterable[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs `step` over `batches` with a progress bar, a JSONL log and a NaN policy.
 
@@ -186,7 +185,7 @@ def fit(
         ...            evaluate=(lambda s: {"w0": w[0, 0]}, 2),
         ...            nan_policy=NanPolicy.skip(stop_after=2))
         >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stops 2 after 1
-        (4, ['skip_reason', "eval['w0']", 'location'])
+        (4, ['skip_reason', "eval['w0']", 'location', 'reproduced'])
         >>> hist[3]["eval['w0']"] == float(w.detach()[0, 0]), hist[0]["time_s"] > 0
         (True, True)
         >>> sched = torch.optim.lr_scheduler.StepLR(step.optimizer, 1, gamma=0.5)
@@ -204,7 +203,6 @@ def fit(
         CheckpointManager,
     )  # fmt: skip
     scheds = _as_schedulers(schedulers)
-    given = _bad_data.given_positions(skip_batches)
     policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
     checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
     log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
@@ -228,7 +226,7 @@ def fit(
                 extras = {"schedulers": [s.state_dict() for s, _ in scheds]}
                 # what the first rollback goes back to
                 mgr._save(start, step, None, None, None, None, extras)
-        bad = _bad_batches(mgr, given, group)
+        bad = _bad_batches(mgr, opts["skip_batches"], group)
         return _run(
             step, batches, steps, policy, log, checkpoint_every, eval_fn,
             eval_every, on_step, mgr, start, batch_transform, resumed, group,
@@ -245,15 +243,15 @@ def fit(
                 lock.release()
 
 
-def _bad_batches(mgr, given, group) -> _bad_data.BadBatches:
-    """The run's bad-batch list: rank 0 reads the file beside the
-    checkpoints (and alone writes it) and gives every rank its entries, so
-    that all skip the same batches."""
+def _bad_batches(mgr, given, group) -> BadBatches:
+    """The run's bad-batch list (``bad_batches.json``): rank 0 reads it
+    (and alone writes it) and gives every rank its entries, so that all
+    skip the same batches and write the same records."""
     directory = None if mgr is None else mgr.directory
     writer = group.rank == 0
-    entries = _bad_data.read(_bad_data.file_in(directory)) if writer else []
-    entries = group.from_rank0(entries)
-    return _bad_data.for_run(directory, given, writer, entries)
+    path = file_in(directory)
+    mine = (read(path), path is not None) if writer else None
+    return for_run(directory, given, writer, group.from_rank0(mine))
 
 
 def _as_schedulers(schedulers: Any) -> list[tuple[Any, str]]:
