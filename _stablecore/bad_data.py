@@ -104,6 +104,8 @@ class BadBatches:
       given: `Checkpointing`'s ``skip_batches``.
       keeps: whether the run keeps a list (it has a checkpoint directory,
         on process 0 / rank 0): else `add` adds nothing.
+      skips: whether the file's entries are skipped too
+        (``Checkpointing(skip_listed=True)``).
 
     Example:
       >>> from _stablecore.bad_data import BadBatches
@@ -115,11 +117,13 @@ class BadBatches:
     """
 
     def __init__(
-        self, path: str | None, entries: list, given=frozenset(), keeps: bool = True
-    ):
-        self.path, self.keeps = path, keeps
+        self, path: str | None, entries: list, given=frozenset(), keeps: bool = True,
+        skips: bool = True,
+    ):  # fmt: skip
+        self.path, self.keeps, self.skips = path, keeps, skips
         self.entries = list(entries)
-        self.positions = {e["position"] for e in self.entries} | set(given)
+        listed = {e["position"] for e in self.entries} if skips else set()
+        self.positions = listed | set(given)
 
     def __contains__(self, position: int) -> bool:
         return position in self.positions
@@ -133,17 +137,19 @@ class BadBatches:
         if not fresh or not self.keeps:
             return []
         self.entries += fresh
-        self.positions |= {e["position"] for e in fresh}
+        if self.skips:
+            self.positions |= {e["position"] for e in fresh}
         if self.path is not None:
             write(self.path, self.entries)
         return [e["position"] for e in fresh]
 
 
-def for_run(directory, given, writes: bool, shared=None) -> BadBatches:
+def for_run(directory, given, writes: bool, skips: bool, shared=None) -> BadBatches:
     """The `BadBatches` of a run on checkpoint `directory` (None: none):
-    the file's entries, the positions `given`, written by this process when
-    `writes`. `shared`: ``(entries, keeps)`` as the writing process read
-    them (torch ranks may have no directory of their own)."""
+    the file's entries (skipped with `skips`), the positions `given`,
+    written by this process when `writes`. `shared`: ``(entries, keeps)``
+    as the writing process read them (torch ranks may have no directory of
+    their own)."""
     path = file_in(directory)
     entries, keeps = (read(path), path is not None) if shared is None else shared
-    return BadBatches(path if writes else None, entries, given, keeps)
+    return BadBatches(path if writes else None, entries, given, keeps, skips)

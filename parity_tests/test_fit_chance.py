@@ -5,6 +5,11 @@ non-finite step that does not reproduce (chance) told from one that does
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +20,13 @@ import torch
 from jax.experimental import io_callback
 
 from jaxstable import train as jtrain
+from parity_tests import bad_data_worker as worker
 from torchref import train as ttrain
+
+# End to end, with a killed process: queued first, compiled with fewer XLA
+# optimisations (conftest.py; the killed worker inherits the setting, so its
+# checkpoint and this process's runs compile alike and compare bitwise).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
 
 FRAMEWORKS = ("jax", "torch")
 NOT_REPRODUCED = "did not reproduce on re-run: suspect non-determinism or hardware"
@@ -182,6 +193,11 @@ def test_a_restarted_fit_skips_the_batch_that_stopped_it(tmp_path):
         assert listed["batches"] == [
             {"position": 3, "reason": "reproduced", "phase": "input", "path": None}
         ]
+        # Without skip_listed a resumed run is the uninterrupted one: it runs
+        # batch 3 again (and stops there again).
+        err = _fit_raises(framework, data, nan_policy=policy, checkpoint=ckpt)
+        assert err.step == 3 and "bad_batches_listed" not in err.history[-1]
+        ckpt = ttrain.Checkpointing(folder, every=2, resume=True, skip_listed=True)
         w, hist = _fit(framework, data, nan_policy=policy, checkpoint=ckpt)
         assert [r["step"] for r in hist] == [2, 4, 5, 6, 7]
         assert hist[1]["bad_batches_skipped"] == [3]
@@ -198,7 +214,7 @@ def test_given_and_hand_written_bad_batches_are_skipped_without_running(tmp_path
         folder = tmp_path / framework
         folder.mkdir()
         (folder / "bad_batches.json").write_text("[5]")  # a user's list
-        ckpt = ttrain.Checkpointing(folder, skip_batches=[2, 1])
+        ckpt = ttrain.Checkpointing(folder, skip_listed=True, skip_batches=[2, 1])
         w, hist = _fit(framework, data, checkpoint=ckpt)
         assert [r["step"] for r in hist] == [0, 3, 4, 6, 7]
         assert [r.get("bad_batches_skipped") for r in hist] == [
@@ -238,3 +254,31 @@ def test_a_rewind_lists_the_batches_it_threw_away(tmp_path):
             (2, "rewound"), (3, "reproduced"), (4, "rewound"), (5, "rewound"),
         ]  # fmt: skip
     assert lists["jax"] == lists["torch"]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_killed_run_resumed_skips_the_batch_it_listed(framework, tmp_path):
+    """SIGKILLed after the NaN of batch 4 was listed, before the checkpoint
+    after it: the resumed run (from checkpoint 3, or 0 if the kill beat its
+    background save) skips batch 4 and equals the run that never saw it."""
+    root = Path(__file__).resolve().parents[1]
+    args = [sys.executable, "-m", "parity_tests.bad_data_worker", framework]
+    proc = subprocess.run(
+        [*args, str(tmp_path)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    listed = json.loads((tmp_path / "bad_batches.json").read_text())["batches"]
+    assert [(e["position"], e["reason"]) for e in listed] == [(4, "reproduced")]
+    data = _data(worker.N, nan_at=[worker.BAD])
+    ckpt = ttrain.Checkpointing(
+        tmp_path, every=worker.EVERY, resume=True, skip_listed=True
+    )
+    w, hist = _fit(framework, data, checkpoint=ckpt)
+    assert hist[0]["step"] in (0, 3) and hist[-1]["step"] == worker.N - 1
+    after = [r for r in hist if r["step"] == worker.BAD + 1]
+    assert after[0]["bad_batches_skipped"] == [worker.BAD]
+    assert all(r["finite"] for r in hist)  # batch 4 never ran
+    never, _ = _fit(framework, data[: worker.BAD] + data[worker.BAD + 1 :])
+    np.testing.assert_array_equal(w, never)

@@ -232,9 +232,10 @@ def fit(
     non-finite steps that reproduced (a loss-scale overflow excepted) and of
     the batches a rewind threw away are written at once to
     ``checkpoint_dir/bad_batches.json`` (atomically, by process 0; the
-    adding step's record names them in ``"bad_batches_listed"``); every fit
-    on the directory reads it when it starts and skips those positions (and
-    ``Checkpointing(..., skip_batches=)``) without running the step (the
+    adding step's record names them in ``"bad_batches_listed"``). With
+    ``Checkpointing(..., skip_listed=True)`` fit reads it when it starts
+    and skips those positions (and those of ``skip_batches``) without
+    running the step (the
     position advances; the next step's record lists them in
     ``"bad_batches_skipped"``): the run equals one whose data never held
     them. The file may be edited
@@ -313,6 +314,7 @@ def fit(
             checkpoint_every=checkpoint_every,
             resume=resume, steps=steps, nan_policy=repr(policy),
             eval_every=eval_every, skip_batches=list(given),
+            skip_listed=opts["skip_listed"],
         )  # fmt: skip
     peers = Peers()
     mgr, own_mgr, lock = _manager(checkpoint_dir)
@@ -322,7 +324,9 @@ def fit(
         if mgr is not None and to_disk and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
         directory = None if mgr is None else mgr.directory
-        bad = _bad_batches(directory, given, jax.process_index() == 0)
+        bad = _bad_batches(
+            directory, given, jax.process_index() == 0, opts["skip_listed"]
+        )
         return _run(
             state, train_step, batches, steps, policy, log, checkpoint_every,
             eval_fn, eval_every, on_step, mgr, start, batch_transform, resumed,

@@ -139,6 +139,9 @@ def fit(
             e.g. this rank's rows of a global batch under DDP:
             ``lambda b: torchref.distributed.shard_batch(b, mesh)``.
         schedulers: None, a scheduler, or a list (see above).
+        The bad-batch list (``bad_batches.json``, ``Checkpointing(
+        skip_listed=, skip_batches=)``) is rank 0's file, given to every
+        rank.
         The same records and options as `jaxstable.train.fit`.
 
     The keywords of the old form (``max_consecutive_nonfinite``,
@@ -226,7 +229,7 @@ def fit(
                 extras = {"schedulers": [s.state_dict() for s, _ in scheds]}
                 # what the first rollback goes back to
                 mgr._save(start, step, None, None, None, None, extras)
-        bad = _bad_batches(mgr, opts["skip_batches"], group)
+        bad = _bad_batches(mgr, opts, group)
         return _run(
             step, batches, steps, policy, log, checkpoint_every, eval_fn,
             eval_every, on_step, mgr, start, batch_transform, resumed, group,
@@ -243,7 +246,7 @@ def fit(
                 lock.release()
 
 
-def _bad_batches(mgr, given, group) -> BadBatches:
+def _bad_batches(mgr, opts: dict, group) -> BadBatches:
     """The run's bad-batch list (``bad_batches.json``): rank 0 reads it
     (and alone writes it) and gives every rank its entries, so that all
     skip the same batches and write the same records."""
@@ -251,7 +254,8 @@ def _bad_batches(mgr, given, group) -> BadBatches:
     writer = group.rank == 0
     path = file_in(directory)
     mine = (read(path), path is not None) if writer else None
-    return for_run(directory, given, writer, group.from_rank0(mine))
+    given, skips = opts["skip_batches"], opts["skip_listed"]
+    return for_run(directory, given, writer, skips, group.from_rank0(mine))
 
 
 def _as_schedulers(schedulers: Any) -> list[tuple[Any, str]]:
