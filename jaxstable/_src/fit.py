@@ -235,10 +235,10 @@ def fit(
     adding step's record names them in ``"bad_batches_listed"``). With
     ``Checkpointing(..., skip_listed=True)`` fit reads it when it starts
     and skips those positions (and those of ``skip_batches``) without
-    running the step (the
-    position advances; the next step's record lists them in
-    ``"bad_batches_skipped"``): the run equals one whose data never held
-    them. The file may be edited
+    running the step (the position advances; the next step's record lists
+    them in ``"bad_batches_skipped"``): the run equals one whose data never
+    held them. Off by default, so that a run killed after a listed batch
+    and resumed is the uninterrupted run. The file may be edited
     (docs/locate.md).
 
     The keywords of the old form (``max_consecutive_nonfinite``,
