@@ -78,8 +78,8 @@ class FitLoop:
       saved_at: the step of the checkpoint already written, or None.
       bar: the progress bar (``update``, ``set_postfix``, ``close``).
       out: the JSONL log file, or None.
-      bad: the run's `BadBatches` (the list beside the checkpoints and
-        fit's ``skip_batches``), or None.
+      bad: the run's `BadBatches` (``bad_batches.json`` beside the
+        checkpoints and `Checkpointing`'s ``skip_batches``), or None.
     """
 
     def __init__(
