@@ -101,10 +101,11 @@ def fit(
       directory with `torch.distributed.checkpoint`), a resume loads rank
       0's checkpoint on every rank, ``on_step`` stopping one rank stops all,
       `locate` re-runs a DDP step on this rank's unwrapped module (no
-      collective) and is not run under FSDP2; a rank that raises makes the
-      others' next collective fail with a RuntimeError naming its rank,
-      step and error (after the process group's timeout at worst). See
-      docs/distributed.md.
+      collective) and is not run under FSDP2, the bad-batch list
+      (``bad_batches.json``) is rank 0's, given to every rank; a rank that
+      raises makes the others' next collective fail with a RuntimeError
+      naming its rank, step and error (after the process group's timeout at
+      worst). See docs/distributed.md.
 
     Steps: a `TrainStep`, or any callable ``step(batch) -> metrics`` whose
     metrics hold ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
@@ -139,9 +140,6 @@ def fit(
             e.g. this rank's rows of a global batch under DDP:
             ``lambda b: torchref.distributed.shard_batch(b, mesh)``.
         schedulers: None, a scheduler, or a list (see above).
-        The bad-batch list (``bad_batches.json``, ``Checkpointing(
-        skip_listed=, skip_batches=)``) is rank 0's file, given to every
-        rank.
         The same records and options as `jaxstable.train.fit`.
 
     The keywords of the old form (``max_consecutive_nonfinite``,
