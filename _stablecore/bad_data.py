@@ -113,7 +113,9 @@ class BadBatches:
       >>> 3 in bad, 4 in bad, 5 in bad
       (True, False, True)
       >>> bad.add([{"position": 4, "reason": "rewound"}, {"position": 3}])
-      [4]
+      [3, 4]
+      >>> [e["position"] for e in bad.entries]  # the first entry of each kept
+      [3, 4]
     """
 
     def __init__(
@@ -129,19 +131,22 @@ class BadBatches:
         return position in self.positions
 
     def add(self, new: list[dict[str, Any]]) -> list[int]:
-        """Adds the entries whose position is not listed yet and writes the
-        file; the positions added."""
+        """Lists `new`'s positions: adds the entries whose position is not
+        listed yet and writes the file; the positions of `new`, sorted
+        (listed before or not: a step re-run after a resume says what the
+        uninterrupted run said), [] when the run keeps no list."""
+        if not self.keeps:
+            return []
         listed = {e["position"] for e in self.entries}
         fresh = [e for e in new if e["position"] not in listed]
         fresh = list({e["position"]: e for e in fresh}.values())
-        if not fresh or not self.keeps:
-            return []
-        self.entries += fresh
-        if self.skips:
-            self.positions |= {e["position"] for e in fresh}
-        if self.path is not None:
-            write(self.path, self.entries)
-        return [e["position"] for e in fresh]
+        if fresh:
+            self.entries += fresh
+            if self.skips:
+                self.positions |= {e["position"] for e in fresh}
+            if self.path is not None:
+                write(self.path, self.entries)
+        return sorted({e["position"] for e in new})
 
 
 def for_run(directory, given, writes: bool, skips: bool, shared=None) -> BadBatches:
@@ -151,5 +156,9 @@ def for_run(directory, given, writes: bool, skips: bool, shared=None) -> BadBatc
     as the writing process read them (torch ranks may have no directory of
     their own)."""
     path = file_in(directory)
+    if writes and path is not None:  # a write a killed run left half done
+        for name in os.listdir(directory):
+            if name.startswith(FILE + ".tmp-"):
+                os.remove(os.path.join(directory, name))
     entries, keeps = (read(path), path is not None) if shared is None else shared
     return BadBatches(path if writes else None, entries, given, keeps, skips)

@@ -237,10 +237,12 @@ class FitLoop:
         self.list_bad(rec, entries)
 
     def list_bad(self, rec: dict[str, Any], entries: list[dict]) -> None:
-        """Adds `entries` to the bad-batch list; the record names those new."""
-        added = self.bad.add(entries)
-        if added:
-            rec["bad_batches_listed"] = sorted(added)
+        """Puts `entries` on the bad-batch list; the record names them."""
+        listed = self.bad.add(entries)
+        if listed:
+            rec["bad_batches_listed"] = sorted(
+                {*rec.get("bad_batches_listed", ()), *listed}
+            )
 
     def locate(self, rec: dict[str, Any], pending: Any) -> None:
         """The step's ``"location"`` when the policy wants one, and whether
