@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from _stablecore.bad_data import given_positions
 from _stablecore.checkpoint import temp_path
 from _stablecore.checks import (
     check_bool,
@@ -167,15 +168,22 @@ class Checkpointing:
     or synchronous saves. ``every``: None (only the final checkpoint) or an
     int >= 1, a checkpoint every this many steps of the run. ``resume``:
     first restore the latest intact checkpoint there and go on from its
-    position (with no checkpoint yet, start the run). `fit` also takes a
-    bare directory or manager as ``checkpoint=`` (``every=None``,
-    ``resume=False``).
+    position (with no checkpoint yet, start the run). fit keeps the run's
+    bad batches in the directory's ``bad_batches.json`` (docs/locate.md);
+    ``skip_listed``: skip the positions listed there without running them
+    (off by default: then a run killed and resumed is the uninterrupted
+    run, whose steps ran those batches). ``skip_batches``: positions to
+    skip too (not written to the list). `fit` also takes a bare directory or
+    manager as ``checkpoint=`` (``every=None``, ``resume=False``).
 
     Example:
       >>> # from jaxstable.train (or torchref.train) import Checkpointing
       >>> c = Checkpointing("runs/ckpt", every=100, resume=True)
       >>> c.every, c.resume
       (100, True)
+      >>> c = Checkpointing("runs/ckpt", skip_listed=True, skip_batches=[7, 3])
+      >>> c.skip_listed, c.skip_batches
+      (True, (3, 7))
       >>> Checkpointing("runs/ckpt", every=0)
       Traceback (most recent call last):
       ...
@@ -185,6 +193,8 @@ class Checkpointing:
     directory: Any
     every: int | None = None
     resume: bool = False
+    skip_listed: bool = False
+    skip_batches: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_needs(
@@ -193,6 +203,9 @@ class Checkpointing:
         )
         check_int("Checkpointing: every", self.every, 1, optional=True)
         check_bool("Checkpointing: resume", self.resume)
+        check_bool("Checkpointing: skip_listed", self.skip_listed)
+        skip = tuple(sorted(given_positions(self.skip_batches, "Checkpointing")))
+        object.__setattr__(self, "skip_batches", skip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +267,8 @@ def checked_options(
         "checkpoint_dir": None if ckpt is None else ckpt.directory,
         "checkpoint_every": None if ckpt is None else ckpt.every,
         "resume": ckpt is not None and ckpt.resume,
+        "skip_batches": () if ckpt is None else ckpt.skip_batches,
+        "skip_listed": ckpt is not None and ckpt.skip_listed,
     }
 
 

@@ -26,6 +26,7 @@ import itertools
 import json
 from typing import Any, Protocol
 
+from _stablecore.bad_data import BadBatches
 from _stablecore.fit import show, warn_if_short
 from _stablecore.low_precision import StallMonitor
 from _stablecore.nan_policy import RESTORES, NanPolicy, PolicyState
@@ -77,12 +78,14 @@ class FitLoop:
       saved_at: the step of the checkpoint already written, or None.
       bar: the progress bar (``update``, ``set_postfix``, ``close``).
       out: the JSONL log file, or None.
+      bad: the run's `BadBatches` (``bad_batches.json`` beside the
+        checkpoints and `Checkpointing`'s ``skip_batches``), or None.
     """
 
     def __init__(
         self, adapter, data_from, policy: NanPolicy, resumed: dict, start: int,
         steps, evaluate_every, on_step, checkpoint_every, saves: bool,
-        saved_at, bar, out,
+        saved_at, bar, out, bad: BadBatches | None = None,
     ):  # fmt: skip
         self.a, self.policy = adapter, policy
         self.book = PolicyState(policy)
@@ -102,6 +105,8 @@ class FitLoop:
         self.action: str | None = None
         self.stop_asked = False
         self.stall = StallMonitor()  # warns when rounding keeps eating updates
+        self.bad = BadBatches(None, []) if bad is None else bad
+        self.skipped_bad: list[int] = []  # listed batches not yet in a record
 
     # The run.
 
@@ -110,6 +115,11 @@ class FitLoop:
         stopped = self.ended
         try:
             for batch in self.data:
+                if self.done in self.bad:  # listed: counted, never run
+                    if self.skip_listed():
+                        stopped = True
+                        break
+                    continue
                 if self.step(batch):
                     stopped = True
                     break
@@ -155,13 +165,31 @@ class FitLoop:
             self.checkpoint(self.history[-1] if self.history else None)
         return self.stop_asked and self.pending is None
 
+    def skip_listed(self) -> bool:
+        """The batch at `done` is on the bad-batch list: counted as a batch
+        of the run but not run (the next step's record names it); True when
+        the run stops here (a checkpoint due here finished the step before,
+        which asked to stop)."""
+        self.skipped_bad.append(self.done)
+        self.done += 1
+        self.bar.update(1)
+        every = self.checkpoint_every
+        if every is None or self.done % every:
+            return False
+        if self.pending is not None:
+            self.finish(self.pending)
+            self.pending = None
+        self.checkpoint(self.history[-1] if self.history else None)
+        return self.stop_asked
+
     # One step, in the order it happens.
 
     def finish(self, pending: Any, pulled: int = 0) -> str | None:
         """The step's record, location, log line, callback and policy: the
         policy's action ("rollback", "rewind" or None)."""
         rec = self.observe(pending, pulled)
-        self.locate(rec, pending)
+        if self.policy.on_chance != "ignore":  # else located in `observe`
+            self.locate(rec, pending)
         self.log(rec)
         self.call_back(rec, pending)
         return self.apply_policy(rec, pending)
@@ -173,32 +201,70 @@ class FitLoop:
         rec = self.a.record(pending)
         self.stall.check(rec)  # low_precision_adamw: rounding eating updates
         index = rec["step"]
+        skipped = [p for p in self.skipped_bad if p < index]
+        if skipped:  # listed batches skipped since the step before
+            rec["bad_batches_skipped"] = skipped
+            self.skipped_bad = [p for p in self.skipped_bad if p > index]
         every = self.evaluate_every
         if every is not None and (index + 1) % every == 0:
             rec.update(self.a.evaluate(pending))
         self.a.observed(rec)
+        self.location = self.action = None
+        if self.policy.on_chance == "ignore":  # the decision needs it
+            self.locate(rec, pending)
         spike = rec.get("skip_reason") == "spike"
-        self.action = self.book.observe(index, rec["finite"], spike)
+        chance = rec.get("reproduced") is False
+        self.action = self.book.observe(index, rec["finite"], spike, chance)
         if self.action == "rollback":
             rec["rolled_back"] = True
             self.book.restored(index)
         elif self.action == "rewind":
-            at = self.book.snapshot_at if self.in_memory else self.a.latest_checkpoint()
-            dropped = self.drop(self.policy.rewind_skip, pulled)
-            rec.update(self.book.rewind_record(index, at, dropped))
-            self.book.restored(index, dropped)
+            self.rewind(rec, index, pulled)
         return rec
 
+    def rewind(self, rec: dict[str, Any], index: int, pulled: int) -> None:
+        """The rewind's record and dropped batches; every batch it throws
+        away (trained since the restore point, dropped after) is listed."""
+        at = self.book.snapshot_at if self.in_memory else self.a.latest_checkpoint()
+        since = max(at, self.book.trained_from)
+        first = self.done  # the first batch dropped (taken, with the lookahead)
+        dropped = self.drop(self.policy.rewind_skip, pulled)
+        rec.update(self.book.rewind_record(index, at, dropped))
+        self.book.restored(index, dropped)
+        thrown = [*range(since, index + 1), *range(first, first + dropped)]
+        entries = [
+            {"position": p, "reason": "rewound", "rewind_from": index} for p in thrown
+        ]
+        self.list_bad(rec, entries)
+
+    def list_bad(self, rec: dict[str, Any], entries: list[dict]) -> None:
+        """Puts `entries` on the bad-batch list; the record names them."""
+        listed = self.bad.add(entries)
+        if listed:
+            rec["bad_batches_listed"] = sorted(
+                {*rec.get("bad_batches_listed", ()), *listed}
+            )
+
     def locate(self, rec: dict[str, Any], pending: Any) -> None:
-        """The step's ``"location"`` when the policy wants one."""
+        """The step's ``"location"`` when the policy wants one, and whether
+        it reproduced (``"reproduced"``: False when the re-run was finite,
+        a location of None, or failed elsewhere); a step that reproduced is
+        listed as bad data, unless it is a gradient overflow the loss scale
+        handles (phase "loss_scale")."""
         self.location = None
         if not self.book.wants_location(located_kind(rec), self.action):
             return
         location = self.a.locate(pending, rec)
-        if location is not False:  # False: this step cannot be located
-            self.book.located += 1
-            rec["location"] = None if location is None else location._asdict()
-            self.location = location
+        if location is False:  # this step cannot be located
+            return
+        self.book.located += 1
+        rec["location"] = None if location is None else location._asdict()
+        rec["reproduced"] = location is not None and location.reproduced is not False
+        self.location = location
+        if rec["reproduced"] and location.phase != "loss_scale":
+            entry = {"position": rec["step"], "reason": "reproduced"}
+            entry.update(phase=location.phase, path=location.path)
+            self.list_bad(rec, [entry])
 
     def log(self, rec: dict[str, Any]) -> None:
         self.history.append(rec)

@@ -14,9 +14,14 @@ KINDS = ("skip", "stop", "rollback", "rewind")
 # The policies that restore a saved state.
 RESTORES = ("rollback", "rewind")
 ROLLBACK_TARGETS = ("memory", "disk")
+# What a policy makes of a located non-finite step that did not reproduce.
+CHANCE = ("count", "ignore")
 
 
-_COMMON = (("locate_first", "locate_first"), ("stop_after", "stop_after"))
+_COMMON = (
+    ("locate_first", "locate_first"), ("stop_after", "stop_after"),
+    ("on_chance", "on_chance"),
+)  # fmt: skip
 _RESTORE = (
     ("every", "snapshot_every"), ("max", "max_restores"), ("to", "restore_to"),
 )  # fmt: skip
@@ -51,6 +56,23 @@ class NanPolicy:
     run of non-finite steps ("stop", "rollback", ``stop_after``); "rewind"
     counts it (PaLM's recipe is for spikes).
 
+    Chance or cause (``on_chance``): `locate` re-runs a non-finite step
+    from the same state, batch and loss scale; a step whose re-run is
+    finite or fails elsewhere did not reproduce (chance: a non-deterministic
+    kernel, a race, failing hardware), one whose re-run fails the same way,
+    or whose NaN is in the batch or the parameters, did (cause: the data or
+    the numerics). fit's record says which (``"reproduced"``).
+    ``on_chance="count"`` (the default) counts both alike;
+    ``on_chance="ignore"`` locates every non-finite step (not only the first
+    ``locate_first``) and a step that did not reproduce, skipped as every
+    non-finite step is, then counts toward nothing, like a spike for
+    "stop" and "rollback" (neither counting toward nor breaking a run,
+    nor starting ``stop_after``) and not at all for "rewind": so
+    ``NanPolicy.stop(max_consecutive=1, on_chance="ignore")`` skips and goes
+    on past a chance NaN and stops at the first that reproduces. A step that
+    could not be located (a step that is not a `TrainStep`, a donated
+    input) counts.
+
     Example:
       >>> # from jaxstable.train (or torchref.train) import NanPolicy
       >>> NanPolicy.skip().kind
@@ -60,6 +82,8 @@ class NanPolicy:
       ('rollback', 2, 50, 3, 'memory')
       >>> NanPolicy.rewind(after=2, window=10, skip=4).rewind_skip
       4
+      >>> NanPolicy.stop(max_consecutive=1, on_chance="ignore")
+      NanPolicy.stop(max_consecutive=1, on_chance='ignore')
       >>> NanPolicy.stop(max_consecutive=0)
       Traceback (most recent call last):
       ...
@@ -76,6 +100,7 @@ class NanPolicy:
     rewind_skip: int = 0
     locate_first: int = 1
     stop_after: int | None = None
+    on_chance: str = "count"
 
     def __post_init__(self) -> None:
         check_choice("NanPolicy kind", self.kind, KINDS)
@@ -89,6 +114,7 @@ class NanPolicy:
         check_int(where + "skip", self.rewind_skip, 0)
         check_int(where + "locate_first", self.locate_first, 0)
         check_int(where + "stop_after", self.stop_after, 0, optional=True)
+        check_choice(where + "on_chance", self.on_chance, CHANCE)
         check_needs(
             self.rewind_window >= self.rewind_after,
             f"{where}window ({self.rewind_window}) must be >= after "
@@ -97,26 +123,33 @@ class NanPolicy:
         )
 
     @classmethod
-    def skip(cls, *, locate_first: int = 1, stop_after: int | None = None):
+    def skip(
+        cls, *, locate_first: int = 1, stop_after: int | None = None,
+        on_chance: str = "count",
+    ):  # fmt: skip
         """Skip every non-finite step and go on (the default)."""
-        return cls("skip", locate_first=locate_first, stop_after=stop_after)
+        return cls(
+            "skip", locate_first=locate_first, stop_after=stop_after,
+            on_chance=on_chance,
+        )  # fmt: skip
 
     @classmethod
     def stop(
         cls, *, max_consecutive: int = 5, locate_first: int = 1,
-        stop_after: int | None = None,
+        stop_after: int | None = None, on_chance: str = "count",
     ):  # fmt: skip
         """Raise `NonFiniteError` after `max_consecutive` non-finite steps in
         a row (the error carries the step's report and location)."""
         return cls(
             "stop", max_consecutive=max_consecutive, locate_first=locate_first,
-            stop_after=stop_after,
+            stop_after=stop_after, on_chance=on_chance,
         )  # fmt: skip
 
     @classmethod
     def rollback(
         cls, *, max_consecutive: int = 5, every: int = 100, max: int = 3,
         to: str = "memory", locate_first: int = 1, stop_after: int | None = None,
+        on_chance: str = "count",
     ):  # fmt: skip
         """After `max_consecutive` non-finite steps in a row, go back to the
         last good state: a snapshot taken every `every` steps (``to=
@@ -126,7 +159,7 @@ class NanPolicy:
         return cls(
             "rollback", max_consecutive=max_consecutive, snapshot_every=every,
             max_restores=max, restore_to=to, locate_first=locate_first,
-            stop_after=stop_after,
+            stop_after=stop_after, on_chance=on_chance,
         )  # fmt: skip
 
     @classmethod
@@ -134,6 +167,7 @@ class NanPolicy:
         cls, *, after: int = 3, window: int = 100, skip: int = 0,
         every: int = 100, max: int = 3, to: str = "memory",
         locate_first: int = 1, stop_after: int | None = None,
+        on_chance: str = "count",
     ):  # fmt: skip
         """PaLM's recipe for loss spikes: when `after` of the last `window`
         steps were skipped (non-finite or spikes, not necessarily in a row),
@@ -144,7 +178,7 @@ class NanPolicy:
         return cls(
             "rewind", rewind_after=after, rewind_window=window, rewind_skip=skip,
             snapshot_every=every, max_restores=max, restore_to=to,
-            locate_first=locate_first, stop_after=stop_after,
+            locate_first=locate_first, stop_after=stop_after, on_chance=on_chance,
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -208,9 +242,14 @@ class PolicyState:
             if saved and k in saved:
                 setattr(self, k, copy.deepcopy(saved[k]))
 
-    def observe(self, index: int, finite: bool, spike: bool = False) -> str | None:
+    def observe(
+        self, index: int, finite: bool, spike: bool = False, chance: bool = False
+    ) -> str | None:
         """What the step just recorded triggers: "rollback", "rewind",
-        "raise" or None (`spike`: skipped as a spike, see above)."""
+        "raise" or None (`spike`: skipped as a spike, see above; `chance`: a
+        non-finite step that did not reproduce, ignored by the policy)."""
+        if chance and self.policy.on_chance == "ignore":
+            return None  # counts toward nothing, breaks nothing
         bad = not finite and not spike
         if bad:
             self.run += 1
@@ -260,8 +299,10 @@ class PolicyState:
 
     def wants_location(self, finite: bool, action: str | None) -> bool:
         # `finite`: nothing to locate (a spike skipped with finite values
-        # counts as finite here, see _located_kind).
+        # counts as finite here, see _located_kind). on_chance="ignore"
+        # locates every non-finite step (the policy's decision needs it).
         located = self.located < self.policy.locate_first
+        located = located or self.policy.on_chance == "ignore"
         return not finite and (action is not None or located)
 
     def stop_due(self, index: int) -> bool:

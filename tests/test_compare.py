@@ -113,8 +113,9 @@ def test_metrics_jsonl_has_one_line_per_run_step(out):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]  # strict JSON: no NaN
     # fit's guarded steps also say whether their gradients were finite, and
-    # a skipped step why and (the first one) where; the naive steps do not.
-    optional = {"grads_finite", "skip_reason", "location"}
+    # a skipped step why and (the first one) where, and whether it
+    # reproduced on locate's re-run; the naive steps do not.
+    optional = {"grads_finite", "skip_reason", "location", "reproduced"}
     assert all(LINE_KEYS <= set(r) <= LINE_KEYS | optional for r in records)
     assert all(("grads_finite" in r) == (r["mode"] == "stable") for r in records)
     assert all(r["time_s"] > 0 for r in records)  # fit's time_steps

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
-import json
 import os
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,97 +10,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from _stablecore.bad_data import for_run as _bad_batches
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
-from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
 from _stablecore.fit import accepts_old_keywords
-from _stablecore.fit import add_skip_reason as _add_skip_reason
 from _stablecore.fit import batches_from as _batches_from
 from _stablecore.fit import checked_options as _checked_options
 from _stablecore.fit import open_log as _open_log
-from _stablecore.fit import policy_note as _policy_note
 from _stablecore.lock import DirectoryLock
 from _stablecore.loop import FitLoop as _FitLoop
-from _stablecore.low_precision import STAT_NAMES
 from _stablecore.nan_policy import NanPolicy as NanPolicy
 from jaxstable._src.checkpoint_manager import CheckpointManager
-from jaxstable._src.diagnostics import (
-    CheckPoints,
-    check_record,
-    format_checks,
-    format_location,
-    format_report,
-    locate,
-    non_finite_report,
+from jaxstable._src.fit_report import NonFiniteError as NonFiniteError
+from jaxstable._src.fit_report import (
+    host_record,
+    locate_failed,
+    raise_non_finite,
+    scalar_record,
 )
-from jaxstable._src.distributed import _all_processes, _to_host
-from jaxstable._src.loss_scale import StaticLossScale
 from jaxstable._src.step import TrainState, TrainStep
-
-
-class NonFiniteError(FloatingPointError):
-    """Raised by `fit` after too many non-finite steps in a row.
-
-    With `NanPolicy.stop` at the first such run; with `NanPolicy.rollback`
-    or `NanPolicy.rewind` once its ``max`` rollbacks have been used.
-
-    Attributes:
-      step: 0-based index (in the run, see `fit`) of the step that hit the
-        limit, as in `torchref.train.NonFiniteError`.
-      state: the `TrainState` produced by that step (its update was skipped;
-        no later batch was applied).
-      report: `non_finite_report` of that step's gradients, recomputed at the
-        loss scale that step used.
-      history: the per-step records, ending with that step.
-      location: `jaxstable.diagnostics.locate` of that step (a
-        `NonFiniteLocation`), None when the op-by-op re-run found it finite.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        step: int,
-        state: Any,
-        report: list,
-        history: list,
-        location: Any = None,
-    ):
-        super().__init__(message)
-        self.step = step
-        self.state = state
-        self.report = report
-        self.history = history
-        self.location = location
-
+from jaxstable._src.watchdog import Peers, check_same_on_every_process
 
 _SKIP = NanPolicy.skip()
 _LOG = Log()
-
-
-def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
-    m = jax.device_get(metrics)
-    rec = {
-        "step": index,
-        "loss": float(m["loss"]),
-        "grad_norm": float(m["grad_norm"]),
-        "loss_scale": float(m["loss_scale"]),
-        "finite": bool(m["finite"]),
-        "skipped_total": int(m["skipped_total"]),
-    }
-    _add_skip_reason(rec, m.get("grads_finite"), m.get("spike"))
-    if m.get("microbatches_dropped") is not None:
-        # drop_non_finite_microbatches: the micro-batches this step dropped.
-        rec["microbatches_dropped"] = int(m["microbatches_dropped"])
-    rec.update({k: float(m[k]) for k in STAT_NAMES if k in m})
-    aux = m.get("aux")
-    if aux is not None:
-        rec.update(_scalar_record("aux", aux))
-        # The loss's check points (diagnostics.CheckPoints): checks[...] keys
-        # and the non-finite points in order, instead of aux[...] keys.
-        rec.update(check_record(aux))
-    return rec
 
 
 def _may_donate(train_step: Callable) -> bool:
@@ -292,6 +221,26 @@ def fit(
         with a state placed by ``distributed.shard_state`` (checkpoints are
         then written from, and restored onto, the sharded state).
 
+    Chance or cause: a located step's record has ``"reproduced"`` (False:
+    `locate`'s re-run from the same state, batch and loss scale was finite or
+    failed elsewhere, a non-deterministic kernel or hardware; True: it
+    failed the same way, or the NaN is in the batch or parameters), and a
+    policy made with ``on_chance="ignore"`` locates every non-finite step and
+    lets one that did not reproduce count toward nothing (see `NanPolicy`).
+
+    Bad batches: with a checkpoint directory, the positions of located
+    non-finite steps that reproduced (a loss-scale overflow excepted) and of
+    the batches a rewind threw away are written at once to
+    ``checkpoint_dir/bad_batches.json`` (atomically, by process 0; the
+    adding step's record names them in ``"bad_batches_listed"``). With
+    ``Checkpointing(..., skip_listed=True)`` fit reads it when it starts
+    and skips those positions (and those of ``skip_batches``) without
+    running the step (the position advances; the next step's record lists
+    them in ``"bad_batches_skipped"``): the run equals one whose data never
+    held them. Off by default, so that a run killed after a listed batch
+    and resumed is the uninterrupted run. The file may be edited
+    (docs/locate.md).
+
     The keywords of the old form (``max_consecutive_nonfinite``,
     ``rollback_every``, ``checkpoint_dir``, ``eval_fn``, ``log_path``,
     ``progress`` ...) and a string ``nan_policy`` still work for one release,
@@ -347,7 +296,7 @@ def fit(
       ...     evaluate=(lambda s: {"p0": s.params[0]}, 2),
       ...     nan_policy=train.NanPolicy.skip(stop_after=2))
       >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stopped 2 after step 1
-      (4, ['skip_reason', "eval['p0']", 'location'])
+      (4, ['skip_reason', "eval['p0']", 'location', 'reproduced'])
       >>> hist[3]["eval['p0']"] == float(state.params[0]), hist[0]["time_s"] > 0
       (True, True)
     """
@@ -358,24 +307,30 @@ def fit(
     policy, checkpoint_dir = opts["policy"], opts["checkpoint_dir"]
     checkpoint_every, resume = opts["checkpoint_every"], opts["resume"]
     log, eval_fn, eval_every = opts["log"], opts["eval_fn"], opts["eval_every"]
+    given = opts["skip_batches"]
     if jax.process_count() > 1:
-        _check_same_on_every_process(
+        check_same_on_every_process(
             checkpoint_dir=_directory(checkpoint_dir),
             checkpoint_every=checkpoint_every,
             resume=resume, steps=steps, nan_policy=repr(policy),
-            eval_every=eval_every,
+            eval_every=eval_every, skip_batches=list(given),
+            skip_listed=opts["skip_listed"],
         )  # fmt: skip
-    peers = _Peers()
+    peers = Peers()
     mgr, own_mgr, lock = _manager(checkpoint_dir)
     try:
         state, start, resumed = _resume(mgr, state, resume)
         to_disk = policy.restores and policy.restore_to == "disk"
         if mgr is not None and to_disk and mgr.latest_step() is None:
             mgr.save(start, state)  # what the first rollback goes back to
+        directory = None if mgr is None else mgr.directory
+        bad = _bad_batches(
+            directory, given, jax.process_index() == 0, opts["skip_listed"]
+        )
         return _run(
             state, train_step, batches, steps, policy, log, checkpoint_every,
             eval_fn, eval_every, on_step, mgr, start, batch_transform, resumed,
-            peers,
+            peers, bad,
         )  # fmt: skip
     except BaseException as e:
         message = peers.failed(e)
@@ -396,7 +351,7 @@ def fit(
 
 def _run(
     state, train_step, batches, steps, policy, log, checkpoint_every, eval_fn,
-    eval_every, on_step, mgr, start, batch_transform, resumed, peers,
+    eval_every, on_step, mgr, start, batch_transform, resumed, peers, bad,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked):
     `FitLoop` over a `_JaxAdapter`. Returns ``(state, history)``."""
@@ -426,6 +381,7 @@ def _run(
     loop = _FitLoop(
         adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
         checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+        bad,
     )  # fmt: skip
     history = loop.run()
     return adapter.state, history
@@ -474,13 +430,13 @@ class _JaxAdapter:
 
     def record(self, pending) -> dict[str, Any]:
         index, metrics, _, _, seconds = pending
-        rec = _host_record(index, metrics)
+        rec = host_record(index, metrics)
         if seconds is not None:
             rec["time_s"] = seconds
         return rec
 
     def evaluate(self, pending) -> dict[str, float]:
-        return _scalar_record("eval", self.eval_fn(pending[3]))
+        return scalar_record("eval", self.eval_fn(pending[3]))
 
     def observed(self, rec) -> None:
         del rec  # optax schedules follow the optimizer's own count
@@ -488,9 +444,7 @@ class _JaxAdapter:
     def locate(self, pending, rec):
         del rec
         _, metrics, batch, state_out, _ = pending
-        return _locate_failed(
-            self.train_step, state_out, metrics, batch, self.lookahead
-        )
+        return locate_failed(self.train_step, state_out, metrics, batch, self.lookahead)
 
     def callback_arg(self, pending):
         return pending[3]
@@ -529,7 +483,7 @@ class _JaxAdapter:
 
     def raise_non_finite(self, rec, run, pending, history, policy, location):
         _, metrics, batch, state_out, _ = pending
-        _raise_non_finite(
+        raise_non_finite(
             self.train_step, rec, run, batch, state_out, metrics, history, policy,
             location or None,
         )  # fmt: skip
@@ -541,197 +495,6 @@ def _directory(checkpoint_dir) -> str | None:
     if isinstance(checkpoint_dir, CheckpointManager):
         return checkpoint_dir.directory
     return os.path.abspath(checkpoint_dir)
-
-
-def _check_same_on_every_process(**settings) -> None:
-    """Refuses settings that differ between the processes of a
-    `jax.distributed` run: their collectives (checkpoint gathers, rollbacks,
-    the steps) would pair up wrongly, e.g. a checkpoint_dir on process 0
-    only (the torch idiom) made both processes abort with a gloo
-    "collective mismatch". One small all-gather."""
-    mine = json.dumps(settings, sort_keys=True, default=repr).encode()
-    every = [json.loads(raw) for raw in _all_processes(mine)]
-    for name in sorted(settings):
-        values = [got[name] for got in every]
-        if any(v != values[0] for v in values):
-            each = ", ".join(f"process {i}: {v!r}" for i, v in enumerate(values))
-            raise ValueError(
-                f"fit under jax.distributed: every process must pass the same "
-                f"{name}, got {each}. Checkpoints are saved and restored by all "
-                "processes together: give checkpoint_dir (one shared directory) "
-                "on every process; process 0 alone writes the log"
-            )
-
-
-class _Peers:
-    """The other processes of a `jax.distributed` run, for `fit`.
-
-    When fit fails on one process only, the others would wait in the next
-    step's collectives, and a process that ends would wait in jax's shutdown
-    barrier (at exit) for the others: both end only when jax's heartbeat
-    timeout aborts the process with SIGABRT (100 s by default). So a process
-    whose fit fails (its own exception, or a collective that failed because
-    another process died) writes a message to jax's key-value store, and a
-    thread of every other process, polling it twice a second, prints it,
-    answers and exits its process with status 1 (a thread cannot interrupt
-    the main thread's collective). The failing process waits up to
-    `ANSWER_S` for the answers: after a failed collective, the processes
-    that did not answer are named in its error as the dead ones. Then it
-    raises, and ends with status 1 when Python exits (`_end`), without
-    jax's shutdown barrier, which cannot complete without the others.
-    Process 0 ends last (each process says when it ends, and process 0
-    waits up to `ANSWER_S` for the others, but those its own roll call
-    found silent): its exit takes jax's coordination service down, and
-    jaxlib then aborts every process still running, mid-message.
-
-    What no Python can do: a dead process 0 takes the coordination service
-    with it, and jaxlib ends every other process at once (its default
-    ``missed_heartbeat_callback``, a fatal log: SIGABRT, "Terminating
-    process because the JAX distributed service detected fatal errors").
-    A collective that hangs instead of failing is ended the same way after
-    the heartbeat timeout. With one process this class does nothing.
-    """
-
-    POLL_S = 0.5
-    ANSWER_S = 2.0  # 4 polls: enough for a live process's thread to answer
-    calls = 0  # fit calls so far: every process makes them in the same order
-
-    def __init__(self):
-        self.step: int | None = None
-        self.client = None
-        if jax.process_count() == 1:
-            return
-        from jax._src import distributed as jax_distributed
-
-        self.client = jax_distributed.global_state.client
-        type(self).calls += 1
-        self.prefix = f"jaxstable/fit/{type(self).calls}/"
-        self.silent: list[int] = []  # named by this process's roll call
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def _say(self, what: str, text: str | None = None) -> None:
-        """Writes key `what`, holding `text` (the failure message: set once,
-        the first wins), or ``what/<this process>`` without."""
-        key = self.prefix + what
-        if text is None:
-            key, text = f"{key}/{jax.process_index()}", "1"
-        try:
-            self.client.key_value_set(key, text)
-        except Exception:  # set already by another process, or the store is gone
-            pass
-
-    def _wait_for(self, what: str, skip=()) -> list[int]:
-        """Waits up to `ANSWER_S` until every other process (but `skip`)
-        has said `what`; those that have not, ascending."""
-        others = set(range(jax.process_count())) - {jax.process_index(), *skip}
-        deadline = time.monotonic() + self.ANSWER_S
-        while True:
-            try:
-                got = self.client.key_value_dir_get(self.prefix + what + "/")
-                missing = others - {int(k.rsplit("/", 1)[-1]) for k, _ in got}
-            except Exception:  # the store is gone: process 0 died
-                missing = others
-            if not missing or time.monotonic() >= deadline:
-                return sorted(missing)
-            time.sleep(self.POLL_S / 5)
-
-    def _watch(self) -> None:
-        while not self.done.wait(self.POLL_S):
-            try:
-                message = self.client.key_value_try_get(self.prefix + "failed")
-            except Exception:  # not there (yet): jax raises NOT_FOUND
-                continue
-            if self.done.is_set():
-                return
-            sys.stderr.write(
-                f"jaxstable fit: {message}; process {jax.process_index()} "
-                f"(at step {self.step}) stops too: it would wait for that "
-                "process in the step's collectives\n"
-            )
-            sys.stderr.flush()
-            self._say("alive")
-            self._end()
-
-    def _end(self) -> None:
-        """Ends this process with status 1 (process 0 last, see above)."""
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # closed or replaced by the user
-                pass
-        self._say("gone")
-        if jax.process_index() == 0:
-            self._wait_for("gone", skip=self.silent)
-        os._exit(1)
-
-    def failed(self, error: BaseException) -> str | None:
-        """Tells the other processes that this one's fit failed with
-        ``error``; the message of the RuntimeError to raise instead of it
-        when another process did not answer (it died), or for a JAX runtime
-        error (a failed collective), else None.
-
-        Not a `NonFiniteError`: the guard's decisions are global, so every
-        process raises it at the same step itself (and must not be ended by
-        another's message first)."""
-        if self.client is None:
-            return None
-        self.done.set()
-        if isinstance(error, NonFiniteError):
-            return None
-        runtime = isinstance(error, jax.errors.JaxRuntimeError)
-        where = "before its first step" if self.step is None else f"at step {self.step}"
-        text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-        verb = "failed" if runtime else "raised"
-        self._say("failed", f"process {jax.process_index()} {verb} {where}: {text}")
-        self._say("alive")  # another failing process waits for it too
-        self.silent = self._wait_for("alive")
-        if not _ENDING:  # at exit, before jax's handler (the last runs first)
-            _ENDING.append(self)
-            atexit.register(self._end)
-        # Not by type alone: a collective that fails in a gather to the host
-        # (a checkpoint, a report) is a ValueError from jax, not a
-        # JaxRuntimeError ("UNKNOWN: Gloo AllGather failed", jax 0.10.2).
-        return self._message(error, runtime) if runtime or self.silent else None
-
-    def _message(self, error: BaseException, runtime: bool) -> str:
-        first = str(error).splitlines()[0][:300] if str(error) else ""
-        what = (
-            "a JAX runtime error, most likely a collective with the other "
-            "processes that failed"
-            if runtime
-            else "an error"
-        )
-        head = (
-            f"fit: process {jax.process_index()} at step {self.step}: {what} "
-            f"({type(error).__name__}: {first}); "
-        )
-        if not self.silent:
-            return head + (
-                "every other process answered (none died): the error is this "
-                "process's own. They stop too"
-            )
-        who = ", ".join(map(str, self.silent))
-        return head + (
-            f"process(es) {who} did not answer within {self.ANSWER_S:g} s: "
-            "died (killed, out of memory, host lost) or hang. This process "
-            "exits with status 1 when Python ends (jax's shutdown barrier "
-            "cannot complete without them). Restart every process: "
-            "fit(resume=True) goes on from the last checkpoint"
-        )
-
-    def stop(self) -> None:
-        if self.client is not None:
-            self.done.set()
-
-
-# The `_Peers` whose `_end` is registered with atexit (once a process).
-# Registered after jax's exit handler, so it runs first: that handler calls
-# jax.distributed.shutdown(), whose barrier waits for every process, and
-# once one is gone it waits until the heartbeat timeout and jax aborts this
-# process (SIGABRT). Handlers registered before this one are skipped.
-_ENDING: list[_Peers] = []
 
 
 def _manager(checkpoint_dir):
@@ -770,91 +533,3 @@ def _resume(mgr, state, resume):
         )
     state, info = mgr.restore(state)
     return state, int(info["data_position"]), info
-
-
-def _scalar_record(prefix: str, tree: Any) -> dict[str, float]:
-    # prefix + keystr of every scalar leaf: the aux[...] naming of records.
-    out = {}
-    leaves = jax.tree_util.tree_flatten_with_path(
-        jax.device_get(tree), is_leaf=lambda x: isinstance(x, CheckPoints)
-    )[0]
-    for path, leaf in leaves:
-        if isinstance(leaf, CheckPoints):
-            continue  # written by check_record
-        if getattr(leaf, "size", 1) == 1:
-            out[prefix + jax.tree_util.keystr(path)] = float(leaf)
-    return out
-
-
-def _raise_non_finite(
-    train_step,
-    rec,
-    consecutive,
-    batch,
-    state_out,
-    metrics,
-    history,
-    policy=None,
-    location=None,
-):
-    # state_out is the failing step's own output: a non-finite step leaves
-    # params, opt_state and model_state as they were, but its loss scale has
-    # already backed off. Recompute at the scale the step USED, or an
-    # overflow of the scaled loss (not NaN data) would look all finite.
-    used = StaticLossScale(metrics["loss_scale"])
-    grads_fn = getattr(train_step, "grads", None)
-    report = (
-        non_finite_report(_to_host(grads_fn(state_out.replace(loss_scale=used), batch)))
-        if grads_fn is not None
-        else []
-    )
-    # Global values (gathered under jax.distributed, on every process).
-    batch, state_out_host = _to_host((batch, state_out))
-    scale = f"{rec['loss_scale']:.6g}"
-    parts = [
-        f"{consecutive} non-finite step(s) in a row, the last at step "
-        f"{rec['step']}; loss={rec['loss']:.6g}, grad_norm={rec['grad_norm']:.6g}, "
-        f"loss_scale={scale} (the scale that step used); its update was skipped "
-        f"({_policy_note(policy or NanPolicy.stop())}).",
-        f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
-    ]
-    if rec.get("skip_reason") == "non-finite update":
-        parts.insert(1, _UPDATE_NOTE)
-    batch_report = non_finite_report(batch)
-    if batch_report:
-        parts.append("non-finite batch inputs:\n" + format_report(batch_report))
-    # A plain pytree state (a pure step over a dict) has no .params.
-    param_report = non_finite_report(getattr(state_out_host, "params", state_out_host))
-    if param_report:
-        parts.append("non-finite parameters:\n" + format_report(param_report))
-    if "first_non_finite_check" in rec:
-        parts.append("check points of the step, in order: " + format_checks(rec))
-    if "location" in rec:
-        parts.append("where (diagnostics.locate):\n" + format_location(location))
-    raise NonFiniteError(
-        "\n".join(parts),
-        step=rec["step"],
-        state=state_out,
-        report=report,
-        history=history,
-        location=location,
-    )
-
-
-def _locate_failed(train_step, state_out, metrics, batch, pipeline):
-    """`locate` of a non-finite step from its output state (params, optimizer
-    and model state unchanged by a skipped step) at the loss scale it used.
-    False when it cannot be located: not a `TrainStep`, or its input state
-    donated to the step already queued after it."""
-    if not isinstance(train_step, TrainStep) or not hasattr(train_step, "loss_fn"):
-        return False
-    leaves = jax.tree_util.tree_leaves(state_out)
-    if pipeline and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
-        return False
-    if jax.process_count() > 1:
-        # locate re-runs the loss op by op on host values; every process
-        # gathers the same global state and batch and finds the same place.
-        state_out, batch = _to_host((state_out, batch))
-    used = StaticLossScale(metrics["loss_scale"])
-    # finite=False: the compiled step was not applied (no need to re-run it).
-    return locate(train_step, state_out.replace(loss_scale=used), batch, finite=False)

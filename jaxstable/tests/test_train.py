@@ -252,6 +252,7 @@ def test_fit_logs_and_skips(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "loss_scale" in err and "skipped" in err  # the tqdm bar
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "bad_batches.json",  # the NaN batch, located: it reproduced
         "step_00000004",
         "step_00000006",  # the final one (orbax checkpoint directories)
     ]
@@ -318,6 +319,8 @@ def test_fit_stop_state_is_that_of_the_failing_step(tmp_path, donate, every):
     logged = [json.loads(s)["step"] for s in (tmp_path / "log.jsonl").open()]
     assert logged == [0, 1, 2]
     expected_files = [] if every is None else [f"step_{n:08d}" for n in (1, 2)]
+    # and the bad-batch list: step 1's NaN batch, located, reproduced
+    expected_files = ["bad_batches.json", *expected_files]
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == expected_files
 
 

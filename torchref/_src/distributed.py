@@ -154,7 +154,8 @@ def shard_state(
             f"{find_unused_parameters!r}"
         )
     _check_mesh(mesh)
-    differ = _differing_ranks(model)
+    every = _digests(model)
+    differ = [] if every is None else [r for r, d in enumerate(every) if d != every[0]]
     if differ:
         raise ValueError(
             f"ranks {differ} hold other initial parameters or buffers than rank 0 "
@@ -275,9 +276,7 @@ def global_mean(
     # not reach the sum (inf * 0 = NaN).
     total = torch.where(weights != 0, values * weights, 0.0).sum()
     count = weights.sum()
-    world = 1
-    if dist.is_initialized():
-        world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         safe = torch.where(count > 0, count, 1.0)
         return torch.where(count > 0, total / safe, 0.0)
@@ -290,6 +289,8 @@ def global_mean(
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj]
     if isinstance(obj, torch.nn.Module):
         return [*obj.parameters(), *obj.buffers()]
     if isinstance(obj, torch.optim.Optimizer):
@@ -297,15 +298,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.amp.GradScaler):
         return [obj._scale] if obj.is_enabled() and obj._scale is not None else []
     leaves, _ = tree_flatten(obj)
-    return [t for leaf in leaves for t in _tensors_or_self(leaf)]
-
-
-def _tensors_or_self(leaf: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(leaf):
-        return [leaf]
-    if isinstance(leaf, torch.nn.Module | torch.optim.Optimizer | torch.amp.GradScaler):
-        return _tensors(leaf)
-    return []
+    if len(leaves) == 1 and leaves[0] is obj:  # a leaf of none of these kinds
+        return []
+    return [t for leaf in leaves for t in _tensors(leaf)]
 
 
 def _local_replicas(t: torch.Tensor) -> torch.Tensor | None:
@@ -333,11 +328,6 @@ def _digests(obj: Any) -> list[str] | None:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, digest.hexdigest())
     return every
-
-
-def _differing_ranks(obj: Any) -> list[int]:
-    every = _digests(obj)
-    return [] if every is None else [r for r, d in enumerate(every) if d != every[0]]
 
 
 def replicas_identical(obj: Any) -> bool:

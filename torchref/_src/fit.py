@@ -11,110 +11,29 @@ from typing import Any
 
 import torch
 
+from _stablecore.bad_data import BadBatches, file_in, for_run, read
 from _stablecore.fit import NAN_POLICIES as NAN_POLICIES
-from _stablecore.fit import UPDATE_NOTE as _UPDATE_NOTE
 from _stablecore.fit import Checkpointing as Checkpointing
 from _stablecore.fit import Log as Log
 from _stablecore.fit import accepts_old_keywords
-from _stablecore.fit import add_skip_reason as _add_skip_reason
 from _stablecore.fit import batches_from as _batches_from
 from _stablecore.fit import checked_options as _checked_options
 from _stablecore.fit import open_log as _open_log
-from _stablecore.fit import policy_note as _policy_note
 from _stablecore.lock import DirectoryLock
 from _stablecore.loop import FitLoop as _FitLoop
-from _stablecore.low_precision import STAT_NAMES
 from _stablecore.nan_policy import NanPolicy as NanPolicy
 from torchref._src.checkpoint_manager import CheckpointManager
-from torchref._src.checkpoint_sharded import is_sharded as _is_sharded
-from torchref._src.diagnostics import (
-    check_record,
-    format_checks,
-    format_location,
-    format_report,
-    locate,
-    non_finite_grad_report,
-    non_finite_report,
-    rng_snapshot,
+from torchref._src.checkpoint_sharded import is_sharded
+from torchref._src.diagnostics import locate, rng_snapshot
+from torchref._src.fit_report import NonFiniteError as NonFiniteError
+from torchref._src.fit_report import (
+    host_record,
+    locate_step,
+    raise_non_finite,
+    scalar_leaves,
 )
 from torchref._src.step import TrainStep
-
-
-class NonFiniteError(FloatingPointError):
-    """Training stopped on non-finite gradients.
-
-    Raised by `fit` with `NanPolicy.stop` at the first run of
-    ``max_consecutive`` non-finite steps; with `NanPolicy.rollback` or
-    `NanPolicy.rewind` once its ``max`` rollbacks have been used.
-
-    Attributes:
-        step: 0-based index (in the run, see `fit`) of the step that hit the
-            limit, as in `jaxstable.train.NonFiniteError`.
-        report: `non_finite_grad_report` of the model at that step (its
-            gradients at the loss scale that step used, unscaled).
-        history: the per-step records, ending with that step.
-        location: `torchref.diagnostics.locate` of that step (a
-            `NonFiniteLocation`), None when the re-run found it finite.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        step: int,
-        report: list,
-        history: list | None = None,
-        location: Any = None,
-    ) -> None:
-        super().__init__(message)
-        self.step = step
-        self.report = report
-        self.history = [] if history is None else history
-        self.location = location
-
-
-_LOGGED = ("loss", "grad_norm", "loss_scale", "finite", "skipped_total")
-
-
-def _scalar_leaves(tree: Any, path: str = "") -> Iterable[tuple[str, float]]:
-    """``(path, value)`` of every scalar leaf, paths as jax's ``keystr``."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _scalar_leaves(v, f"{path}[{k!r}]")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _scalar_leaves(v, f"{path}[{i}]")
-    elif isinstance(tree, torch.Tensor):
-        if tree.numel() == 1:
-            yield path, float(tree.detach().float())
-    elif isinstance(tree, (int, float)):
-        yield path, float(tree)
-
-
-def _host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
-    """One history/JSONL record: the metrics and the scalar leaves of ``aux``
-    as ``aux[...]`` keys, the same record as `jaxstable.train.fit` writes."""
-    rec = {"step": index}
-    # Python numbers of the JAX record's types (a step callable may return
-    # 0-d tensors; a TrainStep already returns numbers).
-    for key, kind in zip(_LOGGED, (float, float, float, bool, int), strict=True):
-        value = metrics[key]
-        if isinstance(value, torch.Tensor):
-            value = value.detach().float().item() if kind is not bool else value
-        rec[key] = kind(value)
-    _add_skip_reason(rec, metrics.get("grads_finite"), metrics.get("spike"))
-    if metrics.get("microbatches_dropped") is not None:
-        # drop_non_finite_microbatches: the micro-batches this step dropped.
-        rec["microbatches_dropped"] = int(metrics["microbatches_dropped"])
-    rec.update({k: float(metrics[k]) for k in STAT_NAMES if k in metrics})
-    if metrics.get("aux") is not None:
-        for path, value in _scalar_leaves(metrics["aux"]):
-            rec["aux" + path] = value
-        # The loss's check points (diagnostics.CheckPoints): checks[...] keys
-        # and the non-finite points in order, instead of aux[...] keys.
-        rec.update(check_record(metrics["aux"]))
-    return rec
-
+from torchref._src.watchdog import Group
 
 _SKIP = NanPolicy.skip()
 _LOG = Log()
@@ -183,10 +102,11 @@ def fit(
       directory with `torch.distributed.checkpoint`), a resume loads rank
       0's checkpoint on every rank, ``on_step`` stopping one rank stops all,
       `locate` re-runs a DDP step on this rank's unwrapped module (no
-      collective) and is not run under FSDP2; a rank that raises makes the
-      others' next collective fail with a RuntimeError naming its rank,
-      step and error (after the process group's timeout at worst). See
-      docs/distributed.md.
+      collective) and is not run under FSDP2, the bad-batch list
+      (``bad_batches.json``) is rank 0's, given to every rank; a rank that
+      raises makes the others' next collective fail with a RuntimeError
+      naming its rank, step and error (after the process group's timeout at
+      worst). See docs/distributed.md.
 
     Steps: a `TrainStep`, or any callable ``step(batch) -> metrics`` whose
     metrics hold ``loss``, ``grad_norm``, ``loss_scale``, ``finite`` and
@@ -267,7 +187,7 @@ def fit(
         ...            evaluate=(lambda s: {"w0": w[0, 0]}, 2),
         ...            nan_policy=NanPolicy.skip(stop_after=2))
         >>> len(hist), [k for k in hist[1] if k not in hist[0]]  # stops 2 after 1
-        (4, ['skip_reason', "eval['w0']", 'location'])
+        (4, ['skip_reason', "eval['w0']", 'location', 'reproduced'])
         >>> hist[3]["eval['w0']"] == float(w.detach()[0, 0]), hist[0]["time_s"] > 0
         (True, True)
         >>> sched = torch.optim.lr_scheduler.StepLR(step.optimizer, 1, gamma=0.5)
@@ -294,7 +214,7 @@ def fit(
             f"nan_policy={policy!r} and checkpoint need a step with "
             f"state_dict() and load_state_dict(), got {type(step).__name__}"
         )
-    group = _Group()
+    group = Group()
     writer = group.rank == 0
     mgr, own_mgr, lock = _manager(checkpoint_dir if writer else None)
     try:
@@ -304,14 +224,15 @@ def fit(
         _load_schedulers(scheds, resumed.get("fit_extras"))
         to_disk = policy.restores and policy.restore_to == "disk"
         if mgr is not None and to_disk and group.latest_step(mgr) is None:
-            if writer or _is_sharded(step):  # FSDP2: every rank its shards
+            if writer or is_sharded(step):  # FSDP2: every rank its shards
                 extras = {"schedulers": [s.state_dict() for s, _ in scheds]}
                 # what the first rollback goes back to
                 mgr.save_for_fit(start, step, None, None, None, None, extras)
+        bad = _bad_batches(mgr, opts, group)
         return _run(
             step, batches, steps, policy, log, checkpoint_every, eval_fn,
             eval_every, on_step, mgr, start, batch_transform, resumed, group,
-            scheds,
+            scheds, bad,
         )  # fmt: skip
     finally:
         try:
@@ -322,6 +243,18 @@ def fit(
         finally:
             if lock is not None:
                 lock.release()
+
+
+def _bad_batches(mgr, opts: dict, group) -> BadBatches:
+    """The run's bad-batch list (``bad_batches.json``): rank 0 reads it
+    (and alone writes it) and gives every rank its entries, so that all
+    skip the same batches and write the same records."""
+    directory = None if mgr is None else mgr.directory
+    writer = group.rank == 0
+    path = file_in(directory)
+    mine = (read(path), path is not None) if writer else None
+    given, skips = opts["skip_batches"], opts["skip_listed"]
+    return for_run(directory, given, writer, skips, group.from_rank0(mine))
 
 
 def _as_schedulers(schedulers: Any) -> list[tuple[Any, str]]:
@@ -410,7 +343,7 @@ def _data_iterator(batches, start: int, steps, resumed: dict):
 
 def _run(
     step, batches, steps, policy, log, checkpoint_every, eval_fn, eval_every,
-    on_step, mgr, start, batch_transform, resumed, group, scheds,
+    on_step, mgr, start, batch_transform, resumed, group, scheds, bad,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked):
     `FitLoop` over a `_TorchAdapter`. Returns the history."""
@@ -435,6 +368,7 @@ def _run(
     loop = _FitLoop(
         adapter, data_from, policy, resumed, start, steps, eval_every, on_step,
         checkpoint_every, mgr is not None, start if at_start else None, bar, out,
+        bad,
     )  # fmt: skip
     try:
         return loop.run()
@@ -461,7 +395,7 @@ class _TorchAdapter:
         # As jaxstable's fit; under DDP locate re-runs the step on this
         # rank's unwrapped module (no collective: the ranks' re-runs take
         # different paths, e.g. one stops at its non-finite batch rows).
-        self.locate_step = _locate_step(step)
+        self.locate_step = locate_step(step)
         self.snapshot_state = self.snapshot_scheds = None
         self.data_rng = None
         self.index = 0
@@ -492,14 +426,14 @@ class _TorchAdapter:
 
     def record(self, pending) -> dict[str, Any]:
         index, metrics, _, _, seconds = pending
-        rec = _host_record(index, metrics)
+        rec = host_record(index, metrics)
         if self.time_steps:
             rec["time_s"] = seconds
         return rec
 
     def evaluate(self, pending) -> dict[str, float]:
         del pending
-        return {"eval" + p: v for p, v in _scalar_leaves(self.eval_fn(self.step))}
+        return {"eval" + p: v for p, v in scalar_leaves(self.eval_fn(self.step))}
 
     def observed(self, rec) -> None:
         _step_schedulers(self.scheds, rec)
@@ -548,7 +482,7 @@ class _TorchAdapter:
 
     def save(self, done: int, metrics, fit_state: dict, keep: bool) -> None:
         # FSDP2: every rank writes its shards (torch.distributed.checkpoint).
-        if self.group.rank != 0 and not _is_sharded(self.step):
+        if self.group.rank != 0 and not is_sharded(self.step):
             return
         extras = {
             "data_rng": self.data_rng,
@@ -559,179 +493,7 @@ class _TorchAdapter:
         self.mgr.save_for_fit(done, self.step, None, metrics, fit_state, kept, extras)
 
     def raise_non_finite(self, rec, run, pending, history, policy, location):
-        _raise_non_finite(self.step, rec, run, pending[2], history, policy, location)
-
-
-def _locate_step(step: Any) -> TrainStep | None:
-    """The step `locate` re-runs: ``step`` itself in one process; under DDP a
-    shallow copy on the unwrapped module (the same parameters, optimizer and
-    scaler; no collective); None under FSDP2 (no rank holds the whole
-    model) or for a plain step callable."""
-    if not isinstance(step, TrainStep):
-        return None
-    rep = step._replicas
-    if rep is None:
-        return step
-    if rep.ddp is None:
-        return None
-    local = copy.copy(step)
-    local.model, local._replicas = rep.ddp.module, None
-    return local
-
-
-_FAILED_KEY = "torchref.fit.failed."
-
-
-class _Group:
-    """`fit` under a process group of more than one rank (DDP, FSDP2).
-
-    Every rank takes the same path: the step's decision is global (the
-    gradients are all-reduced, the loss agreed, see `TrainStep`); rank 0
-    alone writes the log and the checkpoints (it holds the lock); a resume or
-    a rollback to disk loads the one checkpoint rank 0 picks, on every rank;
-    ``on_step`` stops every rank when it stops one. A rank that raises posts
-    its rank, step and error in the process group's store; a rank whose
-    collective then fails (the peer's process exited: at once; a peer that
-    hangs: after the process group's ``timeout``) raises a RuntimeError
-    naming them.
-    """
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        on = dist.is_available() and dist.is_initialized()
-        self.size = dist.get_world_size() if on else 1
-        self.rank = dist.get_rank() if on else 0
-        self.latest = None
-
-    def plan(self, mgr, own_mgr, checkpoint_dir, resume, step):
-        """One all-gather: the ranks agree on resuming and on rank 0's latest
-        checkpoint (taken under its lock); the others open the directory to
-        read it (under FSDP2 rank 0's, to write their shards there too, also
-        when they were given none). Returns ``(manager, owned)``."""
-        mine = {
-            "resume": resume,
-            "dir": checkpoint_dir is not None,
-            "latest": None if mgr is None else mgr.latest_step(),
-            "path": _directory_of(checkpoint_dir),
-        }
-        every: list[Any] = [None] * self.size
-        self.dist.all_gather_object(every, mine)
-        resumes = sorted({p["resume"] for p in every})
-        if len(resumes) > 1 or (resume and not all(p["dir"] for p in every)):
-            raise ValueError(
-                "under a process group every rank calls fit with the same resume "
-                "and, to resume, the same checkpoint_dir (rank 0 writes it, every "
-                "rank reads it); got "
-                + ", ".join(
-                    f"rank {r}: resume={p['resume']}, checkpoint_dir "
-                    f"{'given' if p['dir'] else 'None'}"
-                    for r, p in enumerate(every)
-                )
-            )
-        paths = {p["path"] for p in every} - {None}
-        if _is_sharded(step) and len(paths) > 1:
-            raise ValueError(
-                "under FSDP2 every rank writes its shards into one checkpoint_dir "
-                "(rank 0's; give the others the same one or None), got "
-                + ", ".join(f"rank {r}: {p['path']}" for r, p in enumerate(every))
-            )
-        self.latest = every[0]["latest"]
-        if self.rank != 0 and checkpoint_dir is not None:
-            given = isinstance(checkpoint_dir, CheckpointManager)
-            return (checkpoint_dir if given else CheckpointManager(checkpoint_dir)), (
-                not given
-            )
-        if self.rank != 0 and every[0]["path"] is not None and _is_sharded(step):
-            return CheckpointManager(every[0]["path"]), True
-        return mgr, own_mgr
-
-    def latest_step(self, mgr):
-        """Rank 0's latest checkpoint step (taken in `plan`) or this one's."""
-        return self.latest if self.size > 1 else mgr.latest_step()
-
-    def restore(self, mgr, step, **kwargs):
-        """`CheckpointManager.restore` of the checkpoint rank 0 restores
-        (under FSDP2 every rank restores together: the manager agrees)."""
-        if self.size == 1 or _is_sharded(step):
-            return mgr.restore(step, **kwargs)
-        chosen: list[Any] = [None]
-        error = None
-        if self.rank == 0:
-            try:
-                _, info = mgr.restore(step, **kwargs)
-                chosen[0] = info["step"]
-            except Exception as e:  # told to the others, then raised
-                error = e
-        self.dist.broadcast_object_list(chosen, src=0)
-        if error is not None:
-            raise error
-        if chosen[0] is None:
-            raise RuntimeError(
-                "rank 0 could not restore a checkpoint (its error is on rank 0)"
-            )
-        if self.rank == 0:
-            return step, info
-        return mgr.restore(step, chosen[0], **kwargs)
-
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is True on some rank (a collective)."""
-        if self.size == 1:
-            return flag
-        t = torch.tensor([float(flag)])
-        self.dist.all_reduce(t)
-        return bool(t.item() > 0)
-
-    def _store(self):
-        try:
-            return self.dist.distributed_c10d._get_default_store()
-        except Exception:  # no store to post to (a private torch API)
-            return None
-
-    def failed(self, error: BaseException, index: int) -> None:
-        """Posts this rank's failure at step ``index``; if it is a collective
-        that broke (a peer failed), raises the error naming the peer."""
-        if self.size == 1 or isinstance(error, NonFiniteError):
-            return  # NonFiniteError: raised on every rank at the same step
-        store = self._store()
-        if store is None:
-            return
-        collective = isinstance(error, self.dist.DistError) or (
-            isinstance(error, RuntimeError) and "gloo" in str(error).lower()
-        )
-        text = f"step {index}: {type(error).__name__}: {str(error)[:300]}"
-        try:
-            if not collective:
-                store.set(f"{_FAILED_KEY}{self.rank}", text)
-                return
-            peers = []
-            for r in range(self.size):
-                key = f"{_FAILED_KEY}{r}"
-                if r != self.rank and store.check([key]):
-                    peers.append(f"rank {r} failed at {store.get(key).decode()}")
-        except Exception:  # the store itself is gone (rank 0 died)
-            peers = []
-        why = (
-            "; ".join(peers)
-            if peers
-            else "a peer rank died, raised outside fit or did not join the "
-            "collective within the process group's timeout "
-            "(init_process_group(timeout=...))"
-        )
-        raise RuntimeError(
-            f"fit on rank {self.rank} of {self.size} stopped at step {index}: a "
-            f"collective failed because {why}"
-        ) from error
-
-
-def _directory_of(checkpoint_dir) -> str | None:
-    """The absolute directory of `checkpoint_dir` (a path or a manager)."""
-    if checkpoint_dir is None:
-        return None
-    if isinstance(checkpoint_dir, CheckpointManager):
-        return checkpoint_dir.directory
-    return os.path.abspath(checkpoint_dir)
+        raise_non_finite(self.step, rec, run, pending[2], history, policy, location)
 
 
 def _manager(checkpoint_dir):
@@ -768,47 +530,3 @@ def _resume(mgr, step, resume, group) -> tuple[int, dict]:
         )
     _, info = group.restore(mgr, step)
     return int(info["data_position"]), info
-
-
-def _raise_non_finite(
-    step: TrainStep,
-    entry: dict[str, Any],
-    run: int,
-    batch: Any,
-    history: list,
-    policy: NanPolicy | None = None,
-    location: Any = None,
-) -> None:
-    # The grads left by the step: computed at the scale it used, unscaled by
-    # GradScaler.unscale_ (not clipped on a non-finite step). Same message
-    # layout as jaxstable.train.fit.
-    # A plain step callable may have no model to report on.
-    model = getattr(step, "model", None)
-    report = non_finite_grad_report(model) if model is not None else []
-    scale = f"{entry['loss_scale']:.6g}"
-    parts = [
-        f"{run} non-finite step(s) in a row, the last at step {entry['step']}; "
-        f"loss={entry['loss']:.6g}, grad_norm={entry['grad_norm']:.6g}, "
-        f"loss_scale={scale} (the scale that step used); its update was skipped "
-        f"({_policy_note(policy or NanPolicy.stop())}).",
-        f"non-finite gradients at loss_scale={scale}:\n" + format_report(report),
-    ]
-    if entry.get("skip_reason") == "non-finite update":
-        parts.insert(1, _UPDATE_NOTE)
-    batch_report = non_finite_report(batch)
-    if batch_report:
-        parts.append("non-finite batch inputs:\n" + format_report(batch_report))
-    param_report = non_finite_report(model) if model is not None else []
-    if param_report:
-        parts.append("non-finite parameters:\n" + format_report(param_report))
-    if "first_non_finite_check" in entry:
-        parts.append("check points of the step, in order: " + format_checks(entry))
-    if "location" in entry:
-        parts.append("where (diagnostics.locate):\n" + format_location(location))
-    raise NonFiniteError(
-        "\n".join(parts),
-        step=entry["step"],
-        report=report,
-        history=history,
-        location=location,
-    )

@@ -227,7 +227,8 @@ def _fit_ddp(params, batches, folder):
     names = ("w1", "b1", "w2", "b2")
     out["params"] = np.concatenate([_full(getattr(model.module, n)) for n in names])
     if rank0:
-        out["checkpoints"] = sorted(os.listdir(ckpt))
+        # (the bad-batch list beside them aside: the NaN batch is listed)
+        out["checkpoints"] = sorted(set(os.listdir(ckpt)) - {"bad_batches.json"})
         with open(log, encoding="utf-8") as f:
             out["log_lines"] = len(f.readlines())
     return out

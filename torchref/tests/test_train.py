@@ -437,7 +437,8 @@ def test_fit_stop_nothing_after_the_failing_step(tmp_path):
     assert [h["step"] for h in e.value.history] == [0, 1, 2]
     assert [json.loads(s)["step"] for s in log.open()] == [0, 1, 2]
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert files == ["step_00000001.pt", "step_00000002.pt"]
+    # and the bad-batch list: step 1's NaN batch, located, reproduced
+    assert files == ["bad_batches.json", "step_00000001.pt", "step_00000002.pt"]
 
 
 def test_fit_stop_overflow_report_names_leaf_and_scale():
@@ -524,8 +525,9 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
     keys = ["step", "loss", "grad_norm", "loss_scale", "finite", "skipped_total"]
     keys.append("grads_finite")
     skipped = [*keys, "skip_reason"]  # a skipped step says why
-    # The first non-finite step (locate_first=1 by default) says where.
-    located = [*skipped, "location"]
+    # The first non-finite step (locate_first=1 by default) says where, that
+    # it reproduced (a NaN in the batch) and that its batch is now listed.
+    located = [*skipped, "location", "reproduced", "bad_batches_listed"]
     expected = [keys, located, keys, keys, keys, skipped, keys, keys]
     assert [list(d) for d in lines] == expected
     assert lines[1]["skip_reason"] == "non-finite gradients"
@@ -533,7 +535,7 @@ def test_fit_skip_policy_log_history_and_checkpoints(tmp_path):
     assert [d["loss_scale"] for d in lines] == [h["loss_scale"] for h in hist]
     assert math.isnan(lines[1]["grad_norm"])
     files = sorted(p.name for p in (tmp_path / "ck").iterdir())
-    assert files == ["step_00000004.pt", "step_00000008.pt"]
+    assert files == ["bad_batches.json", "step_00000004.pt", "step_00000008.pt"]
     fresh_model = _mlp(seed=3)
     fresh = train.TrainStep(
         fresh_model,
