@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -329,8 +329,8 @@ def fit(
         )
         return _run(
             state, train_step, batches, steps, policy, log, checkpoint_every,
-            eval_fn, eval_every, on_step, mgr, start, batch_transform, resumed,
-            peers, bad,
+            eval_fn, eval_every, on_step, batch_transform, peers,
+            _Origin(mgr, start, resumed, bad),
         )  # fmt: skip
     except BaseException as e:
         message = peers.failed(e)
@@ -349,12 +349,23 @@ def fit(
                 lock.release()
 
 
+class _Origin(NamedTuple):
+    """Where `_run` starts: the checkpoint manager (or None), the global
+    step, whether it was resumed, and the bad-batch list."""
+
+    mgr: Any
+    start: int
+    resumed: Any
+    bad: Any
+
+
 def _run(
     state, train_step, batches, steps, policy, log, checkpoint_every, eval_fn,
-    eval_every, on_step, mgr, start, batch_transform, resumed, peers, bad,
+    eval_every, on_step, batch_transform, peers, origin,
 ):  # fmt: skip
-    """The loop of `fit` from global step `start` (its arguments checked):
-    `FitLoop` over a `_JaxAdapter`. Returns ``(state, history)``."""
+    """The loop of `fit` from global step ``origin.start`` (its arguments
+    checked): `FitLoop` over a `_JaxAdapter`. Returns ``(state, history)``."""
+    mgr, start, resumed, bad = origin
     from tqdm.auto import tqdm  # imported here: only fit needs it
 
     total = steps

@@ -7,7 +7,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -231,8 +231,8 @@ def fit(
         bad = _bad_batches(mgr, opts, group)
         return _run(
             step, batches, steps, policy, log, checkpoint_every, eval_fn,
-            eval_every, on_step, mgr, start, batch_transform, resumed, group,
-            scheds, bad,
+            eval_every, on_step, batch_transform, group, scheds,
+            _Origin(mgr, start, resumed, bad),
         )  # fmt: skip
     finally:
         try:
@@ -341,12 +341,23 @@ def _data_iterator(batches, start: int, steps, resumed: dict):
     return it, data_rng
 
 
+class _Origin(NamedTuple):
+    """Where `_run` starts: the checkpoint manager (or None), the global
+    step, whether it was resumed, and the bad-batch list."""
+
+    mgr: Any
+    start: int
+    resumed: Any
+    bad: Any
+
+
 def _run(
     step, batches, steps, policy, log, checkpoint_every, eval_fn, eval_every,
-    on_step, mgr, start, batch_transform, resumed, group, scheds, bad,
+    on_step, batch_transform, group, scheds, origin,
 ):  # fmt: skip
     """The loop of `fit` from global step `start` (its arguments checked):
     `FitLoop` over a `_TorchAdapter`. Returns the history."""
+    mgr, start, resumed, bad = origin
     from tqdm.auto import tqdm
 
     total = steps
