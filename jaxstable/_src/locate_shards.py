@@ -82,6 +82,22 @@ def host_scalar(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------- program
+# Primitives whose output is non-finite exactly where their input is (the
+# same elements, moved): not counted, their output is their input's value.
+_MOVES = {
+    *("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims"),
+    *("copy", "copy_p", "rev"),
+}
+
+
+def _flags(val) -> Any:
+    """``[NaN, +inf, -inf]`` flags (0 or 1) of a value, in one reduction
+    (one pass over the value, fused with its producer)."""
+    real = jnp.real(val) if jnp.iscomplexobj(val) else val
+    code = jnp.stack([jnp.isnan(val), real == jnp.inf, real == -jnp.inf], -1)
+    return jnp.max(code.astype(jnp.int8), axis=tuple(range(val.ndim))).astype(jnp.int32)
+
+
 class _Walk:
     """Evaluates a closed jaxpr inside a `jax.jit` trace, counting the
     non-finite elements of every floating value (``capture``: the id of the
@@ -97,16 +113,7 @@ class _Walk:
             return -1
         i = len(self.recs)
         self.recs.append(rec._replace(dtype=np.dtype(val.dtype).name))
-        real = jnp.real(val) if jnp.iscomplexobj(val) else val
-        self.counts.append(
-            jnp.stack(
-                [
-                    jnp.sum(jnp.isnan(val), dtype=jnp.int32),
-                    jnp.sum(real == jnp.inf, dtype=jnp.int32),
-                    jnp.sum(real == -jnp.inf, dtype=jnp.int32),
-                ]
-            )
-        )
+        self.counts.append(_flags(val))
         if i == self.capture:
             self.got = (val, ins)
         return i
@@ -125,7 +132,10 @@ class _Walk:
             pairs = [read(v) for v in eqn.invars]
             invals = [p[0] for p in pairs]
             sub = _sub_jaxpr(eqn)
-            if sub is not None:
+            moved = [p[1] for p in pairs if p[1] >= 0]
+            if eqn.primitive.name in _MOVES and len(moved) == 1:
+                outs = [(o, moved[0]) for o in _bind(eqn, invals)]
+            elif sub is not None:
                 here = _module_of(eqn.source_info, module)
                 outs = self.run(sub, invals, [p[1] for p in pairs], here)
             else:
@@ -215,7 +225,7 @@ class Counted(NamedTuple):
     closed: Any
     shape: Any  # output shape tree of ``fun``
     recs: list[Rec]
-    counts: np.ndarray  # (values, 3): NaN, +inf, -inf
+    counts: np.ndarray  # (values, 3): NaN, +inf, -inf flags (0/1)
     outs: list[int]  # value id of each output leaf (-1: not floating)
     args: list  # the leaves the program ran on
 
