@@ -326,6 +326,12 @@ def describe(c: Counted, index: int, hint: str | None) -> tuple[Origin, list]:
     return o, exchange(local_rows(mask))
 
 
+def device_index(device: Any) -> int:
+    """A device's position in ``jax.devices()`` (the global order every
+    process shares; CPU device ids of several processes are not 0..n-1)."""
+    return jax.devices().index(device)
+
+
 def local_rows(mask: Any) -> list[tuple[int, int, int]]:
     """``(process, device id, bad elements)`` of this process's shards of
     a bad-mask (or of a value: its non-finite elements)."""
@@ -333,7 +339,7 @@ def local_rows(mask: Any) -> list[tuple[int, int, int]]:
     for sh in mask.addressable_shards:
         a = np.asarray(sh.data)
         n = int(a.sum()) if a.dtype == bool else int((~np.isfinite(a)).sum())
-        rows.append((jax.process_index(), sh.device.id, n))
+        rows.append((jax.process_index(), device_index(sh.device), n))
     return rows
 
 
@@ -385,7 +391,7 @@ def first_bad_named(items: list[tuple[str, Any]], masks_ok: bool = False):
         rows.append(
             (
                 jax.process_index(),
-                sh.device.id,
+                device_index(sh.device),
                 int((~fin).sum()),
                 int(np.isnan(a).sum()) * once,
                 int(np.isinf(a).sum()) * once,
