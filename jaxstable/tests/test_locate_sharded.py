@@ -121,7 +121,11 @@ def _worker(out: str, pid: int, port: int) -> None:
     state = distributed.shard_state(state, mesh, "fsdp")
     step = train.make_train_step(loss)
     lo, hi = pid * ROWS // 2, (pid + 1) * ROWS // 2
-    result = {"split": not state.params["l2"]["kernel"].value.is_fully_addressable}
+    result = {
+        "split": not any(
+            x.is_fully_addressable for x in jax.tree_util.tree_leaves(state.params)
+        )
+    }
     for name, batch in _batches().items():
         mine = jax.tree.map(lambda a: a[lo:hi], batch)
         batch = distributed.shard_batch(mine, mesh, process_local=True)
