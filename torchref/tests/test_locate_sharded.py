@@ -96,7 +96,27 @@ def _locate_all(strategy: str) -> dict:
         result[name + "_bytes"] = locate_shards.stats["exchanged_bytes"]
         grads = [p.grad for p in model.parameters()]
         result[name + "_grads_untouched"] = all(g is None for g in grads)
+    result["fit"] = _fit_location(step, mesh)
     return result
+
+
+def _fit_location(step, mesh) -> dict | None:
+    """The location `fit` records for the overflow batch, with the one
+    change `fit` needs (its `_locate_step` gives the step itself under DDP
+    and FSDP2, so `locate` takes the distributed path on every rank)."""
+    from torchref import distributed, train
+    from torchref._src import fit as fit_module
+
+    fit_module._locate_step = lambda s: s if isinstance(s, train.TrainStep) else None
+    b = _batches()
+    data = [b["finite"], b["overflow"], b["finite"]]
+    hist = train.fit(
+        step,
+        [(torch.tensor(x), torch.tensor(y)) for x, y in data],
+        log=train.Log(None, progress=False),
+        batch_transform=lambda batch: distributed.shard_batch(batch, mesh),
+    )
+    return hist[1].get("location")
 
 
 @pytest.fixture(scope="module", params=["fsdp", "data_parallel"])
@@ -140,6 +160,14 @@ def test_finite_step_is_none_and_state_untouched(located):
     for r in ranks:
         assert r["finite"] is None
         assert all(r[k + "_grads_untouched"] for k in ("overflow", "backward"))
+
+
+def test_fit_records_the_location(located):
+    _, ranks = located
+    a, b = (r["fit"] for r in ranks)
+    assert a == b and a is not None
+    assert (a["phase"], a["path"], a["op"]) == ("forward", "act", "exp"), a
+    assert a["detail"].endswith("[rank 1]"), a
 
 
 def test_only_small_records_cross_ranks(located):
