@@ -133,9 +133,36 @@ def _worker(out: str, pid: int, port: int) -> None:
         loc = diagnostics.locate(step, state, batch)
         result[name] = None if loc is None else loc._asdict()
         result[name + "_gathered"] = list(gathered)
+    result["fit"] = _fit_location(state, step, mesh, lo, hi)
     result["program"], result["step"] = _memories(WIDE, mesh)
     with open(os.path.join(out, f"locate_{pid}.json"), "w") as f:
         json.dump(result, f, default=str)
+
+
+def _fit_location(state, step, mesh, lo: int, hi: int) -> dict | None:
+    """The location `fit` records for the overflow batch, with the one
+    change `fit` needs (no `_to_host` gather before `locate` in its
+    `_locate_failed`: simulated by making it the identity there)."""
+    import jax
+
+    from jaxstable import distributed, train
+    from jaxstable._src import fit as fit_module
+
+    fit_module._to_host = lambda tree: tree
+    b = _batches()
+
+    def load(batch):
+        mine = jax.tree.map(lambda a: a[lo:hi], batch)
+        return distributed.shard_batch(mine, mesh, process_local=True)
+
+    _, hist = train.fit(
+        state,
+        step,
+        [b["finite"], b["overflow"], b["finite"]],
+        log=None,
+        batch_transform=load,
+    )
+    return hist[1].get("location")
 
 
 def _memories(width: int, mesh) -> tuple[dict, dict]:
@@ -265,6 +292,13 @@ def test_backward_names_the_layer_and_the_device(located):
     assert a["phase"] == "backward", a
     assert a["path"] == "l1.bias" or a["path"].startswith("l1."), a
     assert "in norm" in a["detail"] and "[process 1, device 2]" in a["detail"], a
+
+
+def test_fit_records_the_location(located):
+    a, b = (r["fit"] for r in located)
+    assert a == b and a is not None
+    assert (a["phase"], a["path"], a["op"]) == ("forward", "act", "exp"), a
+    assert a["detail"].endswith("[process 1, device 3]"), a
 
 
 def test_finite_step_is_none(located):
