@@ -70,7 +70,7 @@ def _worker(out: str, pid: int, port: int) -> None:
     from jax.experimental import multihost_utils
 
     from jaxstable import diagnostics, distributed, train
-    from jaxstable._src import _locate, locate_shards
+    from jaxstable._src import _locate
 
     gathered = []
     real_gather = multihost_utils.process_allgather
@@ -228,8 +228,11 @@ def _launch(out) -> list:
             logs.append(open(os.path.join(out, f"locate_{pid}.err"), "w+"))
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "jaxstable.tests.test_locate_sharded"]
-                    + [str(out), str(pid), str(port)],
+                    [
+                        sys.executable,
+                        *("-m", "jaxstable.tests.test_locate_sharded"),
+                        *(str(out), str(pid), str(port)),
+                    ],
                     env=env,
                     cwd=root,
                     stdout=subprocess.DEVNULL,
