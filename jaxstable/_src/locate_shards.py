@@ -115,7 +115,7 @@ class _Walk:
         self.recs.append(rec._replace(dtype=np.dtype(val.dtype).name))
         self.counts.append(_flags(val))
         if i == self.capture:
-            self.got = (val, ins)
+            self.got = (val, ins)  # a tuple of 2: see `_shard_map` for 4
         return i
 
     def run(self, closed, vals: list, ids: list, module: str | None) -> list:
@@ -135,6 +135,9 @@ class _Walk:
             moved = [p[1] for p in pairs if p[1] >= 0]
             if eqn.primitive.name in _MOVES and len(moved) == 1:
                 outs = [(o, moved[0]) for o in _bind(eqn, invals)]
+            elif eqn.primitive.name == "shard_map":
+                here = _module_of(eqn.source_info, module)
+                outs = self._shard_map(eqn, pairs, here)
             elif sub is not None:
                 here = _module_of(eqn.source_info, module)
                 outs = self.run(sub, invals, [p[1] for p in pairs], here)
@@ -151,6 +154,81 @@ class _Walk:
                 if not isinstance(v, jcore.DropVar):
                     env[v] = o
         return [read(v) for v in jaxpr.outvars]
+
+    def _shard_map(self, eqn, pairs: list, module: str | None) -> list:
+        """A ``shard_map`` evaluated with its body walked on each device:
+        the body's flags come out per device (stacked on the mesh axes) and
+        count as their maximum; the captured value's mask and stats come
+        out the same way (`_Walk.got` then holds them, ``"blocks"``)."""
+        from jax.sharding import PartitionSpec
+
+        p = eqn.params
+        mesh = p["mesh"]
+        axes = tuple(a for a in mesh.axis_names if a in p["newly_manual_axes"])
+        spec = PartitionSpec(axes)
+        start = len(self.recs)
+        inner = _Walk(self.capture)
+        inner.recs = self.recs  # ids stay global: [start, start + n)
+        ids = [q[1] for q in pairs]
+        found: dict = {}
+
+        def body(*xs):
+            outs = inner.run(jcore.ClosedJaxpr(p["jaxpr"], ()), list(xs), ids, module)
+            found["ids"] = [i for _, i in outs]
+            flags = (
+                jnp.stack([_varying(c, axes) for c in inner.counts])
+                if inner.counts
+                else jnp.zeros((0, 3), jnp.int32)
+            )
+            extra = [_varying(flags[None], axes)]
+            if inner.got is not None:
+                val, ins = inner.got
+                one = [jax.tree.map(lambda a: a[None], _value_stats(val))]
+                one += [
+                    jax.tree.map(lambda a: a[None], _value_stats(x))
+                    for x in ins
+                    if is_float(x)
+                ]
+                found["ins"] = [
+                    (x.shape, np.dtype(x.dtype).name) for x in ins if is_float(x)
+                ]
+                extra += [jnp.atleast_1d(~jnp.isfinite(val)), one]
+            extra = jax.tree.map(lambda a: _varying(a, axes), extra)
+            return tuple(o for o, _ in outs), extra
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=tuple(p["in_specs"]),
+            out_specs=(tuple(p["out_specs"]), spec),
+            check_vma=p["check_vma"],
+        )
+        outs, extra = mapped(*[q[0] for q in pairs])
+        flags = jnp.max(extra[0], axis=0)
+        self.counts.extend(flags[k] for k in range(len(self.recs) - start))
+        if len(extra) > 1:
+            mask, (out, *ins) = extra[1], extra[2]
+            self.got = ("blocks", mask, _merged(out), [_merged(x) for x in ins])
+            self.got_ins = found["ins"]
+        return list(zip(outs, found["ids"], strict=True))
+
+
+def _varying(x, axes: tuple) -> Any:
+    """``x`` marked as varying over ``axes`` (each device's own value) where
+    it is not already, for an output stacked over them."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    have = getattr(mat, "varying", None) or getattr(aval, "vma", None) or ()
+    missing = tuple(a for a in axes if a not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _merged(stats: dict) -> dict:
+    """Per-device stats (stacked) as the stats of all the blocks."""
+    out = {k: jnp.sum(v) for k, v in stats.items() if k not in ("max_abs", "max")}
+    out["max_abs"] = jnp.max(stats["max_abs"])
+    out["max"] = jnp.max(stats["max"])
+    return out
 
 
 def _value_stats(x) -> dict:
@@ -188,6 +266,10 @@ def _program(closed, capture: int | None):
         meta[:] = [walk.recs, [i for _, i in outs]]
         if capture is None:
             return jnp.stack(walk.counts)
+        if walk.got[0] == "blocks":
+            _, mask, out, ins = walk.got
+            meta.append(walk.got_ins)
+            return mask, out, ins
         val, ins = walk.got
         meta.append([(x.shape, np.dtype(x.dtype).name) for x in ins if is_float(x)])
         return (

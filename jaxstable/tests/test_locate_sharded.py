@@ -133,10 +133,37 @@ def _worker(out: str, pid: int, port: int) -> None:
         loc = diagnostics.locate(step, state, batch)
         result[name] = None if loc is None else loc._asdict()
         result[name + "_gathered"] = list(gathered)
+    result["shard_map"] = _shard_map_location(graphdef, state, mesh, lo, hi)
     result["fit"] = _fit_location(state, step, mesh, lo, hi)
     result["program"], result["step"] = _memories(WIDE, mesh)
     with open(os.path.join(out, f"locate_{pid}.json"), "w") as f:
         json.dump(result, f, default=str)
+
+
+def _shard_map_location(graphdef, state, mesh, lo: int, hi: int) -> dict | None:
+    """The overflow batch through a loss whose ``act`` layer runs inside a
+    ``shard_map`` over the global mesh."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from jaxstable import diagnostics, distributed, train
+
+    def loss(p, batch):
+        x, y = batch
+        model = nnx.merge(graphdef, p)
+        act = jax.shard_map(
+            model.act, mesh=mesh, in_specs=P("data"), out_specs=P("data")
+        )
+        h = model.l2(act(model.l1(x) * 3.0))
+        out = model.head(jnp.concatenate([h, model.norm(model.l1(x))], -1))
+        return jnp.mean((out - y) ** 2)
+
+    mine = jax.tree.map(lambda a: a[lo:hi], _batches()["overflow"])
+    batch = distributed.shard_batch(mine, mesh, process_local=True)
+    loc = diagnostics.locate(train.make_train_step(loss), state, batch)
+    return None if loc is None else loc._asdict()
 
 
 def _fit_location(state, step, mesh, lo: int, hi: int) -> dict | None:
@@ -295,6 +322,13 @@ def test_backward_names_the_layer_and_the_device(located):
     assert a["phase"] == "backward", a
     assert a["path"] == "l1.bias" or a["path"].startswith("l1."), a
     assert "in norm" in a["detail"] and "[process 1, device 2]" in a["detail"], a
+
+
+def test_inside_shard_map_names_layer_op_and_device(located):
+    a, b = (r["shard_map"] for r in located)
+    assert a == b
+    assert (a["phase"], a["path"], a["op"]) == ("forward", "act", "exp"), a
+    assert a["detail"].endswith("[process 1, device 3]"), a
 
 
 def test_fit_records_the_location(located):
