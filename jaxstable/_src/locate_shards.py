@@ -67,9 +67,12 @@ class Rec(NamedTuple):
 
 
 def is_sharded(tree: Any) -> bool:
-    """Whether a leaf of ``tree`` spans several processes."""
+    """Whether a leaf of ``tree`` is split over several processes (a
+    replicated one, such as a loss scale, is read where it is)."""
     return any(
-        isinstance(x, jax.Array) and not x.is_fully_addressable
+        isinstance(x, jax.Array)
+        and not x.is_fully_addressable
+        and not x.is_fully_replicated
         for x in jax.tree_util.tree_leaves(tree)
     )
 
@@ -439,11 +442,22 @@ def exchange(rows: list[tuple], dtype: Any = np.int64) -> list[tuple]:
     return [tuple(cast(x) for x in r) for r in mine]
 
 
+def _shards(leaf: Any) -> list[tuple[int, bool, np.ndarray]]:
+    """``(device index, counted, values)`` of this process's shards of
+    ``leaf`` (a replicated shard counted once; a host array: this
+    process's first device's)."""
+    if not isinstance(leaf, jax.Array):
+        return [(device_index(jax.local_devices()[0]), True, np.asarray(leaf))]
+    return [
+        (device_index(sh.device), sh.replica_id == 0, np.asarray(sh.data))
+        for sh in leaf.addressable_shards
+    ]
+
+
 def _local_bad(leaf: Any, masks_ok: bool) -> bool:
     """Whether this process's shards of ``leaf`` hold a non-finite value
     (with ``masks_ok``, other than ``-inf``)."""
-    for sh in getattr(leaf, "addressable_shards", None) or ():
-        a = np.asarray(sh.data)
+    for _, _, a in _shards(leaf):
         bad = ~np.isfinite(a)
         if masks_ok:
             bad &= ~(a == -np.inf)
@@ -457,7 +471,7 @@ def first_bad_named(items: list[tuple[str, Any]], masks_ok: bool = False):
     name sorts first over every process, each checking its own shards;
     None when all are finite. Two exchanges of one row per process, then
     one per device: no leaf crosses processes."""
-    items = sorted((n, x) for n, x in items if isinstance(x, jax.Array) and is_float(x))
+    items = sorted(((n, x) for n, x in items if is_float(x)), key=lambda t: t[0])
     first = next(
         (i for i, (_, x) in enumerate(items) if _local_bad(x, masks_ok)), len(items)
     )
@@ -466,14 +480,12 @@ def first_bad_named(items: list[tuple[str, Any]], masks_ok: bool = False):
         return None
     name, leaf = items[first]
     rows = []
-    for sh in leaf.addressable_shards:
-        a = np.asarray(sh.data)
-        once = sh.replica_id == 0  # a replicated shard counted once
+    for device, once, a in _shards(leaf):
         fin = np.isfinite(a)
         rows.append(
             (
                 jax.process_index(),
-                device_index(sh.device),
+                device,
                 int((~fin).sum()),
                 int(np.isnan(a).sum()) * once,
                 int(np.isinf(a).sum()) * once,
@@ -483,7 +495,7 @@ def first_bad_named(items: list[tuple[str, Any]], masks_ok: bool = False):
         )
     rows = exchange(rows, np.float64)
     s = Stats(
-        shape=tuple(leaf.shape),
+        shape=tuple(np.shape(leaf)),
         dtype=np.dtype(leaf.dtype).name,
         nan=int(sum(r[3] for r in rows)),
         inf=int(sum(r[4] for r in rows)),
@@ -491,7 +503,7 @@ def first_bad_named(items: list[tuple[str, Any]], masks_ok: bool = False):
         max=float("nan"),
         zeros=0,
         negatives=0,
-        size=int(leaf.size),
+        size=int(np.size(leaf)),
         neg_inf=int(sum(r[5] for r in rows)),
     )
     return name, leaf, s, [(int(p), int(d), int(n)) for p, d, n, *_ in rows]
