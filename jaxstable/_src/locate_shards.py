@@ -23,8 +23,9 @@ whose shards hold the first non-finite value.
 Per value, not per element: a new overflow at another element of a value
 that already holds a masked ``-inf`` is not told apart (the eager,
 single-process `locate` is). Control flow (``cond``, ``while``, ``scan``)
-and ``shard_map`` are counted as one equation each (their outputs'
-devices named, the module that called them).
+counts as one equation (its outputs' devices named, the module that called
+it); a ``shard_map``'s body is walked on each device, its flags coming out
+per device.
 """
 
 from __future__ import annotations
