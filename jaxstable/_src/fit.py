@@ -104,7 +104,8 @@ def fit(
     log and shows the progress bar; checkpoints are saved and restored by
     all processes together (leaves split over processes are gathered, so
     ``checkpoint_dir`` must be one directory every process sees), and the
-    first non-finite steps are located on the gathered global values. When
+    first non-finite steps are located by every process on its own shards
+    (nothing gathered; docs/locate.md). When
     fit fails on one process (an exception of its own, or a collective that
     failed because another process died), the others print its error
     (naming the process and the step) and exit with status 1 instead of

@@ -165,10 +165,8 @@ def locate_failed(train_step, state_out, metrics, batch, pipeline):
     leaves = jax.tree_util.tree_leaves(state_out)
     if pipeline and any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
         return False
-    if jax.process_count() > 1:
-        # locate re-runs the loss op by op on host values; every process
-        # gathers the same global state and batch and finds the same place.
-        state_out, batch = _to_host((state_out, batch))
+    # Under several processes every process calls locate at the same step
+    # (the finite decision is global) with its own shards: nothing gathered.
     used = StaticLossScale(metrics["loss_scale"])
     # finite=False: the compiled step was not applied (no need to re-run it).
     return locate(train_step, state_out.replace(loss_scale=used), batch, finite=False)

@@ -449,7 +449,10 @@ class _Interpreter:
 
 
 def _bind(eqn, invals) -> list:
-    outs = eqn.primitive.bind(*invals, **eqn.params)
+    # As `jax.core.eval_jaxpr`: a higher-order primitive (``shard_map``)
+    # is bound with its own parameters (its body as a function).
+    params = eqn.primitive.get_bind_params(eqn.params)
+    outs = eqn.primitive.bind(*invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 

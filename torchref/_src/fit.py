@@ -101,8 +101,9 @@ def fit(
       checkpoints (under FSDP2 every rank writes its shards into rank 0's
       directory with `torch.distributed.checkpoint`), a resume loads rank
       0's checkpoint on every rank, ``on_step`` stopping one rank stops all,
-      `locate` re-runs a DDP step on this rank's unwrapped module (no
-      collective) and is not run under FSDP2, the bad-batch list
+      `locate` runs on every rank at once under DDP and FSDP2, each on its
+      own rows and shards (small records exchanged; no re-run, so such a
+      step counts as reproduced), the bad-batch list
       (``bad_batches.json``) is rank 0's, given to every rank; a rank that
       raises makes the others' next collective fail with a RuntimeError
       naming its rank, step and error (after the process group's timeout at
@@ -403,9 +404,8 @@ class _TorchAdapter:
         self.mgr, self.group, self.scheds = mgr, group, scheds
         self.time_steps = log.time_steps
         self.in_memory = policy.restores and policy.restore_to == "memory"
-        # As jaxstable's fit; under DDP locate re-runs the step on this
-        # rank's unwrapped module (no collective: the ranks' re-runs take
-        # different paths, e.g. one stops at its non-finite batch rows).
+        # As jaxstable's fit; under DDP and FSDP2 every rank locates at
+        # the same step, on its own rows and shards (docs/locate.md).
         self.locate_step = locate_step(step)
         self.snapshot_state = self.snapshot_scheds = None
         self.data_rng = None

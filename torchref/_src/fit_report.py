@@ -3,7 +3,6 @@ and the `NonFiniteError` it raises."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -102,20 +101,10 @@ def host_record(index: int, metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def locate_step(step: Any) -> TrainStep | None:
-    """The step `locate` re-runs: ``step`` itself in one process; under DDP a
-    shallow copy on the unwrapped module (the same parameters, optimizer and
-    scaler; no collective); None under FSDP2 (no rank holds the whole
-    model) or for a plain step callable."""
-    if not isinstance(step, TrainStep):
-        return None
-    rep = step._replicas
-    if rep is None:
-        return step
-    if rep.ddp is None:
-        return None
-    local = copy.copy(step)
-    local.model, local._replicas = rep.ddp.module, None
-    return local
+    """The step `locate` re-runs: ``step`` itself, in one process and under
+    DDP or FSDP2 (every rank locates at once, each on its own rows and
+    shards); None for a plain step callable."""
+    return step if isinstance(step, TrainStep) else None
 
 
 def raise_non_finite(
