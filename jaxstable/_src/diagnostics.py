@@ -365,6 +365,11 @@ def locate(
       >>> diagnostics.locate(step, state, jnp.ones(3)) is None
       True
     """
-    from jaxstable._src import _locate  # the engine, imported when used
+    from jaxstable._src import _locate, locate_sharded  # imported when used
+    from jaxstable._src.locate_shards import is_sharded
 
+    if is_sharded((state, batch)):  # split over processes: nothing gathered
+        return locate_sharded.locate_sharded(
+            step, state, batch, NonFiniteLocation, finite
+        )
     return _locate.locate(step, state, batch, NonFiniteLocation, finite)

@@ -202,7 +202,7 @@ def _memories(width: int, mesh) -> tuple[dict, dict]:
     from flax import nnx
 
     from jaxstable import distributed, train
-    from jaxstable._src import _locate, locate_shards
+    from jaxstable._src import locate_sharded, locate_shards
 
     class Wide(nnx.Module):
         def __init__(self):
@@ -228,7 +228,7 @@ def _memories(width: int, mesh) -> tuple[dict, dict]:
     )
     args = (state.loss_scale, state.params, state.model_state, state.opt_state, batch)
     program = locate_shards.program_memory(
-        _locate._whole_step(step, state.tx), args, (step, "sharded", state.tx)
+        locate_sharded._whole_step(step, state.tx), args, (step, "sharded", state.tx)
     )
     own = step.lower(state, batch).compile().memory_analysis()
     return program, locate_shards._memory(own)

@@ -63,7 +63,6 @@ from torchref._src.locate_origins import (
     tensor_stats,
 )
 from torchref._src.locate_scopes import clean, module_hooks
-from torchref._src.locate_shards import distributed_kind
 from torchref._src.locate_trace import Tracer, hold, stats, storage_key
 from torchref._src.step import TrainStep
 
@@ -159,15 +158,15 @@ def _first_bad(items: list[tuple[Any, torch.Tensor]], masks_ok: bool = False):
     ]
     if not bad:
         return None
-    path, t = min(bad, key=lambda item: _dotted(item[0]))
+    path, t = min(bad, key=lambda item: dotted_name(item[0]))
     return path, t, tensor_stats(t)
 
 
-def _dotted(path: Any) -> str:
+def dotted_name(path: Any) -> str:
     return ".".join(map(str, path)) if isinstance(path, tuple) else str(path)
 
 
-def _scale_of(step: Any) -> float:
+def scale_of(step: Any) -> float:
     scaler = step.scaler
     if scaler is None or not scaler.is_enabled():
         return 1.0
@@ -202,7 +201,7 @@ class _Run(NamedTuple):
 
 
 @contextlib.contextmanager
-def _grads_put_back(params: list[tuple[str, torch.Tensor]]):
+def grads_put_back(params: list[tuple[str, torch.Tensor]]):
     grads = [p.grad for _, p in params]
     for _, p in params:
         p.grad = None
@@ -213,7 +212,7 @@ def _grads_put_back(params: list[tuple[str, torch.Tensor]]):
             p.grad = g
 
 
-def _eager_compiled():
+def eager_compiled():
     """A `torch.compile`d model runs eagerly (its ops seen one by one). No
     compiled model exists unless dynamo was imported (importing it costs
     1.5 s)."""
@@ -243,12 +242,12 @@ def _run(step: Any, batch: Any, scale: float, rng_state, params) -> _Run:
         if step.autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    with warnings.catch_warnings(), _grads_put_back(params):
+    with warnings.catch_warnings(), grads_put_back(params):
         warnings.simplefilter("ignore")  # shown once already, when the step ran
         if rng_state is not None:
             set_rng(rng_state)
         try:
-            with _eager_compiled(), module_hooks(model, tracer), tracer:
+            with eager_compiled(), module_hooks(model, tracer), tracer:
                 with autocast:
                     out = step.loss_fn(model, batch)
                 tracer.name_nodes()
@@ -271,17 +270,19 @@ def _run(step: Any, batch: Any, scale: float, rng_state, params) -> _Run:
     return _Run(loss.detach(), loss_tag, grads, grad_tags, buffer_bad)
 
 
-def locate(
-    step: Any, batch: Any, cls: type, loss_scale: float | None = None, rng_state=None
-) -> Any:
+def check_locate_args(step: Any, rng_state: Any) -> None:
+    """A `TrainStep`, and an RNG state `rng_snapshot` made (or None)."""
     if not isinstance(step, TrainStep):
         raise TypeError(
             f"locate needs a torchref.train.TrainStep, got {type(step).__name__}"
         )
     _check_rng(rng_state)
-    if distributed_kind(step) is not None:
-        scale = _scale_of(step) if loss_scale is None else float(loss_scale)
-        return locate_sharded(step, batch, cls, scale, rng_state)
+
+
+def locate(
+    step: Any, batch: Any, cls: type, loss_scale: float | None = None, rng_state=None
+) -> Any:
+    check_locate_args(step, rng_state)
     bad = _first_bad(leaves(batch))
     if bad is not None:
         path, _, s = bad
@@ -310,7 +311,7 @@ def locate(
             "state were already non-finite",
             **_value_fields(s),
         )
-    scale = _scale_of(step) if loss_scale is None else float(loss_scale)
+    scale = scale_of(step) if loss_scale is None else float(loss_scale)
     stats["peak_live_bytes"] = stats["peak_tagged_bytes"] = 0
     now = rng_snapshot(step)
     try:
@@ -517,131 +518,3 @@ def _adam_nu_zero(state: dict, p: torch.Tensor) -> bool:
         return False
     bad = ~torch.isfinite(p.detach())
     return bool((nu[bad] == 0).all())
-
-
-# ------------------------------------------------- DDP and FSDP2, several ranks
-def _sharded_inputs(step: Any, model: Any, batch: Any, cls: type) -> Any:
-    """The input and params phases, each rank checking its own values."""
-    from torchref._src.locate_shards import first_named, ranks_text
-
-    found = first_named([(_dotted(p), t) for p, t in leaves(batch)])
-    if found is not None:
-        name, s, ranks = found
-        return cls(
-            phase="input",
-            path=name or None,
-            op=None,
-            source=None,
-            detail=f"{kind(s.nan, s.inf)} in batch {name or '(the whole batch)'} "
-            f"({s.nan + s.inf} of {s.size} values on the rank){ranks_text(ranks)}",
-            **_value_fields(s),
-        )
-    params = [(clean(n), p) for n, p in model.named_parameters()]
-    buffers = [(clean(n), b) for n, b in model.named_buffers()]
-    found = first_named(params) or first_named(buffers, masks_ok=True)
-    if found is None:
-        return None
-    name, s, ranks = found
-    return cls(
-        phase="params",
-        path=name,
-        op=None,
-        source=None,
-        detail=f"{kind(s.nan, s.inf)} in {name} before the step "
-        f"({s.nan + s.inf} of {s.size} values on the rank){ranks_text(ranks)}: "
-        "the parameters or model state were already non-finite",
-        **_value_fields(s),
-    )
-
-
-def _sharded_run(step: Any, model: Any, batch: Any, scale: float, rng_state) -> dict:
-    """Forward, then backward (on every rank, as the step: FSDP2's are
-    collectives) at the
-    step's scale per rank (``scale / world``, as `TrainStep` backpropagates
-    under DDP and FSDP2), under `locate_shards.FirstBad`; side effects
-    undone. This rank's record: the first bad op, whether its loss was
-    finite, its first non-finite gradient (local values)."""
-    from torchref._src.locate_shards import FirstBad, exchange, first_named, local
-
-    params = [(clean(n), p) for n, p in model.named_parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    tracer = FirstBad()
-    world = torch.distributed.get_world_size()
-    with warnings.catch_warnings(), _grads_put_back(params):
-        warnings.simplefilter("ignore")
-        if rng_state is not None:
-            set_rng(rng_state)
-        try:
-            with _eager_compiled(), module_hooks(model, tracer), tracer:
-                out = step.loss_fn(model, batch)
-                tracer.name_nodes()
-                loss = out[0] if isinstance(out, tuple) else out
-                loss_ok = all_finite(local(loss))
-                every = exchange(loss_ok)
-                if loss.requires_grad:  # on every rank, as the step (FSDP2)
-                    (loss.float() * (scale / world)).backward()
-            grads = [(n, p.grad) for n, p in params if p.grad is not None]
-            bad_grad = first_named(grads) if all(every) else None
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-    return {"first": tracer.first, "losses": every, "bad_grad": bad_grad}
-
-
-def locate_sharded(step: Any, batch: Any, cls: type, scale: float, rng_state) -> Any:
-    """`locate` of a DDP or FSDP2 step in a process group of several ranks,
-    no parameter, gradient or activation gathered (see
-    `torchref._src.locate_shards`); every rank calls it (with its own rows)
-    and gets the same answer."""
-    from torchref._src import locate_shards as shards
-
-    shards.stats["exchanged_bytes"] = 0
-    kind_of = shards.distributed_kind(step)
-    model = step._replicas.ddp.module if kind_of == "ddp" else step.model
-    loc = _sharded_inputs(step, model, batch, cls)
-    if loc is not None:
-        return loc
-    now = rng_snapshot(step)
-    try:
-        run = _sharded_run(
-            step, model, batch, scale, now if rng_state is None else rng_state
-        )
-    finally:
-        set_rng(now)
-    firsts = shards.exchange(run["first"])
-    if not all(run["losses"]):
-        ranks = [r for r, ok in enumerate(run["losses"]) if not ok]
-        phase_of = "forward"
-    elif run["bad_grad"] is not None:
-        ranks, phase_of = None, "backward"
-    else:
-        return None  # the update phase is not located across ranks
-    cands = [
-        (r, f)
-        for r, f in enumerate(firsts)
-        if f is not None and (ranks is None or r in ranks)
-    ]
-    o = shards.origin(cands[0][1]) if cands else None
-    where = shards.ranks_text([r for r, _ in cands])
-    if phase_of == "forward":
-        if o is None:
-            return cls(
-                phase="loss",
-                path=None,
-                op=None,
-                source=None,
-                detail="loss not finite" + shards.ranks_text(ranks),
-            )
-        phase = "loss" if o.module is None else "forward"
-        return cls(
-            phase=phase,
-            path=o.module,
-            detail=cause(o, _where(o)) + where,
-            **_origin_fields(o),
-        )
-    name, s, _ = run["bad_grad"]
-    text = f"{kind(s.nan, s.inf)} in the gradient of {name}, the loss finite"
-    if o is not None:
-        text += f"; it starts at {cause(o, _where(o))}{where}"
-    return cls(phase="backward", path=name, detail=text, **_origin_fields(o))

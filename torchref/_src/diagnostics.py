@@ -391,8 +391,15 @@ def locate(
         >>> diagnostics.locate(step, torch.ones(3)) is None
         True
     """
-    from torchref._src import _locate  # the engine, imported when used
+    from torchref._src import _locate, locate_sharded  # imported when used
+    from torchref._src.locate_shards import distributed_kind
 
+    _locate.check_locate_args(step, rng_state)
+    if distributed_kind(step) is not None:  # DDP, FSDP2: every rank at once
+        scale = _locate.scale_of(step) if loss_scale is None else float(loss_scale)
+        return locate_sharded.locate_sharded(
+            step, batch, NonFiniteLocation, scale, rng_state
+        )
     return _locate.locate(step, batch, NonFiniteLocation, loss_scale, rng_state)
 
 

@@ -52,6 +52,7 @@ LOCATE_FILES = frozenset(
         "_locate.py",
         "locate_origins.py",
         "locate_scopes.py",
+        "locate_sharded.py",
         "locate_shards.py",
         "locate_trace.py",
     )
