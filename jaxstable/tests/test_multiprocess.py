@@ -82,6 +82,52 @@ def problem():
     return params, batches
 
 
+def _refusals(state, step, batches, load, mesh, out, pid, result) -> None:
+    """The "resume" worker's checks of what fit and shard_state refuse."""
+    import jax
+
+    from jaxstable import distributed, train
+
+    # The torch idiom, checkpoints from process 0 only: refused on every
+    # process before any step (it aborted both with a collective mismatch).
+    try:
+        train.fit(
+            state,
+            step,
+            batches,
+            log=None,
+            checkpoint=os.path.join(out, "ckpt2") if pid == 0 else None,
+        )
+        result["process_0_only"] = None
+    except ValueError as e:
+        result["process_0_only"] = str(e)
+    # nan_policy="stop": every process raises at the same step (the
+    # report gathered from the FSDP shards), none is ended by another.
+    try:
+        train.fit(
+            state,
+            step,
+            batches,
+            log=None,
+            nan_policy=train.NanPolicy.stop(max_consecutive=1),
+            batch_transform=load,
+        )
+        result["stop"] = None
+    except train.NonFiniteError as e:
+        result["stop"] = [e.step, str(e)]
+    # Processes that start from different states: shard_state refuses,
+    # and replicas_identical (which compares across processes) says so.
+    differ = {"w": np.full((4, 2), float(pid), np.float32)}
+    try:
+        distributed.shard_state(differ, mesh, "data_parallel")
+        result["refused"] = None
+    except ValueError as e:
+        result["refused"] = str(e)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    w = jax.make_array_from_callback((4, 2), sharding, lambda i: differ["w"][i])
+    result["differ_identical"] = distributed.replicas_identical({"w": w})
+
+
 def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
     import jax
 
@@ -183,44 +229,7 @@ def _worker(mode: str, out: str, pid: int = 0, port: int = 0) -> None:
         theirs = "ckpt_from2" if mode == "single" else "ckpt_from1"
         result["across"] = run(state, os.path.join(out, theirs), resume=True)[1]
     if mode == "resume":
-        # The torch idiom, checkpoints from process 0 only: refused on every
-        # process before any step (it aborted both with a collective mismatch).
-        try:
-            train.fit(
-                state,
-                step,
-                batches,
-                log=None,
-                checkpoint=os.path.join(out, "ckpt2") if pid == 0 else None,
-            )
-            result["process_0_only"] = None
-        except ValueError as e:
-            result["process_0_only"] = str(e)
-        # nan_policy="stop": every process raises at the same step (the
-        # report gathered from the FSDP shards), none is ended by another.
-        try:
-            train.fit(
-                state,
-                step,
-                batches,
-                log=None,
-                nan_policy=train.NanPolicy.stop(max_consecutive=1),
-                batch_transform=load,
-            )
-            result["stop"] = None
-        except train.NonFiniteError as e:
-            result["stop"] = [e.step, str(e)]
-        # Processes that start from different states: shard_state refuses,
-        # and replicas_identical (which compares across processes) says so.
-        differ = {"w": np.full((4, 2), float(pid), np.float32)}
-        try:
-            distributed.shard_state(differ, mesh, "data_parallel")
-            result["refused"] = None
-        except ValueError as e:
-            result["refused"] = str(e)
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        w = jax.make_array_from_callback((4, 2), sharding, lambda i: differ["w"][i])
-        result["differ_identical"] = distributed.replicas_identical({"w": w})
+        _refusals(state, step, batches, load, mesh, out, pid, result)
     with open(os.path.join(out, f"{mode}_{pid}.json"), "w") as f:
         json.dump(result, f)
     if mode == "resume":
