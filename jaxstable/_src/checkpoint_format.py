@@ -21,7 +21,7 @@ import numpy as np
 from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
 from jaxstable._src.checkpoint_checks import state_types
 from jaxstable._src.checkpoint_sharded import flat_leaves
-from jaxstable._src.distributed import _to_host
+from jaxstable._src.distributed import to_host
 from jaxstable._src.step import TrainState
 
 _FORMAT = "jaxstable-checkpoint-2"
@@ -66,10 +66,10 @@ def _encode(tree: Any, first_index: int = 0) -> tuple[list[dict], list[np.ndarra
     # Key data, then one device-to-host transfer for all the leaves.
     leaves = [jax.random.key_data(x) if _is_key(x) else x for x in flat.values()]
     arrays = []
-    # _to_host: under jax.distributed a leaf split over several processes
+    # to_host: under jax.distributed a leaf split over several processes
     # (FSDP) is all-gathered, so that every process writes, and hashes, the
     # same global values (every process calls save, in the same order).
-    for entry, leaf in zip(entries, _to_host(leaves), strict=True):
+    for entry, leaf in zip(entries, to_host(leaves), strict=True):
         data = np.asarray(leaf)
         entry["data"] = [list(data.shape), data.dtype.name]
         if data.size:

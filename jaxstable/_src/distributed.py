@@ -277,7 +277,7 @@ def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _to_host(tree: Any) -> Any:
+def to_host(tree: Any) -> Any:
     """Every array leaf of ``tree`` as a numpy array of its GLOBAL value.
 
     A leaf this process holds completely (one process, or a replicated
@@ -396,7 +396,7 @@ def global_mean(values: Any, mask: Any = None, *, axis_name: str | None = None):
     count = jnp.sum(weights)
     if axis_name is None:
         return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)
-    replicas = _axis_size(axis_name, "global_mean")
+    replicas = axis_size(axis_name, "global_mean")
     totals = jax.lax.psum(jax.lax.stop_gradient(jnp.stack([total, count])), axis_name)
     safe = jnp.where(totals[1] > 0, totals[1], 1.0)
     value = jnp.where(totals[1] > 0, totals[0] / safe, 0.0)
@@ -404,7 +404,7 @@ def global_mean(values: Any, mask: Any = None, *, axis_name: str | None = None):
     return share + jax.lax.stop_gradient(value - share)
 
 
-def _axis_size(axis_name: str, where: str) -> int:
+def axis_size(axis_name: str, where: str) -> int:
     """The size of the `jax.shard_map` axis ``axis_name``, or a ValueError
     naming the axes that are there (jax's own error is a bare NameError or,
     from `lax.pcast`, an AssertionError)."""
@@ -426,7 +426,7 @@ def _axis_size(axis_name: str, where: str) -> int:
     )
 
 
-def _all_processes(data: bytes) -> list[bytes]:
+def all_processes(data: bytes) -> list[bytes]:
     """``data`` of every process, by process index (a collective)."""
     from jax.experimental import multihost_utils
 
@@ -473,7 +473,7 @@ def _first_difference(tree: Any) -> str | None:
         return local
     payload = json.dumps({"local": local, "digests": mine}).encode()
     seen: dict[str, tuple[int, str]] = {}
-    for process, raw in enumerate(_all_processes(payload)):
+    for process, raw in enumerate(all_processes(payload)):
         got = json.loads(raw)
         if got["local"] is not None:
             return f"{got['local']} (on process {process})"

@@ -21,7 +21,7 @@ from jaxstable._src.diagnostics import (
     locate,
     non_finite_report,
 )
-from jaxstable._src.distributed import _to_host
+from jaxstable._src.distributed import to_host
 from jaxstable._src.loss_scale import StaticLossScale
 from jaxstable._src.step import TrainStep
 
@@ -118,12 +118,12 @@ def raise_non_finite(
     used = StaticLossScale(metrics["loss_scale"])
     grads_fn = getattr(train_step, "grads", None)
     report = (
-        non_finite_report(_to_host(grads_fn(state_out.replace(loss_scale=used), batch)))
+        non_finite_report(to_host(grads_fn(state_out.replace(loss_scale=used), batch)))
         if grads_fn is not None
         else []
     )
     # Global values (gathered under jax.distributed, on every process).
-    batch, state_out_host = _to_host((batch, state_out))
+    batch, state_out_host = to_host((batch, state_out))
     scale = f"{rec['loss_scale']:.6g}"
     parts = [
         f"{consecutive} non-finite step(s) in a row, the last at step "

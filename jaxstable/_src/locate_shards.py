@@ -41,12 +41,12 @@ from jax._src import core as jcore
 from _stablecore.locate import MASKED_NAN, Stats
 from jaxstable._src.locate_origins import CANONICAL_OPS, Origin, is_float
 from jaxstable._src.locate_trace import (
-    _bind,
-    _literal_bad,
-    _module_of,
-    _source,
-    _sub_jaxpr,
-    _traced,
+    bind,
+    literal_bad,
+    module_of,
+    sub_jaxpr,
+    traced_jaxpr,
+    user_source,
 )
 
 # What the last sharded locate exchanged between processes and the memory
@@ -135,25 +135,25 @@ class _Walk:
         for eqn in jaxpr.eqns:
             pairs = [read(v) for v in eqn.invars]
             invals = [p[0] for p in pairs]
-            sub = _sub_jaxpr(eqn)
+            sub = sub_jaxpr(eqn)
             moved = [p[1] for p in pairs if p[1] >= 0]
             if eqn.primitive.name in _MOVES and len(moved) == 1:
-                outs = [(o, moved[0]) for o in _bind(eqn, invals)]
+                outs = [(o, moved[0]) for o in bind(eqn, invals)]
             elif eqn.primitive.name == "shard_map":
-                here = _module_of(eqn.source_info, module)
+                here = module_of(eqn.source_info, module)
                 outs = self._shard_map(eqn, pairs, here)
             elif sub is not None:
-                here = _module_of(eqn.source_info, module)
+                here = module_of(eqn.source_info, module)
                 outs = self.run(sub, invals, [p[1] for p in pairs], here)
             else:
                 rec = Rec(
                     CANONICAL_OPS.get(eqn.primitive.name, eqn.primitive.name),
                     tuple(p[1] for p in pairs if p[1] >= 0),
-                    _module_of(eqn.source_info, module),
-                    _source(eqn.source_info),
-                    _literal_bad(eqn, invals),
+                    module_of(eqn.source_info, module),
+                    user_source(eqn.source_info),
+                    literal_bad(eqn, invals),
                 )
-                outs = [(o, self.value(o, rec, invals)) for o in _bind(eqn, invals)]
+                outs = [(o, self.value(o, rec, invals)) for o in bind(eqn, invals)]
             for v, o in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = o
@@ -289,7 +289,7 @@ def _program(closed, capture: int | None):
 def program_memory(fun, args, cache) -> dict:
     """Bytes of the counting program of ``fun(*args)`` (XLA's memory
     analysis: arguments, outputs, temporaries), per device."""
-    closed, _ = _traced(fun, args, cache, True)
+    closed, _ = traced_jaxpr(fun, args, cache, True)
     jitted, _ = _program(closed, None)
     mem = jitted.lower(*jax.tree_util.tree_leaves(args)).compile().memory_analysis()
     return _memory(mem)
@@ -318,7 +318,7 @@ class Counted(NamedTuple):
 
 def count(fun, args, cache) -> Counted:
     """Runs the counting program of ``fun(*args)`` (every process)."""
-    closed, shape = _traced(fun, args, cache, True)
+    closed, shape = traced_jaxpr(fun, args, cache, True)
     jitted, meta = _program(closed, None)
     leaves = jax.tree_util.tree_leaves(args)
     counts = host_scalar(jitted(*leaves))

@@ -80,14 +80,14 @@ stats: dict[str, Any] = {"peak_live_bytes": 0, "peaks": []}
 _LAZY = 8
 
 
-def _source(source_info: Any) -> str | None:
+def user_source(source_info: Any) -> str | None:
     for fr in source_info_util.user_frames(source_info.traceback):
         if not any(m in fr.file_name for m in LIB_MARKERS):
             return format_frame(fr.file_name, fr.start_line, fr.function_name)
     return None
 
 
-def _module_of(source_info: Any, outer: str | None) -> str | None:
+def module_of(source_info: Any, outer: str | None) -> str | None:
     module = outer
     for entry in source_info.name_stack.stack:
         name = getattr(entry, "name", "")
@@ -96,7 +96,7 @@ def _module_of(source_info: Any, outer: str | None) -> str | None:
     return module
 
 
-def _sub_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
+def sub_jaxpr(eqn: Any) -> jcore.ClosedJaxpr | None:
     if eqn.primitive.name not in _CALLS:
         return None
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
@@ -228,21 +228,21 @@ class _Interpreter:
 
     def _eval(self, eqn, invals, intags, module) -> tuple[list, list]:
         name = eqn.primitive.name
-        sub = _sub_jaxpr(eqn)
+        sub = sub_jaxpr(eqn)
         if sub is not None:
-            return self.run(sub, invals, intags, _module_of(eqn.source_info, module))
+            return self.run(sub, invals, intags, module_of(eqn.source_info, module))
         if name in _BODIES:
             if not any(intags):
-                outs = _bind(eqn, invals)
+                outs = bind(eqn, invals)
                 if all(all_finite(o) for o in outs):
                     return outs, [None] * len(outs)
-            here = _module_of(eqn.source_info, module)
+            here = module_of(eqn.source_info, module)
             return getattr(self, "_" + name)(eqn, invals, intags, here)
         if self.unguard and name == "select_n":
             guarded = _unguarded(invals, intags)
             if guarded is not None:
                 return guarded
-        outs = _bind(eqn, invals)
+        outs = bind(eqn, invals)
         return outs, self._tags(eqn, invals, intags, outs, module)
 
     # -------------------------------------------------------- control flow
@@ -298,7 +298,7 @@ class _Interpreter:
             # Finite inputs: a new origin, intentional when a non-finite
             # literal (``-inf`` written as a mask value) was an input.
             k = bad.index(True)
-            lit = _literal_bad(eqn, invals)
+            lit = literal_bad(eqn, invals)
             o = self.new(eqn, invals, outs, k, bad_mask(outs[k]), module, lit)
             return [((o, None),) if b else None for b in bad]
         origins = _order(dict.fromkeys(o for t in intags if t for o, _ in t))
@@ -337,9 +337,9 @@ class _Interpreter:
 
     def _ablated(self, eqn, invals, intags, outs, bad, module) -> list:
         origins = _order(dict.fromkeys(o for t in intags if t for o, _ in t))
-        filled = _bind(eqn, fill_with_ones(invals, intags, None))
+        filled = bind(eqn, fill_with_ones(invals, intags, None))
         each = (
-            {o: _bind(eqn, fill_with_ones(invals, intags, o)) for o in origins}
+            {o: bind(eqn, fill_with_ones(invals, intags, o)) for o in origins}
             if len(origins) > 1
             else {origins[0]: filled}
         )
@@ -411,7 +411,7 @@ class _Interpreter:
 
     def _finish(self, eqn, invals, outs, k, claims, new, module) -> tuple:
         if bool(new.any()):
-            lit = _literal_bad(eqn, invals)
+            lit = literal_bad(eqn, invals)
             claims = {**claims, self.new(eqn, invals, outs, k, new, module, lit): new}
         return _make_tag(claims)
 
@@ -432,8 +432,8 @@ class _Interpreter:
         o = Origin(
             index=self.count,
             op=CANONICAL_OPS.get(name, name),
-            module=_module_of(eqn.source_info, module),
-            source=_source(eqn.source_info),
+            module=module_of(eqn.source_info, module),
+            source=user_source(eqn.source_info),
             facts=facts,
             intentional=intentional,
             hint=hint,
@@ -448,7 +448,7 @@ class _Interpreter:
         return o
 
 
-def _bind(eqn, invals) -> list:
+def bind(eqn, invals) -> list:
     # As `jax.core.eval_jaxpr`: a higher-order primitive (``shard_map``)
     # is bound with its own parameters (its body as a function).
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -456,7 +456,7 @@ def _bind(eqn, invals) -> list:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def _literal_bad(eqn, invals) -> bool:
+def literal_bad(eqn, invals) -> bool:
     return any(
         isinstance(v, jcore.Literal) and is_float(val) and not all_finite(val)
         for v, val in zip(eqn.invars, invals, strict=True)
@@ -484,7 +484,7 @@ def _unguarded(invals, intags):
 _TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _traced(fun, args, cache, scopes: bool):
+def traced_jaxpr(fun, args, cache, scopes: bool):
     """``make_jaxpr(fun)(*args)`` with jit disabled (a jitted function inside
     the loss is traced inline, not taken from the hot path's trace cache,
     which has no module scopes); memoised per ``cache = (owner, name, pin)``
@@ -513,7 +513,7 @@ def interpret(fun, *args, sink=None, unguard=False, cache=None, scopes=False):
     With ``sink``, each output leaf goes to ``sink(i, value, tag)`` as it is
     computed (kept, and counted as held, when it returns True) and the lists
     come back empty. ``scopes``: trace within `module_scopes`."""
-    closed, shape = _traced(fun, args, cache, scopes)
+    closed, shape = traced_jaxpr(fun, args, cache, scopes)
     if sink is not None and hasattr(sink, "start"):
         sink.start(shape)
     leaves = jax.tree_util.tree_leaves(args)

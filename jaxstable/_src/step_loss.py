@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from jaxstable._src.distributed import _axis_size
+from jaxstable._src.distributed import axis_size
 from jaxstable._src.precision import LOSS_SCOPE
 from jaxstable._src.step_checks import StepSpec, check_loss
 
@@ -107,7 +107,7 @@ def replicas(axis_name: str | None) -> int:
     ``axis_name``); refuses an ``axis_name`` that is not mapped here and a
     step inside `jax.shard_map` without one."""
     if axis_name is not None:
-        return _axis_size(axis_name, "make_train_step")
+        return axis_size(axis_name, "make_train_step")
     manual = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
     if manual:
         # Without axis_name nothing is reduced over the replicas: each one

@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from jaxstable._src.distributed import _all_processes
+from jaxstable._src.distributed import all_processes
 from jaxstable._src.fit_report import NonFiniteError
 
 
@@ -23,7 +23,7 @@ def check_same_on_every_process(**settings) -> None:
     only (the torch idiom) made both processes abort with a gloo
     "collective mismatch". One small all-gather."""
     mine = json.dumps(settings, sort_keys=True, default=repr).encode()
-    every = [json.loads(raw) for raw in _all_processes(mine)]
+    every = [json.loads(raw) for raw in all_processes(mine)]
     for name in sorted(settings):
         values = [got[name] for got in every]
         if any(v != values[0] for v in values):

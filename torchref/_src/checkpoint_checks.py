@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from _stablecore.checkpoint import raise_mismatches as _raise_mismatches
-from torchref._src.distributed import _plain
+from torchref._src.distributed import inner_module
 from torchref._src.step import TrainStep
 from torchref._src.step_state import param_names, scaler_kind
 
@@ -38,7 +38,7 @@ def check_train_step(path: Any, state: Any, saved: dict, step: TrainStep) -> Non
             **leaf_specs(state["skip_state"], "skip_state"),
         },
         {
-            **leaf_specs(_plain(step.model).state_dict(), "model"),
+            **leaf_specs(inner_module(step.model).state_dict(), "model"),
             **leaf_specs(dataclasses.asdict(step.skip_state), "skip_state"),
         },
     )
@@ -70,7 +70,7 @@ def param_mismatches(saved: dict, state: dict, params: dict, step: TrainStep):
     """One line per optimizer parameter (by name) missing, extra, in another
     group, or of another shape or dtype (for one outside the model's state
     dict: the model check covers those)."""
-    in_model = set(_plain(step.model).state_dict())
+    in_model = set(inner_module(step.model).state_dict())
     lines = []
     for name in [*params, *(n for n in saved if n not in params)]:
         s, e = saved.get(name), params.get(name)

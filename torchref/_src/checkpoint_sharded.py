@@ -52,7 +52,7 @@ from torchref._src.checkpoint_format import (
     state_by_name,
     write_durably,
 )
-from torchref._src.distributed import _plain
+from torchref._src.distributed import inner_module
 from torchref._src.step import TrainStep
 
 # DCP keys: "model/<name>", "optimizer/<parameter name>/<state key>" and
@@ -65,11 +65,11 @@ def is_sharded(step: Any) -> bool:
     under a process group of more than one rank."""
     import torch.distributed as dist
 
-    from torchref._src.distributed import _is_fsdp
+    from torchref._src.distributed import is_fsdp
 
     return (
         isinstance(step, TrainStep)
-        and _is_fsdp(step.model)
+        and is_fsdp(step.model)
         and dist.is_initialized()
         and dist.get_world_size() > 1
     )
@@ -115,7 +115,7 @@ def _dcp_tensors(step: TrainStep) -> tuple[dict, dict]:
     saved (or resumed) there would take another first step than the
     uninterrupted run.
     """
-    tensors = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    tensors = {_MODEL + k: v for k, v in inner_module(step.model).state_dict().items()}
     outside = step._outside_params()
     tensors.update({_OUTSIDE + k: p.detach() for k, p in outside.items()})
     names, specs = param_specs(step)
@@ -272,7 +272,7 @@ def load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
     _check_dcp_structure(path, saved, extras, step)
     names = param_specs(step)[0]
     by_name = dict(zip(names, step._params(), strict=True))
-    template = {_MODEL + k: v for k, v in _plain(step.model).state_dict().items()}
+    template = {_MODEL + k: v for k, v in inner_module(step.model).state_dict().items()}
     # The outside parameters' values: saved by checkpoints since issue 34
     # (an older one has none, and says so by a RuntimeWarning).
     own = step._outside_params()
@@ -293,10 +293,10 @@ def load_dcp(path: Any, step: Any, restore_rng: bool, expected: int | None):
         # no_dist: DCP warns that it assumes a single process; we asked it.
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(template, checkpoint_id=os.fspath(path), no_dist=not collective)
-    from torchref._src.distributed import _load_plain_state_dict
+    from torchref._src.distributed import load_plain_state_dict
 
     model = {k[len(_MODEL) :]: v for k, v in template.items() if k.startswith(_MODEL)}
-    _load_plain_state_dict(step.model, model)
+    load_plain_state_dict(step.model, model)
     rest = extras["optimizer"]
     state: dict = {n: dict(v) for n, v in rest["scalars"].items()}
     for name, key in rest["keys"]:
@@ -343,7 +343,7 @@ def _check_dcp_structure(path: Any, saved: dict, extras: dict, step: TrainStep):
     lines = structure_mismatches(
         {**model, **leaf_specs(extras["skip_state"], "skip_state")},
         {
-            **leaf_specs(_plain(step.model).state_dict(), "model"),
+            **leaf_specs(inner_module(step.model).state_dict(), "model"),
             **leaf_specs(dataclasses.asdict(step.skip_state), "skip_state"),
         },
     )

@@ -362,13 +362,13 @@ def _ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
     return model if isinstance(model, ddp) else None
 
 
-def _is_fsdp(model: Any) -> bool:
+def is_fsdp(model: Any) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
 
 
-def _plain(model: torch.nn.Module) -> torch.nn.Module:
+def inner_module(model: torch.nn.Module) -> torch.nn.Module:
     """The module a DDP wrapper holds (the model itself otherwise)."""
     ddp = _ddp(model)
     return model if ddp is None else ddp.module
@@ -376,14 +376,14 @@ def _plain(model: torch.nn.Module) -> torch.nn.Module:
 
 def _plain_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """``model.state_dict()`` with the keys of the unwrapped module."""
-    return _plain(model).state_dict()
+    return inner_module(model).state_dict()
 
 
-def _load_plain_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
+def load_plain_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
     """Loads a state dict saved with or without DDP's ``module.`` prefix."""
     if state and all(k.startswith("module.") for k in state):
         state = type(state)((k[len("module.") :], v) for k, v in state.items())
-    _plain(model).load_state_dict(state)
+    inner_module(model).load_state_dict(state)
 
 
 def _sum_hook(group, bucket):  # unannotated: DDP checks the annotations
@@ -424,8 +424,10 @@ class _Replicas:
         self.group = ddp.process_group if ddp is not None else None
         self.size = dist.get_world_size(self.group)
         self.forward_calls = 0
-        self.names = [n for n, p in _plain(model).named_parameters() if p.requires_grad]
-        self.params = [p for p in _plain(model).parameters() if p.requires_grad]
+        self.names = [
+            n for n, p in inner_module(model).named_parameters() if p.requires_grad
+        ]
+        self.params = [p for p in inner_module(model).parameters() if p.requires_grad]
         if ddp is None:  # FSDP2
             _sum_fsdp_gradients(model)
             return
@@ -444,7 +446,7 @@ class _Replicas:
     @classmethod
     def of(cls, model: torch.nn.Module) -> _Replicas | None:
         ddp = _ddp(model)
-        if ddp is None and not _is_fsdp(model):
+        if ddp is None and not is_fsdp(model):
             return None
         if not dist.is_initialized():
             return None

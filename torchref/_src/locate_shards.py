@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchref._src.locate_origins import Origin, all_finite, is_float, tensor_stats
 from torchref._src.locate_scopes import MODULE_TAG
-from torchref._src.locate_trace import _SOURCE_TAG, _op_name, _python_source
+from torchref._src.locate_trace import SOURCE_TAG, op_name, python_source
 
 # What the last distributed locate sent to the other ranks, in bytes.
 stats: dict[str, Any] = {"exchanged_bytes": 0}
@@ -102,7 +102,7 @@ class FirstBad(TorchDispatchMode):
         autograd node (attached once the op returns) gets it in
         `name_nodes`, for the backward op that runs it (weak references:
         no tensor kept)."""
-        source = _python_source()
+        source = python_source()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.unnamed.append((weakref.ref(t), source))
@@ -111,8 +111,8 @@ class FirstBad(TorchDispatchMode):
         for ref, source in self.unnamed:
             t = ref()
             node = None if t is None else t.grad_fn
-            if node is not None and _SOURCE_TAG not in node.metadata:
-                node.metadata[_SOURCE_TAG] = source
+            if node is not None and SOURCE_TAG not in node.metadata:
+                node.metadata[SOURCE_TAG] = source
         self.unnamed.clear()
 
     def _check(self, func, args, kwargs, out, node) -> None:
@@ -126,13 +126,13 @@ class FirstBad(TorchDispatchMode):
             return
         if node is None:
             module = self.stack[-1][1] if self.stack else None
-            source = _python_source()
+            source = python_source()
         else:
             module = node.metadata.get(MODULE_TAG)
-            source = node.metadata.get(_SOURCE_TAG)
+            source = node.metadata.get(SOURCE_TAG)
         self.first = {
             "phase": "forward" if node is None else "backward",
-            "op": _op_name(func),
+            "op": op_name(func),
             "module": module,
             "source": source,
             "out": tensor_stats(bad[0]),

@@ -53,7 +53,7 @@ _POSITIONAL = {"masked_fill", "copy", "_to_copy", "clone", "detach", "alias"}
 _SOFTMAX = {"softmax", "log_softmax"}
 _NORMS = {"layer_norm", "group_norm"}
 _STDLIB = sysconfig.get_paths()["stdlib"]
-_SOURCE_TAG = "torchref.locate.source"
+SOURCE_TAG = "torchref.locate.source"
 # In the last `locate` call: the peak bytes locate itself held (copies of
 # buffers, of parameters an op wrote to, of one parameter and its optimizer
 # state in the update, the re-run's gradients, masks), and the peak bytes of
@@ -86,7 +86,7 @@ def _is_user(file_name: str) -> bool:
     )
 
 
-def _python_source() -> str | None:
+def python_source() -> str | None:
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename in LOCATE_FILES:
         frame = frame.f_back  # the dispatch mode's own frames
@@ -100,7 +100,7 @@ def _python_source() -> str | None:
     return None
 
 
-def _op_name(func: Any) -> str:
+def op_name(func: Any) -> str:
     name = func.overloadpacket.__name__
     base = name.rstrip("_") or name
     return CANONICAL_OPS.get(base, base)
@@ -145,7 +145,7 @@ class Tracer(TorchDispatchMode):
         if self.sources and torch._C._current_autograd_node() is None:
             # The forward line of the autograd node autograd attaches to
             # these outputs when this returns (named at the next op).
-            source = _python_source()
+            source = python_source()
             self.unnamed.extend((weakref.ref(t), source) for t in outs)
         bad = [not all_finite(t) for t in outs]
         if not any(bad):
@@ -194,8 +194,8 @@ class Tracer(TorchDispatchMode):
         for ref, source in self.unnamed:
             t = ref()
             node = None if t is None else t.grad_fn
-            if node is not None and _SOURCE_TAG not in node.metadata:
-                node.metadata[_SOURCE_TAG] = source
+            if node is not None and SOURCE_TAG not in node.metadata:
+                node.metadata[SOURCE_TAG] = source
         self.unnamed.clear()
 
     def _copy_on_write(self, written: list[torch.Tensor]) -> None:
@@ -323,7 +323,7 @@ class Tracer(TorchDispatchMode):
     def _masked_row(self, func, args, kwargs, outs, k, claims) -> dict:
         """A max over elements all ``-inf`` by a mask is ``-inf``: marked,
         for the softmax that subtracts it next (NaN)."""
-        if _op_name(func) != "max":
+        if op_name(func) != "max":
             return claims
         rows = [m for o, m in claims.items() if o.intentional]
         if not rows:
@@ -344,7 +344,7 @@ class Tracer(TorchDispatchMode):
         m = union(masked, nan_in) & torch.isnan(outs[k].detach()) & ~nan_in
         if not bool(m.any()):
             return claims
-        row = _op_name(func) in _SOFTMAX or any(
+        row = op_name(func) in _SOFTMAX or any(
             o.hint in (MASKED_ROW, SOFTMAX_MASKED) and bool((c & m).any())
             for o, c in acc.items()
         )
@@ -364,14 +364,14 @@ class Tracer(TorchDispatchMode):
     def new(self, func, args, kwargs, vals, outs, k, sel, intentional=False, hint=None):
         """A new origin: output ``k`` of the op at the elements ``sel``."""
         self.count += 1
-        name = _op_name(func)
+        name = op_name(func)
         node = torch._C._current_autograd_node()
         if node is not None:  # a backward op: the forward's line and module,
             # or the line of a user's autograd.Function.backward running it
-            source = _python_source() or node.metadata.get(_SOURCE_TAG)
+            source = python_source() or node.metadata.get(SOURCE_TAG)
             module = node.metadata.get(MODULE_TAG)
         else:
-            source = _python_source()
+            source = python_source()
             module = self.stack[-1][1] if self.stack else None
         if hint is None and name in _NORMS and not intentional:
             hint = _variance_zero(func, args)

@@ -13,19 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 
 # The one host-readability test (not a tracer), shared with the loss scales.
-from jaxstable._src.loss_scale_math import is_concrete as _is_concrete
+from jaxstable._src.loss_scale_math import is_concrete
 
 Array = Any  # jax.Array or anything jnp.asarray accepts
 
-_F32 = jnp.float32
+F32 = jnp.float32
 
 # float32's smallest normal number 1.1754944e-38: the floor of every eps (a
 # subnormal one is flushed to 0 by XLA on CPU: 0 / (0 + eps) = NaN) and of
 # the focal loss' modulating base (see sigmoid_focal_loss)
-_TINY = float(np.finfo(np.float32).tiny)
+TINY = float(np.finfo(np.float32).tiny)
 
 
-def _as_arrays(**inputs):
+def as_arrays(**inputs):
     """The inputs, in order, as jax arrays (None passes through); TypeError
     naming an input that is not array-like (torchref's `_as_tensors` twin)."""
     out = []
@@ -43,19 +43,19 @@ def _as_arrays(**inputs):
     return out
 
 
-def _compute_dtype(*predictions) -> Any:
+def compute_dtype(*predictions) -> Any:
     """The dtype a loss computes in: float64 when a prediction is float64
     (possible only with x64 on), float32 otherwise ("at least float32")."""
     wide = any(x is not None and x.dtype == jnp.float64 for x in predictions)
-    return jnp.float64 if wide else _F32
+    return jnp.float64 if wide else F32
 
 
-def _check_float(name: str, x: Array) -> None:
+def check_float(name: str, x: Array) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating array, got dtype {x.dtype}")
 
 
-def _check_same_shape(name_a: str, a: Array, name_b: str, b: Array) -> None:
+def check_same_shape(name_a: str, a: Array, name_b: str, b: Array) -> None:
     if a.shape != b.shape:
         raise ValueError(
             f"{name_a} and {name_b} must have the same shape, got "
@@ -63,15 +63,15 @@ def _check_same_shape(name_a: str, a: Array, name_b: str, b: Array) -> None:
         )
 
 
-def _check_positive(
+def check_positive(
     name: str, value, *, allow_zero: bool = False, finite: bool = False
 ) -> None:
     """Raise for a non-scalar `value` (traced or not), and ValueError for a
     concrete one <= 0 (< 0 with allow_zero), NaN, or inf when `finite`
-    (torchref's `_check_positive` twin: the same messages)."""
+    (torchref's `check_positive` twin: the same messages)."""
     if np.ndim(value) != 0:  # static shape: checked for tracers too
         raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
-    if not _is_concrete(value):
+    if not is_concrete(value):
         return  # a traced (e.g. learnable) value cannot be checked here
     v = float(np.asarray(value, dtype=np.float64))
     rule = ">= 0" if allow_zero else "> 0"
@@ -81,20 +81,20 @@ def _check_positive(
         raise ValueError(f"{name} must be {rule}, got {value}")
 
 
-def _check_eps(name: str, value) -> None:
-    """A finite eps >= float32's smallest normal number (see `_TINY`)."""
-    _check_positive(name, value, finite=True)
-    if _is_concrete(value) and float(np.asarray(value, np.float64)) < _TINY:
+def check_eps(name: str, value) -> None:
+    """A finite eps >= float32's smallest normal number (see `TINY`)."""
+    check_positive(name, value, finite=True)
+    if is_concrete(value) and float(np.asarray(value, np.float64)) < TINY:
         raise ValueError(
-            f"{name} must be >= {_TINY:.8g} (float32's smallest normal number; "
+            f"{name} must be >= {TINY:.8g} (float32's smallest normal number; "
             f"XLA on CPU flushes a smaller one to 0), got {value}"
         )
 
 
-def _check_non_negative_values(name: str, x) -> None:
+def check_non_negative_values(name: str, x) -> None:
     """ValueError if a concrete `x` holds a negative value (host check; a
     traced `x` is left to the caller, which turns the result into NaN)."""
-    if not _is_concrete(x):
+    if not is_concrete(x):
         return
     values = np.asarray(x)
     negative = values < 0
@@ -106,7 +106,7 @@ def _check_non_negative_values(name: str, x) -> None:
         )
 
 
-def _isnan(x):
+def is_nan(x):
     """isnan for any dtype (an integer or bool array is never NaN)."""
     return (
         jnp.isnan(x)
@@ -115,20 +115,20 @@ def _isnan(x):
     )
 
 
-def _nan_if(condition, dtype=_F32):
+def nan_if(condition, dtype=F32):
     """1.0, or NaN where `condition`: a factor that makes a loss and its
     gradient NaN for an input that has no defined loss (under jit, where
     nothing can raise), so a finiteness guard sees it."""
     return jnp.where(condition, jnp.nan, 1.0).astype(dtype)
 
 
-def _masked_mean(total, denominator):
+def masked_mean(total, denominator):
     """total / denominator, and 0.0 (zero gradient) where denominator is 0."""
     nonzero = denominator > 0
     return jnp.where(nonzero, total / jnp.where(nonzero, denominator, 1.0), 0.0)
 
 
-def _reduce(loss, reduction: str):
+def reduce(loss, reduction: str):
     """'none' as is; 'sum'; 'mean' with the mean of an empty array 0.0."""
     if reduction == "none":
         return loss

@@ -13,19 +13,19 @@ import numpy as np
 
 from _stablecore.losses import check_reduction as _check_reduction
 from jaxstable._src.losses._checks import (
-    _F32,
-    _TINY,
+    F32,
+    TINY,
     Array,
-    _as_arrays,
-    _check_eps,
-    _check_float,
-    _check_positive,
-    _check_same_shape,
-    _compute_dtype,
-    _is_concrete,
-    _isnan,
-    _nan_if,
-    _reduce,
+    as_arrays,
+    check_eps,
+    check_float,
+    check_positive,
+    check_same_shape,
+    compute_dtype,
+    is_concrete,
+    is_nan,
+    nan_if,
+    reduce,
 )
 
 
@@ -94,12 +94,12 @@ def sigmoid_binary_cross_entropy(
       [-0.125  0.125 -0.125  0.125]
     """
     _check_reduction(reduction)
-    logits, targets, weights = _as_arrays(
+    logits, targets, weights = as_arrays(
         logits=logits, targets=targets, weights=weights
     )
-    _check_float("logits", logits)
-    _check_same_shape("logits", logits, "targets", targets)
-    ct = _compute_dtype(logits)
+    check_float("logits", logits)
+    check_same_shape("logits", logits, "targets", targets)
+    ct = compute_dtype(logits)
     loss = _bce_with_logits(logits.astype(ct), targets.astype(ct))
     if weights is not None:
         try:
@@ -185,23 +185,23 @@ def balanced_binary_cross_entropy(
       >>> print(round(float(loss), 4))
       1.2896
     """
-    logits, targets, mask = _as_arrays(logits=logits, targets=targets, mask=mask)
-    _check_float("logits", logits)
-    _check_same_shape("logits", logits, "targets", targets)
-    _check_same_shape("logits", logits, "mask", mask)
-    _check_positive("negative_ratio", negative_ratio, finite=True)
-    _check_eps("eps", eps)  # > 0: no positives and no negatives is 0 / eps
-    ct = _compute_dtype(logits)
+    logits, targets, mask = as_arrays(logits=logits, targets=targets, mask=mask)
+    check_float("logits", logits)
+    check_same_shape("logits", logits, "targets", targets)
+    check_same_shape("logits", logits, "mask", mask)
+    check_positive("negative_ratio", negative_ratio, finite=True)
+    check_eps("eps", eps)  # > 0: no positives and no negatives is 0 / eps
+    ct = compute_dtype(logits)
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
     negative = ~(targets > 0.5) & in_mask
     loss = _bce_with_logits(logits.astype(ct), positive.astype(ct)).ravel()
     n_pos = jnp.sum(positive, dtype=jnp.int32)
     n_neg = jnp.sum(negative, dtype=jnp.int32)
-    ratio_p = n_pos.astype(_F32) * jnp.float32(negative_ratio)  # float32 (see above)
+    ratio_p = n_pos.astype(F32) * jnp.float32(negative_ratio)  # float32 (see above)
     # A ratio_p beyond int32 (ratio 1e30) is never cast: XLA's float->int of
     # an out-of-range value is not defined. The int cast floors (ratio_p >= 0).
-    enough = ratio_p >= n_neg.astype(_F32)
+    enough = ratio_p >= n_neg.astype(F32)
     floor_ratio_p = jnp.where(enough, 0.0, ratio_p).astype(jnp.int32)
     k = jnp.where(enough, n_neg, jnp.minimum(n_neg, floor_ratio_p))
     neg_loss = jnp.where(negative.ravel(), loss, 0.0)
@@ -214,9 +214,9 @@ def balanced_binary_cross_entropy(
     # torch's top k whenever k >= 1, so it makes this loss NaN too. A NaN
     # target or mask is neither positive nor negative: NaN as well.
     undefined = ((k > 0) & jnp.any(negative.ravel() & jnp.isnan(loss))) | jnp.any(
-        _isnan(mask) | (_isnan(targets) & in_mask)
+        is_nan(mask) | (is_nan(targets) & in_mask)
     )
-    total = (pos_sum + top_k) * _nan_if(undefined, ct)
+    total = (pos_sum + top_k) * nan_if(undefined, ct)
     return total / ((n_pos + k).astype(ct) + eps)
 
 
@@ -252,16 +252,16 @@ def dice_loss(
       >>> print(round(float(losses.dice_loss(p, jnp.array([1.0, 0.0, 1.0]))), 3))
       0.286
     """
-    probs, targets, mask = _as_arrays(probs=probs, targets=targets, mask=mask)
-    _check_float("probs", probs)
-    _check_same_shape("probs", probs, "targets", targets)
-    _check_eps("eps", eps)
-    ct = _compute_dtype(probs)
+    probs, targets, mask = as_arrays(probs=probs, targets=targets, mask=mask)
+    check_float("probs", probs)
+    check_same_shape("probs", probs, "targets", targets)
+    check_eps("eps", eps)
+    ct = compute_dtype(probs)
     p, g = probs.astype(ct), targets.astype(ct)
     if mask is None:
         m = jnp.ones((), ct)
     else:
-        _check_same_shape("probs", probs, "mask", mask)
+        check_same_shape("probs", probs, "mask", mask)
         m = mask.astype(ct)
     intersection = jnp.sum(p * g * m)
     union = jnp.sum(p * m) + jnp.sum(g * m) + eps
@@ -284,7 +284,7 @@ def _check_alpha(alpha) -> bool:
 def _check_unit_interval(name: str, x) -> None:
     """ValueError if a concrete `x` holds a value outside [0, 1] (NaN passes:
     it gives a NaN loss)."""
-    if not _is_concrete(x):
+    if not is_concrete(x):
         return
     values = np.asarray(x, np.float32)
     outside = (values < 0) | (values > 1)
@@ -350,16 +350,16 @@ def sigmoid_focal_loss(
     """
     _check_reduction(reduction)
     weighted = _check_alpha(alpha)
-    _check_positive("gamma", gamma, allow_zero=True, finite=True)
-    logits, targets = _as_arrays(logits=logits, targets=targets)
-    _check_float("logits", logits)
-    _check_same_shape("logits", logits, "targets", targets)
+    check_positive("gamma", gamma, allow_zero=True, finite=True)
+    logits, targets = as_arrays(logits=logits, targets=targets)
+    check_float("logits", logits)
+    check_same_shape("logits", logits, "targets", targets)
     _check_unit_interval("targets", targets)
-    ct = _compute_dtype(logits)
+    ct = compute_dtype(logits)
     x, t = logits.astype(ct), targets.astype(ct)
     q = jax.nn.sigmoid(x) * (1.0 - t) + jax.nn.sigmoid(-x) * t
-    loss = _bce_with_logits(x, t) * jnp.where(q > _TINY, q, _TINY) ** gamma
+    loss = _bce_with_logits(x, t) * jnp.where(q > TINY, q, TINY) ** gamma
     if weighted:
         loss = (alpha * t + (1.0 - alpha) * (1.0 - t)) * loss
     # a traced target outside [0, 1] could not raise: NaN, not a finite loss
-    return _reduce(loss * _nan_if((t < 0) | (t > 1), ct), reduction)
+    return reduce(loss * nan_if((t < 0) | (t > 1), ct), reduction)

@@ -12,20 +12,20 @@ from _stablecore.losses import check_kind as _check_kind
 from _stablecore.losses import check_reduction as _check_reduction
 from jaxstable._src.losses._checks import (
     Array,
-    _as_arrays,
-    _check_eps,
-    _check_float,
-    _check_same_shape,
-    _compute_dtype,
-    _is_concrete,
-    _nan_if,
-    _reduce,
+    as_arrays,
+    check_eps,
+    check_float,
+    check_same_shape,
+    compute_dtype,
+    is_concrete,
+    nan_if,
+    reduce,
 )
 
 
 def _check_boxes(name: str, boxes) -> None:
     """Floating (..., 4) boxes."""
-    _check_float(name, boxes)
+    check_float(name, boxes)
     if boxes.ndim == 0 or boxes.shape[-1] != 4:
         raise ValueError(
             f"{name} must have shape (..., 4) as (x1, y1, x2, y2), got shape "
@@ -194,15 +194,15 @@ def box_iou_loss(
     """
     _check_kind(kind)
     _check_reduction(reduction)
-    _check_eps("eps", eps)
-    boxes1, boxes2 = _as_arrays(boxes1=boxes1, boxes2=boxes2)
+    check_eps("eps", eps)
+    boxes1, boxes2 = as_arrays(boxes1=boxes1, boxes2=boxes2)
     _check_boxes("boxes1", boxes1)
     _check_boxes("boxes2", boxes2)
-    _check_same_shape("boxes1", boxes1, "boxes2", boxes2)
-    if _is_concrete(boxes1) and _is_concrete(boxes2):  # an eager call: raise
+    check_same_shape("boxes1", boxes1, "boxes2", boxes2)
+    if is_concrete(boxes1) and is_concrete(boxes2):  # an eager call: raise
         for name, boxes in (("boxes1", boxes1), ("boxes2", boxes2)):
             _raise_inverted(name, np.asarray(boxes, np.float64).reshape(-1, 4), boxes)
-    ct = _compute_dtype(boxes1, boxes2)
+    ct = compute_dtype(boxes1, boxes2)
     b1 = tuple(boxes1[..., i].astype(ct) for i in range(4))
     b2 = tuple(boxes2[..., i].astype(ct) for i in range(4))
     loss = _box_terms(b1, b2, kind, float(eps))
@@ -211,4 +211,4 @@ def box_iou_loss(
     for x1, y1, x2, y2 in (b1, b2):
         finite = jnp.isfinite(x1) & jnp.isfinite(y1) & jnp.isfinite(x2)
         bad = bad | ~(finite & jnp.isfinite(y2)) | (x2 < x1) | (y2 < y1)
-    return _reduce(loss * _nan_if(bad, ct), reduction)
+    return reduce(loss * nan_if(bad, ct), reduction)

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 
 from jaxstable._src.losses._checks import (
     Array,
-    _as_arrays,
-    _check_eps,
-    _check_float,
-    _check_positive,
-    _check_same_shape,
-    _compute_dtype,
+    as_arrays,
+    check_eps,
+    check_float,
+    check_positive,
+    check_same_shape,
+    compute_dtype,
 )
 
 
@@ -83,18 +83,18 @@ def info_nce(
       >>> print(bool(jnp.isfinite(losses.info_nce(a * 0, a))))
       True
     """
-    a, b = _as_arrays(a=a, b=b)
-    _check_float("a", a)
-    _check_float("b", b)
+    a, b = as_arrays(a=a, b=b)
+    check_float("a", a)
+    check_float("b", b)
     if a.ndim != 2:
         raise ValueError(f"a must have shape (N, D), got a.shape={a.shape}")
-    _check_same_shape("a", a, "b", b)
+    check_same_shape("a", a, "b", b)
     if a.shape[0] == 0:
         raise ValueError("info_nce needs at least one pair, got N=0")
-    _check_positive("temperature", temperature, finite=True)
-    _check_positive("min_temperature", min_temperature, allow_zero=True, finite=True)
-    _check_eps("eps", eps)
-    ct = _compute_dtype(a, b)
+    check_positive("temperature", temperature, finite=True)
+    check_positive("min_temperature", min_temperature, allow_zero=True, finite=True)
+    check_eps("eps", eps)
+    ct = compute_dtype(a, b)
     an = _safe_normalize(a.astype(ct), eps)
     bn = _safe_normalize(b.astype(ct), eps)
     t = _clamp_min(jnp.asarray(temperature, ct), min_temperature)

@@ -19,16 +19,16 @@ from jaxstable._src._ce_kernel import (
 )
 from jaxstable._src.losses._checks import (
     Array,
-    _as_arrays,
-    _check_float,
-    _compute_dtype,
-    _is_concrete,
-    _masked_mean,
-    _nan_if,
+    as_arrays,
+    check_float,
+    compute_dtype,
+    is_concrete,
+    masked_mean,
+    nan_if,
 )
 
 
-def _bad_label_message(bad_values: np.ndarray, n_classes: int, ignore_index) -> str:
+def bad_label_message(bad_values: np.ndarray, n_classes: int, ignore_index) -> str:
     uniq = np.unique(bad_values)
     shown = ", ".join(str(int(v)) for v in uniq[:10])
     more = f" (+{uniq.size - 10} more)" if uniq.size > 10 else ""
@@ -228,7 +228,7 @@ def _ce_stats(logits, safe_labels, weights):
     w_c (m - x_c)). Every summand is >= 0 (no cancellation) and exp only sees
     numbers <= 0 (fp16 exp overflows above 11.09).
     """
-    ct = _compute_dtype(logits)
+    ct = compute_dtype(logits)
     m = _row_max(logits, ct)
 
     def summands(x, classes, w):
@@ -245,7 +245,7 @@ def _ce_stats(logits, safe_labels, weights):
     return m, jnp.log(sum_exp), gap_w, gap_y
 
 
-def _check_z_loss(z_loss) -> float:
+def check_z_loss(z_loss) -> float:
     """A finite Python number >= 0 (static: it selects the compiled terms)."""
     # Same text as torchref.losses.
     if isinstance(z_loss, bool) or not isinstance(z_loss, int | float | np.floating):
@@ -288,7 +288,7 @@ def _ce_rows(logits, labels, weights, ignore_index, smoothing, z_loss):
 
 def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing, z_loss):
     n_classes = logits.shape[-1]
-    ct = _compute_dtype(logits)
+    ct = compute_dtype(logits)
     valid, bad, safe = _label_masks(labels, n_classes, ignore_index)
     m, lse_m, gap_w, gap_y = _ce_stats(logits, safe, weights)
     # lse - x_y = (lse - m) + (m - x_y): two non-negative terms, no cancellation.
@@ -313,7 +313,7 @@ def _ce_rows_fwd(logits, labels, weights, ignore_index, smoothing, z_loss):
 def _ce_rows_bwd(ignore_index, smoothing, z_loss, res, g):
     logits, labels, weights, m, lse_m, gap_y = res
     n_classes = logits.shape[-1]
-    ct = _compute_dtype(logits)
+    ct = compute_dtype(logits)
     valid, bad, safe = _label_masks(labels, n_classes, ignore_index)
     g = jnp.where(bad, jnp.nan, jnp.where(valid, g.astype(ct), 0.0))
     if weights is None:
@@ -378,7 +378,7 @@ def _weighted_mean(total, count, weight_sum):
     their weights sum to 0 (torch: +-inf or NaN, x / 0)."""
     counted = count > 0
     mean = total / jnp.where(counted, weight_sum, 1.0)
-    nan_if_zero = _nan_if(counted & (weight_sum == 0), mean.dtype)
+    nan_if_zero = nan_if(counted & (weight_sum == 0), mean.dtype)
     return jnp.where(counted, mean * nan_if_zero, 0.0)
 
 
@@ -480,22 +480,22 @@ def softmax_cross_entropy(
       0.000725
     """
     _check_reduction(reduction)
-    z_loss = _check_z_loss(z_loss)
+    z_loss = check_z_loss(z_loss)
     if isinstance(labels, (np.ndarray, np.generic, int, list, tuple)):
         # Keep numpy/Python labels as given for the range check below: with
         # x64 off, jnp.asarray wraps an int64 2**32 + 1 to 1, a valid class.
         labels = np.asarray(labels)
     labels_given = labels
-    logits, labels = _as_arrays(logits=logits, labels=labels)
+    logits, labels = as_arrays(logits=logits, labels=labels)
     _check_logits_and_labels(logits, labels, axis)
     n_classes = logits.shape[axis]
     smoothing = float(label_smoothing)
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if weights is not None:
-        (weights,) = _as_arrays(weights=weights)
+        (weights,) = as_arrays(weights=weights)
         _check_class_weights(weights, n_classes)
-    if _is_concrete(labels) and labels.size:
+    if is_concrete(labels) and labels.size:
         _check_label_range(np.asarray(labels_given), n_classes, ignore_index)
 
     x = jnp.moveaxis(logits, axis, -1)
@@ -514,7 +514,7 @@ def softmax_cross_entropy(
     valid, _, safe = _label_masks(labels, n_classes, ignore_index)
     ct = per_elem.dtype
     if weights is None:
-        return _masked_mean(total, jnp.sum(valid, dtype=ct))
+        return masked_mean(total, jnp.sum(valid, dtype=ct))
     w_y = jnp.where(valid, weights.astype(ct)[safe], 0.0)
     return _weighted_mean(total, jnp.sum(valid), jnp.sum(w_y))
 
@@ -522,7 +522,7 @@ def softmax_cross_entropy(
 def _check_logits_and_labels(logits, labels, axis: int) -> None:
     """Float logits with a class axis at `axis`, integer labels of the
     logits' shape without it, at least one class."""
-    _check_float("logits", logits)
+    check_float("logits", logits)
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(
             f"labels must be an integer array of class indices, got dtype "
@@ -547,7 +547,7 @@ def _check_logits_and_labels(logits, labels, axis: int) -> None:
 
 
 def _check_class_weights(weights, n_classes: int) -> None:
-    _check_float("weights", weights)
+    check_float("weights", weights)
     if weights.shape != (n_classes,):
         raise ValueError(
             f"weights must have shape ({n_classes},) (one per class), got "
@@ -562,4 +562,4 @@ def _check_label_range(lab: np.ndarray, n_classes: int, ignore_index) -> None:
     if ignore_index is not None:
         bad &= lab != ignore_index
     if bad.any():
-        raise ValueError(_bad_label_message(lab[bad], n_classes, ignore_index))
+        raise ValueError(bad_label_message(lab[bad], n_classes, ignore_index))

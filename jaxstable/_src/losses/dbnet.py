@@ -9,11 +9,11 @@ import jax.numpy as jnp
 
 from jaxstable._src.losses._checks import (
     Array,
-    _as_arrays,
-    _check_eps,
-    _check_float,
-    _check_positive,
-    _compute_dtype,
+    as_arrays,
+    check_eps,
+    check_float,
+    check_positive,
+    compute_dtype,
 )
 from jaxstable._src.losses.binary import balanced_binary_cross_entropy, dice_loss
 from jaxstable._src.losses.regression import masked_l1_loss
@@ -49,16 +49,16 @@ def db_step(prob: Array, thresh: Array, *, k: float = 50.0) -> jax.Array:
       >>> print(out.dtype, [round(float(v), 4) for v in out])
       float32 [0.0, 0.5, 1.0]
     """
-    prob, thresh = _as_arrays(prob=prob, thresh=thresh)
-    _check_float("prob", prob)
-    _check_positive("k", k, finite=True)
+    prob, thresh = as_arrays(prob=prob, thresh=thresh)
+    check_float("prob", prob)
+    check_positive("k", k, finite=True)
     try:
         jnp.broadcast_shapes(prob.shape, thresh.shape)
     except ValueError:
         raise ValueError(
             f"prob.shape={prob.shape} and thresh.shape={thresh.shape} do not broadcast"
         ) from None
-    ct = _compute_dtype(prob, thresh)
+    ct = compute_dtype(prob, thresh)
     return jax.nn.sigmoid(k * (prob.astype(ct) - thresh.astype(ct)))
 
 
@@ -116,17 +116,17 @@ def db_loss(
       0.0124 ['bce', 'dice', 'l1']
     """
     # the options first: a bad k or eps raises before any term is computed
-    _check_positive("k", k, finite=True)
-    _check_eps("eps", eps)
+    check_positive("k", k, finite=True)
+    check_eps("eps", eps)
     for name, weight in (("bce_weight", bce_weight), ("l1_weight", l1_weight),
                          ("dice_weight", dice_weight)):  # fmt: skip
-        _check_positive(name, weight, allow_zero=True, finite=True)
+        check_positive(name, weight, allow_zero=True, finite=True)
     bce = balanced_binary_cross_entropy(
         shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
     )
     l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
-    (shrink_logits,) = _as_arrays(shrink_logits=shrink_logits)
-    prob = jax.nn.sigmoid(shrink_logits.astype(_compute_dtype(shrink_logits)))
+    (shrink_logits,) = as_arrays(shrink_logits=shrink_logits)
+    prob = jax.nn.sigmoid(shrink_logits.astype(compute_dtype(shrink_logits)))
     binary = db_step(prob, thresh, k=k)
     dice = dice_loss(binary, gt, mask, eps=eps)
     total = bce_weight * bce + l1_weight * l1 + dice_weight * dice

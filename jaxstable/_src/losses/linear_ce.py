@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from _stablecore.losses import check_reduction as _check_reduction
-from jaxstable._src.losses._checks import _as_arrays, _check_float, _is_concrete
-from jaxstable._src.losses.cross_entropy import _bad_label_message, _check_z_loss
+from jaxstable._src.losses._checks import as_arrays, check_float, is_concrete
+from jaxstable._src.losses.cross_entropy import bad_label_message, check_z_loss
 
 __all__ = ["linear_cross_entropy"]
 
@@ -222,8 +222,8 @@ _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
 def _check_inputs(hidden, kernel, labels, label_smoothing, block_size):
-    _check_float("hidden", hidden)
-    _check_float("kernel", kernel)
+    check_float("hidden", hidden)
+    check_float("kernel", kernel)
     if hidden.ndim < 1:
         raise ValueError("hidden must have a feature axis (last), got a scalar")
     if kernel.ndim != 2 or kernel.shape[0] != hidden.shape[-1]:
@@ -330,20 +330,20 @@ def linear_cross_entropy(
       (dtype('float32'), True)
     """
     _check_reduction(reduction)
-    z = _check_z_loss(z_loss)
+    z = check_z_loss(z_loss)
     if isinstance(labels, np.ndarray | np.generic | int | list | tuple):
         labels = np.asarray(labels)
     labels_given = labels
-    hidden, kernel, labels = _as_arrays(hidden=hidden, kernel=kernel, labels=labels)
+    hidden, kernel, labels = as_arrays(hidden=hidden, kernel=kernel, labels=labels)
     smoothing = _check_inputs(hidden, kernel, labels, label_smoothing, block_size)
     vocab = kernel.shape[1]
-    if _is_concrete(labels) and labels.size:
+    if is_concrete(labels) and labels.size:
         lab = np.asarray(labels_given)
         bad = (lab < 0) | (lab >= vocab)
         if ignore_index is not None:
             bad &= lab != ignore_index
         if bad.any():
-            raise ValueError(_bad_label_message(lab[bad], vocab, ignore_index))
+            raise ValueError(bad_label_message(lab[bad], vocab, ignore_index))
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
     lab = labels.reshape(-1).astype(jnp.int32)

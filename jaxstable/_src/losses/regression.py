@@ -9,13 +9,13 @@ import jax.numpy as jnp
 
 from jaxstable._src.losses._checks import (
     Array,
-    _as_arrays,
-    _check_float,
-    _check_non_negative_values,
-    _check_same_shape,
-    _compute_dtype,
-    _masked_mean,
-    _nan_if,
+    as_arrays,
+    check_float,
+    check_non_negative_values,
+    check_same_shape,
+    compute_dtype,
+    masked_mean,
+    nan_if,
 )
 
 
@@ -59,17 +59,17 @@ def masked_l1_loss(pred: Array, target: Array, mask: Array) -> jax.Array:
       >>> print(float(losses.masked_l1_loss(p, t, jnp.zeros(3))))
       0.0
     """
-    pred, target, mask = _as_arrays(pred=pred, target=target, mask=mask)
-    _check_float("pred", pred)
-    _check_same_shape("pred", pred, "target", target)
-    _check_same_shape("pred", pred, "mask", mask)
-    _check_non_negative_values("mask", mask)
-    ct = _compute_dtype(pred)
+    pred, target, mask = as_arrays(pred=pred, target=target, mask=mask)
+    check_float("pred", pred)
+    check_same_shape("pred", pred, "target", target)
+    check_same_shape("pred", pred, "mask", mask)
+    check_non_negative_values("mask", mask)
+    ct = compute_dtype(pred)
     m = mask.astype(ct)
     total = jnp.sum(_abs(pred.astype(ct) - target.astype(ct)) * m)
-    mean = _masked_mean(total, jnp.sum(m))
+    mean = masked_mean(total, jnp.sum(m))
     # A traced negative mask (a concrete one raised above): NaN value and
     # gradient. A NaN factor on `mean` would not do: for a mask sum <= 0 its
     # where() sends a zero gradient past the factor.
     negative = jnp.any(m < 0)
-    return jnp.where(negative, total * _nan_if(negative, ct), mean)
+    return jnp.where(negative, total * nan_if(negative, ct), mean)

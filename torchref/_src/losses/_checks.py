@@ -14,22 +14,22 @@ import torch
 # float32's smallest normal number 1.1754944e-38: the floor of every eps (as
 # jaxstable, where XLA on CPU flushes a subnormal eps to 0) and of the focal
 # loss' modulating base (see sigmoid_focal_loss)
-_TINY = torch.finfo(torch.float32).tiny
+TINY = torch.finfo(torch.float32).tiny
 
 
-def _compute_dtype(*predictions) -> torch.dtype:
+def compute_dtype(*predictions) -> torch.dtype:
     """The dtype a loss computes in: float64 when a prediction is float64,
-    float32 otherwise ("at least float32", jaxstable's `_compute_dtype`)."""
+    float32 otherwise ("at least float32", jaxstable's `compute_dtype`)."""
     wide = any(x is not None and x.dtype == torch.float64 for x in predictions)
     return torch.float64 if wide else torch.float32
 
 
-def _check_float(name: str, x: torch.Tensor) -> None:
+def check_float(name: str, x: torch.Tensor) -> None:
     if not torch.is_floating_point(x):
         raise TypeError(f"{name} must be a floating tensor, got dtype {x.dtype}")
 
 
-def _check_same_shape(name_a: str, a, name_b: str, b) -> None:
+def check_same_shape(name_a: str, a, name_b: str, b) -> None:
     if a.shape != b.shape:
         raise ValueError(
             f"{name_a} and {name_b} must have the same shape, got "
@@ -37,19 +37,19 @@ def _check_same_shape(name_a: str, a, name_b: str, b) -> None:
         )
 
 
-def _shape_of(value) -> tuple:
+def shape_of(value) -> tuple:
     if hasattr(value, "shape"):  # tensor, numpy array
         return tuple(value.shape)
     return (len(value),) if isinstance(value, (list, tuple)) else ()
 
 
-def _check_positive(
+def check_positive(
     name: str, value, *, allow_zero: bool = False, finite: bool = False
 ) -> None:
     """Raise ValueError for a non-scalar value, a value <= 0 (< 0 with
     allow_zero), NaN, or inf/NaN when `finite` (jaxstable's messages)."""
-    if _shape_of(value) != ():
-        raise ValueError(f"{name} must be a scalar, got shape {_shape_of(value)}")
+    if shape_of(value) != ():
+        raise ValueError(f"{name} must be a scalar, got shape {shape_of(value)}")
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             return  # learnable: clamped, not checked (that would sync every step)
@@ -63,19 +63,19 @@ def _check_positive(
         raise ValueError(f"{name} must be {rule}, got {value}")
 
 
-def _check_eps(name: str, value) -> None:
-    """A finite eps >= float32's smallest normal number (see `_TINY`)."""
-    _check_positive(name, value, finite=True)
+def check_eps(name: str, value) -> None:
+    """A finite eps >= float32's smallest normal number (see `TINY`)."""
+    check_positive(name, value, finite=True)
     if isinstance(value, torch.Tensor) and value.requires_grad:
         return
-    if float(value) < _TINY:
+    if float(value) < TINY:
         raise ValueError(
-            f"{name} must be >= {_TINY:.8g} (float32's smallest normal number; "
+            f"{name} must be >= {TINY:.8g} (float32's smallest normal number; "
             f"XLA on CPU flushes a smaller one to 0), got {value}"
         )
 
 
-def _check_non_negative_values(name: str, x: torch.Tensor) -> None:
+def check_non_negative_values(name: str, x: torch.Tensor) -> None:
     """ValueError if `x` holds a negative value (reads it on the host: one
     device sync)."""
     negative = x < 0
@@ -87,7 +87,7 @@ def _check_non_negative_values(name: str, x: torch.Tensor) -> None:
         )
 
 
-def _as_tensors(**inputs):
+def as_tensors(**inputs):
     """The inputs, in order, as tensors on one device (one validator for
     every loss). None passes through; an array-like (list, numpy array,
     number) is converted with ``torch.as_tensor`` onto the tensors' device,
@@ -113,27 +113,27 @@ def _as_tensors(**inputs):
     return out
 
 
-def _nan_if(condition: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+def nan_if(condition: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """1.0, or NaN where `condition`: a factor that makes a loss and its
     gradient NaN for an input that has no defined loss (no host sync)."""
     return torch.where(condition, math.nan, 1.0).to(dtype)
 
 
-def _isnan(x: torch.Tensor) -> torch.Tensor:
+def is_nan(x: torch.Tensor) -> torch.Tensor:
     """isnan for any dtype (an integer or bool tensor is never NaN)."""
     if x.is_floating_point() or x.is_complex():
         return torch.isnan(x)
     return torch.zeros_like(x, dtype=torch.bool)
 
 
-def _masked_mean(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+def masked_mean(total: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """total / denominator, and 0.0 (zero gradient) where denominator is 0."""
     nonzero = denominator > 0
     safe = torch.where(nonzero, denominator, torch.ones_like(denominator))
     return torch.where(nonzero, total / safe, torch.zeros_like(total))
 
 
-def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
     """'none' as is; 'sum'; 'mean' with the mean of an empty tensor 0.0."""
     if reduction == "none":
         return loss

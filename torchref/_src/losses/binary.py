@@ -12,17 +12,17 @@ import torch.nn.functional as F
 
 from _stablecore.losses import check_reduction as _check_reduction
 from torchref._src.losses._checks import (
-    _TINY,
-    _as_tensors,
-    _check_eps,
-    _check_float,
-    _check_positive,
-    _check_same_shape,
-    _compute_dtype,
-    _isnan,
-    _nan_if,
-    _reduce,
-    _shape_of,
+    TINY,
+    as_tensors,
+    check_eps,
+    check_float,
+    check_positive,
+    check_same_shape,
+    compute_dtype,
+    is_nan,
+    nan_if,
+    reduce,
+    shape_of,
 )
 
 
@@ -66,11 +66,11 @@ def sigmoid_binary_cross_entropy(
       tensor([-0.1250,  0.1250, -0.1250,  0.1250])
     """
     _check_reduction(reduction)
-    logits, targets, weights = _as_tensors(
+    logits, targets, weights = as_tensors(
         logits=logits, targets=targets, weights=weights
     )
-    _check_float("logits", logits)
-    _check_same_shape("logits", logits, "targets", targets)
+    check_float("logits", logits)
+    check_same_shape("logits", logits, "targets", targets)
     if weights is not None:
         try:
             fits = torch.broadcast_shapes(weights.shape, logits.shape) == logits.shape
@@ -81,8 +81,8 @@ def sigmoid_binary_cross_entropy(
                 f"weights.shape={tuple(weights.shape)} does not broadcast to "
                 f"logits.shape={tuple(logits.shape)}"
             )
-        weights = weights.to(_compute_dtype(logits))
-    ct = _compute_dtype(logits)
+        weights = weights.to(compute_dtype(logits))
+    ct = compute_dtype(logits)
     out = F.binary_cross_entropy_with_logits(
         logits.to(ct),
         targets.to(ct),
@@ -149,13 +149,13 @@ def balanced_binary_cross_entropy(
       >>> print(round(float(loss), 4))
       1.2896
     """
-    logits, targets, mask = _as_tensors(logits=logits, targets=targets, mask=mask)
-    _check_float("logits", logits)
-    _check_same_shape("logits", logits, "targets", targets)
-    _check_same_shape("logits", logits, "mask", mask)
-    _check_positive("negative_ratio", negative_ratio, finite=True)
-    _check_eps("eps", eps)
-    ct = _compute_dtype(logits)
+    logits, targets, mask = as_tensors(logits=logits, targets=targets, mask=mask)
+    check_float("logits", logits)
+    check_same_shape("logits", logits, "targets", targets)
+    check_same_shape("logits", logits, "mask", mask)
+    check_positive("negative_ratio", negative_ratio, finite=True)
+    check_eps("eps", eps)
+    ct = compute_dtype(logits)
     in_mask = mask > 0.5
     positive = (targets > 0.5) & in_mask
     negative = ~(targets > 0.5) & in_mask
@@ -175,8 +175,8 @@ def balanced_binary_cross_entropy(
     top_k = hardest[:k].sum()
     pos_sum = torch.where(positive, loss, torch.zeros_like(loss)).sum()
     # a NaN target or mask is neither positive nor negative (no host sync)
-    undefined = (_isnan(mask) | (_isnan(targets) & in_mask)).any()
-    return (pos_sum + top_k) * _nan_if(undefined, ct) / (n_pos + k + eps)
+    undefined = (is_nan(mask) | (is_nan(targets) & in_mask)).any()
+    return (pos_sum + top_k) * nan_if(undefined, ct) / (n_pos + k + eps)
 
 
 def dice_loss(
@@ -208,16 +208,16 @@ def dice_loss(
       >>> print(round(float(losses.dice_loss(p, torch.tensor([1.0, 0.0, 1.0]))), 3))
       0.286
     """
-    probs, targets, mask = _as_tensors(probs=probs, targets=targets, mask=mask)
-    _check_float("probs", probs)
-    _check_same_shape("probs", probs, "targets", targets)
-    _check_eps("eps", eps)
-    ct = _compute_dtype(probs)
+    probs, targets, mask = as_tensors(probs=probs, targets=targets, mask=mask)
+    check_float("probs", probs)
+    check_same_shape("probs", probs, "targets", targets)
+    check_eps("eps", eps)
+    ct = compute_dtype(probs)
     p, g = probs.to(ct), targets.to(ct)
     if mask is None:
         m = torch.ones((), dtype=ct, device=p.device)
     else:
-        _check_same_shape("probs", probs, "mask", mask)
+        check_same_shape("probs", probs, "mask", mask)
         m = mask.to(ct)
     intersection = (p * g * m).sum()
     union = (p * m).sum() + (g * m).sum() + eps
@@ -227,9 +227,9 @@ def dice_loss(
 def _check_alpha(alpha) -> bool:
     """True when alpha weights the classes: a number in [0, 1]; None or -1
     (torchvision's 'ignore') turn the weighting off; anything else raises."""
-    if alpha is None or (_shape_of(alpha) == () and float(alpha) == -1.0):
+    if alpha is None or (shape_of(alpha) == () and float(alpha) == -1.0):
         return False
-    if _shape_of(alpha) != () or not 0.0 <= float(alpha) <= 1.0:
+    if shape_of(alpha) != () or not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(
             f"alpha must be a number in [0, 1], or None / -1 for no class "
             f"weighting, got {alpha}"
@@ -289,16 +289,16 @@ def sigmoid_focal_loss(
     """
     _check_reduction(reduction)
     weighted = _check_alpha(alpha)
-    _check_positive("gamma", gamma, allow_zero=True, finite=True)
-    logits, targets = _as_tensors(logits=logits, targets=targets)
-    _check_float("logits", logits)
-    _check_same_shape("logits", logits, "targets", targets)
+    check_positive("gamma", gamma, allow_zero=True, finite=True)
+    logits, targets = as_tensors(logits=logits, targets=targets)
+    check_float("logits", logits)
+    check_same_shape("logits", logits, "targets", targets)
     _check_unit_interval("targets", targets)
-    ct = _compute_dtype(logits)
+    ct = compute_dtype(logits)
     x, t = logits.to(ct), targets.to(ct)
     q = torch.sigmoid(x) * (1.0 - t) + torch.sigmoid(-x) * t
     bce = F.binary_cross_entropy_with_logits(x, t, reduction="none")
-    loss = bce * torch.where(q > _TINY, q, _TINY) ** gamma
+    loss = bce * torch.where(q > TINY, q, TINY) ** gamma
     if weighted:
         loss = (alpha * t + (1.0 - alpha) * (1.0 - t)) * loss
-    return _reduce(loss, reduction)
+    return reduce(loss, reduction)

@@ -11,19 +11,19 @@ import torch
 from _stablecore.losses import check_kind as _check_kind
 from _stablecore.losses import check_reduction as _check_reduction
 from torchref._src.losses._checks import (
-    _as_tensors,
-    _check_eps,
-    _check_float,
-    _check_same_shape,
-    _compute_dtype,
-    _nan_if,
-    _reduce,
+    as_tensors,
+    check_eps,
+    check_float,
+    check_same_shape,
+    compute_dtype,
+    nan_if,
+    reduce,
 )
 
 
 def _check_boxes(name: str, boxes: torch.Tensor) -> None:
     """Floating (..., 4) boxes."""
-    _check_float(name, boxes)
+    check_float(name, boxes)
     if boxes.ndim == 0 or boxes.shape[-1] != 4:
         raise ValueError(
             f"{name} must have shape (..., 4) as (x1, y1, x2, y2), got shape "
@@ -162,15 +162,15 @@ def box_iou_loss(
     """
     _check_kind(kind)
     _check_reduction(reduction)
-    _check_eps("eps", eps)
-    boxes1, boxes2 = _as_tensors(boxes1=boxes1, boxes2=boxes2)
+    check_eps("eps", eps)
+    boxes1, boxes2 = as_tensors(boxes1=boxes1, boxes2=boxes2)
     _check_boxes("boxes1", boxes1)
     _check_boxes("boxes2", boxes2)
-    _check_same_shape("boxes1", boxes1, "boxes2", boxes2)
+    check_same_shape("boxes1", boxes1, "boxes2", boxes2)
     if not (boxes1.requires_grad or boxes2.requires_grad):  # values: raise
         _raise_inverted("boxes1", boxes1)
         _raise_inverted("boxes2", boxes2)
-    ct = _compute_dtype(boxes1, boxes2)
+    ct = compute_dtype(boxes1, boxes2)
     b1 = tuple(c.to(ct) for c in boxes1.unbind(-1))
     b2 = tuple(c.to(ct) for c in boxes2.unbind(-1))
     loss = _box_terms(b1, b2, kind, float(eps))
@@ -179,4 +179,4 @@ def box_iou_loss(
     for x1, y1, x2, y2 in (b1, b2):
         finite = x1.isfinite() & y1.isfinite() & x2.isfinite() & y2.isfinite()
         bad = bad | ~finite | (x2 < x1) | (y2 < y1)
-    return _reduce(loss * _nan_if(bad, ct), reduction)
+    return reduce(loss * nan_if(bad, ct), reduction)

@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from torchref._src.losses._checks import (
-    _as_tensors,
-    _check_eps,
-    _check_float,
-    _check_positive,
-    _check_same_shape,
-    _compute_dtype,
+    as_tensors,
+    check_eps,
+    check_float,
+    check_positive,
+    check_same_shape,
+    compute_dtype,
 )
 
 
@@ -57,18 +57,18 @@ def info_nce(
     """
     # a tensor temperature joins the device check; a number stays a number
     tensor_t = temperature if isinstance(temperature, torch.Tensor) else None
-    a, b, _ = _as_tensors(a=a, b=b, temperature=tensor_t)
-    _check_float("a", a)
-    _check_float("b", b)
+    a, b, _ = as_tensors(a=a, b=b, temperature=tensor_t)
+    check_float("a", a)
+    check_float("b", b)
     if a.ndim != 2:
         raise ValueError(f"a must have shape (N, D), got a.shape={tuple(a.shape)}")
-    _check_same_shape("a", a, "b", b)
+    check_same_shape("a", a, "b", b)
     if a.shape[0] == 0:
         raise ValueError("info_nce needs at least one pair, got N=0")
-    _check_positive("temperature", temperature, finite=True)
-    _check_positive("min_temperature", min_temperature, allow_zero=True, finite=True)
-    _check_eps("eps", eps)
-    ct = _compute_dtype(a, b)
+    check_positive("temperature", temperature, finite=True)
+    check_positive("min_temperature", min_temperature, allow_zero=True, finite=True)
+    check_eps("eps", eps)
+    ct = compute_dtype(a, b)
     an = F.normalize(a.to(ct), dim=1, eps=eps)
     bn = F.normalize(b.to(ct), dim=1, eps=eps)
     if isinstance(temperature, torch.Tensor):

@@ -12,15 +12,15 @@ import torch.nn.functional as F
 
 from _stablecore.losses import check_reduction as _check_reduction
 from torchref._src.losses._checks import (
-    _as_tensors,
-    _check_float,
-    _compute_dtype,
-    _masked_mean,
-    _nan_if,
+    as_tensors,
+    check_float,
+    compute_dtype,
+    masked_mean,
+    nan_if,
 )
 
 
-def _bad_label_message(bad_values: torch.Tensor, n_classes: int, ignore_index) -> str:
+def bad_label_message(bad_values: torch.Tensor, n_classes: int, ignore_index) -> str:
     uniq = torch.unique(bad_values)
     shown = ", ".join(str(int(v)) for v in uniq[:10])
     more = f" (+{uniq.numel() - 10} more)" if uniq.numel() > 10 else ""
@@ -38,7 +38,7 @@ def _weighted_mean(total, count, weight_sum) -> torch.Tensor:
     their weights sum to 0 (F.cross_entropy: +-inf or NaN, a division by 0)."""
     counted = count > 0
     safe = torch.where(counted, weight_sum, torch.ones_like(weight_sum))
-    mean = total / safe * _nan_if(counted & (weight_sum == 0), total.dtype)
+    mean = total / safe * nan_if(counted & (weight_sum == 0), total.dtype)
     return torch.where(counted, mean, torch.zeros_like(mean))
 
 
@@ -117,9 +117,9 @@ def softmax_cross_entropy(
       0.000725
     """
     _check_reduction(reduction)
-    z_loss = _check_z_loss(z_loss)
-    logits, labels, weights = _as_tensors(logits=logits, labels=labels, weights=weights)
-    _check_float("logits", logits)
+    z_loss = check_z_loss(z_loss)
+    logits, labels, weights = as_tensors(logits=logits, labels=labels, weights=weights)
+    check_float("logits", logits)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(
             f"labels must be an integer tensor of class indices, got dtype "
@@ -146,21 +146,21 @@ def softmax_cross_entropy(
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if weights is not None:
-        _check_float("weights", weights)
+        check_float("weights", weights)
         if tuple(weights.shape) != (n_classes,):
             raise ValueError(
                 f"weights must have shape ({n_classes},) (one per class), got "
                 f"{tuple(weights.shape)}"
             )
-        weights = weights.to(_compute_dtype(logits))
+        weights = weights.to(compute_dtype(logits))
     labels = labels.long()
     bad = (labels < 0) | (labels >= n_classes)
     if ignore_index is not None:
         bad &= labels != ignore_index
     if bool(bad.any()):  # torch's own message names one value, ours all of them
-        raise ValueError(_bad_label_message(labels[bad], n_classes, ignore_index))
+        raise ValueError(bad_label_message(labels[bad], n_classes, ignore_index))
 
-    x = logits.to(_compute_dtype(logits))
+    x = logits.to(compute_dtype(logits))
     if x.ndim > 1 and dim != 1:
         x = x.movedim(dim, 1)
     # ignore_index=None: pass torch's default; every label was checked above.
@@ -179,13 +179,13 @@ def softmax_cross_entropy(
     if reduction != "mean":
         return out
     if weights is None:
-        return _masked_mean(out, valid.sum().to(out.dtype))
+        return masked_mean(out, valid.sum().to(out.dtype))
     w_y = weights[torch.where(valid, labels, 0)]
     w_sum = torch.where(valid, w_y, torch.zeros_like(w_y)).sum()
     return _weighted_mean(out, valid.sum(), w_sum)
 
 
-def _check_z_loss(z_loss) -> float:
+def check_z_loss(z_loss) -> float:
     """A finite Python number >= 0. Same text as jaxstable.losses."""
     if isinstance(z_loss, bool) or not isinstance(z_loss, int | float):
         raise TypeError(

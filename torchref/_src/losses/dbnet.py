@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from torchref._src.losses._checks import (
-    _as_tensors,
-    _check_eps,
-    _check_float,
-    _check_positive,
-    _compute_dtype,
+    as_tensors,
+    check_eps,
+    check_float,
+    check_positive,
+    compute_dtype,
 )
 from torchref._src.losses.binary import balanced_binary_cross_entropy, dice_loss
 from torchref._src.losses.regression import masked_l1_loss
@@ -43,9 +43,9 @@ def db_step(prob: torch.Tensor, thresh: torch.Tensor, *, k: float = 50.0):
       >>> print(out.dtype, [round(float(v), 4) for v in out])
       torch.float32 [0.0, 0.5, 1.0]
     """
-    prob, thresh = _as_tensors(prob=prob, thresh=thresh)
-    _check_float("prob", prob)
-    _check_positive("k", k, finite=True)
+    prob, thresh = as_tensors(prob=prob, thresh=thresh)
+    check_float("prob", prob)
+    check_positive("k", k, finite=True)
     try:
         torch.broadcast_shapes(prob.shape, thresh.shape)
     except RuntimeError:
@@ -53,7 +53,7 @@ def db_step(prob: torch.Tensor, thresh: torch.Tensor, *, k: float = 50.0):
             f"prob.shape={tuple(prob.shape)} and thresh.shape="
             f"{tuple(thresh.shape)} do not broadcast"
         ) from None
-    ct = _compute_dtype(prob, thresh)
+    ct = compute_dtype(prob, thresh)
     return torch.sigmoid(k * (prob.to(ct) - thresh.to(ct)))
 
 
@@ -101,21 +101,21 @@ def db_loss(
       >>> print(round(float(total), 4), sorted(terms))
       0.0124 ['bce', 'dice', 'l1']
     """
-    shrink_logits, thresh, gt, mask, thresh_map, thresh_mask = _as_tensors(
+    shrink_logits, thresh, gt, mask, thresh_map, thresh_mask = as_tensors(
         shrink_logits=shrink_logits, thresh=thresh, gt=gt, mask=mask,
         thresh_map=thresh_map, thresh_mask=thresh_mask,
     )  # fmt: skip
     # the options first: a bad k or eps raises before any term is computed
-    _check_positive("k", k, finite=True)
-    _check_eps("eps", eps)
+    check_positive("k", k, finite=True)
+    check_eps("eps", eps)
     for name, weight in (("bce_weight", bce_weight), ("l1_weight", l1_weight),
                          ("dice_weight", dice_weight)):  # fmt: skip
-        _check_positive(name, weight, allow_zero=True, finite=True)
+        check_positive(name, weight, allow_zero=True, finite=True)
     bce = balanced_binary_cross_entropy(
         shrink_logits, gt, mask, negative_ratio=negative_ratio, eps=eps
     )
     l1 = masked_l1_loss(thresh, thresh_map, thresh_mask)
-    prob = torch.sigmoid(shrink_logits.to(_compute_dtype(shrink_logits)))
+    prob = torch.sigmoid(shrink_logits.to(compute_dtype(shrink_logits)))
     binary = db_step(prob, thresh, k=k)
     dice = dice_loss(binary, gt, mask, eps=eps)
     total = bce_weight * bce + l1_weight * l1 + dice_weight * dice

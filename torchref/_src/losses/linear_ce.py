@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from _stablecore.losses import check_reduction as _check_reduction
-from torchref._src.losses._checks import _as_tensors, _check_float
-from torchref._src.losses.cross_entropy import _bad_label_message, _check_z_loss
+from torchref._src.losses._checks import as_tensors, check_float
+from torchref._src.losses.cross_entropy import bad_label_message, check_z_loss
 
 __all__ = ["linear_cross_entropy"]
 
@@ -155,8 +155,8 @@ class _Rows(torch.autograd.Function):
 def _check_inputs(hidden, weight, labels, label_smoothing, block_size):
     # Same checks and texts as jaxstable.losses.linear_cross_entropy, in
     # torch's layout.
-    _check_float("hidden", hidden)
-    _check_float("weight", weight)
+    check_float("hidden", hidden)
+    check_float("weight", weight)
     if hidden.ndim < 1:
         raise ValueError("hidden must have a feature dim (last), got a scalar")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -252,8 +252,8 @@ def linear_cross_entropy(
         (torch.float32, True)
     """
     _check_reduction(reduction)
-    z = _check_z_loss(z_loss)
-    hidden, weight, labels = _as_tensors(hidden=hidden, weight=weight, labels=labels)
+    z = check_z_loss(z_loss)
+    hidden, weight, labels = as_tensors(hidden=hidden, weight=weight, labels=labels)
     smoothing = _check_inputs(hidden, weight, labels, label_smoothing, block_size)
     vocab = weight.shape[0]
     lab = labels.reshape(-1).long()
@@ -261,7 +261,7 @@ def linear_cross_entropy(
     if ignore_index is not None:
         bad &= lab != ignore_index
     if bool(bad.any()):
-        raise ValueError(_bad_label_message(lab[bad], vocab, ignore_index))
+        raise ValueError(bad_label_message(lab[bad], vocab, ignore_index))
     lead = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1])
     block = min(block_size or _block_size(h.shape[0], vocab), vocab)

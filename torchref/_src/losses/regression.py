@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 
 from torchref._src.losses._checks import (
-    _as_tensors,
-    _check_float,
-    _check_non_negative_values,
-    _check_same_shape,
-    _compute_dtype,
-    _masked_mean,
+    as_tensors,
+    check_float,
+    check_non_negative_values,
+    check_same_shape,
+    compute_dtype,
+    masked_mean,
 )
 
 
@@ -48,12 +48,12 @@ def masked_l1_loss(
       >>> print(float(losses.masked_l1_loss(p, t, torch.zeros(3))))
       0.0
     """
-    pred, target, mask = _as_tensors(pred=pred, target=target, mask=mask)
-    _check_float("pred", pred)
-    _check_same_shape("pred", pred, "target", target)
-    _check_same_shape("pred", pred, "mask", mask)
-    _check_non_negative_values("mask", mask)
-    ct = _compute_dtype(pred)
+    pred, target, mask = as_tensors(pred=pred, target=target, mask=mask)
+    check_float("pred", pred)
+    check_same_shape("pred", pred, "target", target)
+    check_same_shape("pred", pred, "mask", mask)
+    check_non_negative_values("mask", mask)
+    ct = compute_dtype(pred)
     m = mask.to(ct)
     total = ((pred.to(ct) - target.to(ct)).abs() * m).sum()
-    return _masked_mean(total, m.sum())
+    return masked_mean(total, m.sum())
