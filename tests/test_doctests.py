@@ -7,6 +7,10 @@ import pkgutil
 
 import pytest
 
+# eager doctests: hundreds of one-op programs, most of their time in XLA's
+# compiler; compiled with fewer XLA optimisations (conftest.py)
+pytestmark = pytest.mark.usefixtures("fewer_xla_optimizations")
+
 MODULES = [
     "losses",
     "loss_scale",
