@@ -10,6 +10,10 @@ import pathlib
 
 import pytest
 
+# eager docstring examples (models, losses, conversions): most of their time
+# in XLA's compiler; compiled with fewer XLA optimisations (conftest.py)
+pytestmark = pytest.mark.usefixtures("fewer_xla_optimizations")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts)
