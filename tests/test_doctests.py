@@ -7,6 +7,11 @@ import pkgutil
 
 import pytest
 
+# eager doctests: hundreds of one-op programs, most of their time in XLA's
+# compiler; compiled with fewer XLA optimisations (conftest.py) and, at
+# about 30 s of CPU still, queued first
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 MODULES = [
     "losses",
     "loss_scale",

@@ -10,6 +10,11 @@ import pathlib
 
 import pytest
 
+# eager docstring examples (models, losses, conversions): most of their time
+# in XLA's compiler; compiled with fewer XLA optimisations (conftest.py) and,
+# at about 30 s of CPU still, queued first
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts)

@@ -12,6 +12,9 @@ from jaxstable import transforms as jtx
 from torchref import train as ttrain
 from torchref import transforms as ttx
 
+# tiny steps compiled one per test: with fewer XLA optimisations (conftest.py)
+pytestmark = pytest.mark.usefixtures("fewer_xla_optimizations")
+
 _STEP = jtrain.make_train_step(lambda p, b: jnp.sum(p * b))
 
 

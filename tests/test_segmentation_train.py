@@ -14,6 +14,10 @@ from examples import harness
 from examples.harness import jax_runner
 from examples.segmentation.task import TASK
 
+# end-to-end runs: queued first, compiled with fewer XLA optimisations
+# (conftest.py); the runs fail at the same steps from the same causes
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+
 # depth 1 and width 4: the JAX step compiles in a few seconds on CPU
 TINY = dict(
     image_size=16,
