@@ -424,10 +424,9 @@ class _Replicas:
         self.group = ddp.process_group if ddp is not None else None
         self.size = dist.get_world_size(self.group)
         self.forward_calls = 0
-        self.names = [
-            n for n, p in inner_module(model).named_parameters() if p.requires_grad
-        ]
-        self.params = [p for p in inner_module(model).parameters() if p.requires_grad]
+        inner = inner_module(model)
+        self.names = [n for n, p in inner.named_parameters() if p.requires_grad]
+        self.params = [p for p in inner.parameters() if p.requires_grad]
         if ddp is None:  # FSDP2
             _sum_fsdp_gradients(model)
             return
