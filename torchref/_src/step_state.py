@@ -125,7 +125,7 @@ class StepStateDict:
             self.optimizer.state_dict(),
             {n: p.detach() for n, p in self._outside_params().items()},
         )
-        if _dist._is_fsdp(self.model):
+        if _dist.is_fsdp(self.model):
             # Every shard, gathered (a collective: every rank calls this).
             model, optimizer, outside = _dist._gather_full((model, optimizer, outside))
         # The unwrapped module's keys (no DDP "module." prefix) and full
@@ -173,19 +173,19 @@ class StepStateDict:
             )
         outside = self._outside_values(state.get("outside_params"))
         model, optimizer = state["model"], state["optimizer"]
-        if _dist._is_fsdp(self.model):
+        if _dist.is_fsdp(self.model):
             # Full tensors (any placement's checkpoint) sharded as here.
             model = _dist._shard_like(model, self.model.state_dict())
             like = _dist._fsdp_optimizer_like(self.optimizer, optimizer)
             optimizer = _dist._shard_like(optimizer, like)
-        _dist._load_plain_state_dict(self.model, model)
+        _dist.load_plain_state_dict(self.model, model)
         self.optimizer.load_state_dict(optimizer)
         self._set_outside_params(outside)
         self._load_counters(state)
 
     def _outside_params(self) -> dict[str, torch.Tensor]:
         """The optimizer's parameters the model does not hold, by name."""
-        inside = {id(p) for p in _dist._plain(self.model).parameters()}
+        inside = {id(p) for p in _dist.inner_module(self.model).parameters()}
         names = param_names(self.model, self.optimizer)
         named = zip(names, self._params(), strict=True)
         return {n: p for n, p in named if id(p) not in inside}
@@ -228,7 +228,7 @@ class StepStateDict:
     def _set_outside_params(self, values: dict[str, Any]) -> None:
         """Copies `values` (checked by `_outside_values`) into the parameters."""
         own = self._outside_params()
-        if values and _dist._is_fsdp(self.model):
+        if values and _dist.is_fsdp(self.model):
             values = _dist._shard_like(values, own)
         with torch.no_grad():
             for name, value in values.items():
@@ -267,7 +267,7 @@ def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
             model or another such parameter already uses.
     """
     named: dict[int, str] = {}
-    for name, p in _dist._plain(model).named_parameters():
+    for name, p in _dist.inner_module(model).named_parameters():
         named.setdefault(id(p), name)
     taken = set(named.values())
     names, unnamed = [], 0
