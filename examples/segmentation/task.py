@@ -117,6 +117,8 @@ TASK = Task(
     jax_parts=own_part(__package__, "parts_jax.jax_parts"),
     torch_parts=own_part(__package__, "parts_torch.torch_parts"),
     check_config=check_config,
+    # the void-image run (`bad_data.py --out`), where there is one
+    report_sections=own_part(__package__, "bad_data.report_section"),
     # `compare.py --devices N`: the torch loss is a mean over the global
     # batch under DDP (loss_torch); the JAX side needs nothing
     multi_device=True,
