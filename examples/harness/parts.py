@@ -111,7 +111,7 @@ class Task:
         the task adds at the end of ``report.md`` from result files of its
         own in the output folder ``out`` (the lm task's low-precision run
         set, ``low_precision.json``), ``""`` when there are none. The text
-        goes between section markers (`report.put_section` replaces it
+        goes between section markers (`sections.put_section` replaces it
         in place when the task's own CLI writes new results).
 
     Example:

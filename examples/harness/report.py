@@ -16,6 +16,7 @@ from examples.harness import devices, environment
 from examples.harness.agreement import AGREEMENT_STEPS, fp32_agreement
 from examples.harness.parts import Task
 from examples.harness.results import RunResult, fmt, json_float
+from examples.harness.sections import marked
 
 
 def metric_lines(result: RunResult) -> list[str]:
@@ -363,45 +364,8 @@ def write_report(
             text += _location_block(r)
     extra = task.report_sections(out) if task.report_sections is not None else ""
     if extra:
-        text.append(_marked(task.name, extra))
+        text.append(marked(task.name, extra))
     path = os.path.join(out, "report.md")
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(text))
     return path
-
-
-def _marked(name: str, text: str) -> str:
-    return f"<!-- section {name} -->\n{text.rstrip()}\n<!-- end section {name} -->\n"
-
-
-def put_section(path: str, name: str, text: str) -> None:
-    """Writes ``text`` into the report at ``path`` as its section ``name``:
-    in place of the section of that name the report has (`write_report`
-    marks a task's ``report_sections`` so), else at its end. A task's own
-    CLI updates the committed report so without rerunning the comparison.
-
-    Example:
-        >>> import tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "report.md")
-        >>> with open(path, "w") as f:
-        ...     _ = f.write("# title\\n")
-        >>> put_section(path, "extra", "one")
-        >>> put_section(path, "extra", "two")
-        >>> print(open(path).read().strip())
-        # title
-        <BLANKLINE>
-        <!-- section extra -->
-        two
-        <!-- end section extra -->
-    """
-    with open(path, encoding="utf-8") as f:
-        old = f.read()
-    start, end = f"<!-- section {name} -->", f"<!-- end section {name} -->\n"
-    i = old.find(start)
-    j = old.find(end, i) if i >= 0 else -1
-    if i >= 0 and j >= 0:
-        new = old[:i] + _marked(name, text) + old[j + len(end) :]
-    else:
-        new = old.rstrip("\n") + "\n\n" + _marked(name, text)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(new)

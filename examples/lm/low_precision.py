@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(data, f, indent=2)
             f.write("\n")
     if args.report:
-        from examples.harness.report import put_section
+        from examples.harness.sections import put_section
 
         put_section(args.report, TASK.name, section(data))
     return 0

@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=2)
             f.write("\n")
     if args.report:
-        from examples.harness.report import put_section
+        from examples.harness.sections import put_section
 
         put_section(args.report, TASK.name, text)
     return 0
