@@ -18,6 +18,10 @@ import torch
 from jaxstable import losses as jl
 from torchref import losses as tl
 
+# Compile-bound: XLA with fewer optimisations (conftest.py; the same
+# assertions pass either way, measured 2026-11-28).
+pytestmark = pytest.mark.usefixtures("fewer_xla_optimizations")
+
 Z = 1e-2
 LABELS = np.array([0, 3, 6, 255, 2, 6], np.int64)
 
