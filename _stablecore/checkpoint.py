@@ -89,3 +89,71 @@ def fsync_tree(root: str) -> None:
                 os.close(fd)
         fsync_dir(folder)
     fsync_dir(os.path.dirname(root))
+
+
+class ManagerBase:
+    """What both frameworks' ``CheckpointManager`` share: the settings
+    (checked), the latest and the best step over the subclass's ``steps()``
+    and ``score(step)`` (a float, or None when the checkpoint has no such
+    metric), and the context manager over ``close()``.
+
+    Example:
+        >>> class Listed(ManagerBase):
+        ...     def steps(self):
+        ...         return [10, 20]
+        ...     def score(self, step):
+        ...         return {10: 0.5, 20: 0.7}[step]
+        ...     def close(self):
+        ...         pass
+        >>> m = Listed("/tmp/ckpt", best_metric="loss")
+        >>> m.latest_step(), m.best_step()
+        (20, 10)
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+    ) -> None:
+        check_manager_options(max_to_keep, best_metric, best_mode)
+        self.directory = os.path.abspath(directory)
+        self.max_to_keep = max_to_keep
+        self.best_metric = best_metric
+        self.best_mode = best_mode
+        self.async_save = bool(async_save)
+
+    def steps(self) -> list[int]:
+        raise NotImplementedError
+
+    def score(self, step: int) -> float | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def latest_step(self) -> int | None:
+        """The highest global step on disk, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The step of the best checkpoint by `best_metric` (None without one;
+        checkpoints without the metric, or with NaN, are passed over)."""
+        if self.best_metric is None:
+            return None
+        scored = []
+        for n in self.steps():
+            value = self.score(n)
+            if value is not None and value == value:  # not NaN
+                scored.append((value if self.best_mode == "min" else -value, n))
+        return min(scored)[1] if scored else None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

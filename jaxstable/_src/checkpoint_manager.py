@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -13,7 +12,7 @@ from typing import Any
 import jax
 
 from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
-from _stablecore.checkpoint import check_manager_options as _check_manager_options
+from _stablecore.checkpoint import ManagerBase
 from _stablecore.checkpoint import fsync_tree as _fsync_tree
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
@@ -33,7 +32,7 @@ def _primary() -> bool:
     return jax.process_index() == 0
 
 
-class CheckpointManager:
+class CheckpointManager(ManagerBase):
     """The checkpoints of one run in a directory, named by the run's global step.
 
     Checkpoint n lives in ``directory/step_{n:08d}`` (n: steps of the run
@@ -90,12 +89,13 @@ class CheckpointManager:
         best_mode: str = "min",
         async_save: bool = True,
     ) -> None:
-        _check_manager_options(max_to_keep, best_metric, best_mode)
-        self.directory = os.path.abspath(directory)
-        self.max_to_keep = max_to_keep
-        self.best_metric = best_metric
-        self.best_mode = best_mode
-        self.async_save = bool(async_save)
+        super().__init__(
+            directory,
+            max_to_keep=max_to_keep,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            async_save=async_save,
+        )
         self._ckptr: Any = None
         self._writing: int | None = None  # the step of a save in flight
         self._scores: dict[int, float | None] = {}  # best_metric by step
@@ -121,23 +121,7 @@ class CheckpointManager:
         names = (_NAME.match(n) for n in os.listdir(self.directory))
         return sorted(int(m.group(1)) for m in names if m)
 
-    def latest_step(self) -> int | None:
-        """The highest global step on disk, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def best_step(self) -> int | None:
-        """The step of the best checkpoint by `best_metric` (None without one)."""
-        if self.best_metric is None:
-            return None
-        scored = []
-        for n in self.steps():
-            value = self._score(n)
-            if value is not None and not math.isnan(value):
-                scored.append((value if self.best_mode == "min" else -value, n))
-        return min(scored)[1] if scored else None
-
-    def _score(self, step: int) -> float | None:
+    def score(self, step: int) -> float | None:
         """`best_metric` of checkpoint `step` (its meta read once), or None."""
         if step not in self._scores:
             meta = _read_json(self._path(step)) or {}
@@ -258,12 +242,6 @@ class CheckpointManager:
         if self._ckptr is not None:
             self._ckptr.close()
             self._ckptr = None
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _read_json(path: str) -> Any:

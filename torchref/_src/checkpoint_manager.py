@@ -11,7 +11,7 @@ from typing import Any
 
 from _stablecore.checkpoint import TEMP_SUFFIX as _TEMP_SUFFIX
 from _stablecore.checkpoint import CorruptCheckpoint as _CorruptCheckpoint
-from _stablecore.checkpoint import check_manager_options as _check_manager_options
+from _stablecore.checkpoint import ManagerBase
 from _stablecore.checks import check_int as _check_int
 from _stablecore.lock import locked_elsewhere
 from torchref._src.checkpoint import load_into
@@ -31,7 +31,7 @@ _NAME = re.compile(r"^step_(\d{8,})\.pt$")
 _DCP_NAME = re.compile(r"^step_(\d{8,})\.dcp$")
 
 
-class CheckpointManager:
+class CheckpointManager(ManagerBase):
     """The checkpoints of one run in a directory, named by the run's global step.
 
     The mirror of `jaxstable.train.CheckpointManager`. Checkpoint n is the
@@ -97,12 +97,13 @@ class CheckpointManager:
         best_mode: str = "min",
         async_save: bool = True,
     ) -> None:
-        _check_manager_options(max_to_keep, best_metric, best_mode)
-        self.directory = os.path.abspath(directory)
-        self.max_to_keep = max_to_keep
-        self.best_metric = best_metric
-        self.best_mode = best_mode
-        self.async_save = bool(async_save)
+        super().__init__(
+            directory,
+            max_to_keep=max_to_keep,
+            best_metric=best_metric,
+            best_mode=best_mode,
+            async_save=async_save,
+        )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         os.makedirs(self.directory, exist_ok=True)
@@ -127,23 +128,12 @@ class CheckpointManager:
         found = (_NAME.match(n) or _DCP_NAME.match(n) for n in names)
         return sorted({int(m.group(1)) for m in found if m})
 
-    def latest_step(self) -> int | None:
-        """The highest global step on disk, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
-
-    def best_step(self) -> int | None:
-        """The step of the best checkpoint by `best_metric` (None without one)."""
-        if self.best_metric is None:
-            return None
-        scored = []
-        for n in self.steps():
-            value = (peek_header(_header_file(self._path(n))).get("metrics") or {}).get(
-                self.best_metric
-            )
-            if isinstance(value, int | float) and value == value:  # not NaN
-                scored.append((value if self.best_mode == "min" else -value, n))
-        return min(scored)[1] if scored else None
+    def score(self, step: int) -> float | None:
+        """`best_metric` of checkpoint `step` from its header, or None (a
+        value that is not a number counts as none)."""
+        header = peek_header(_header_file(self._path(step)))
+        value = (header.get("metrics") or {}).get(self.best_metric)
+        return float(value) if isinstance(value, int | float) else None
 
     def save(
         self,
@@ -302,12 +292,6 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits for a pending save."""
         self.wait()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _header_file(path: str) -> str:
