@@ -133,3 +133,42 @@ def format_points(points: list[tuple[str, bool, float]]) -> str:
     bad = [n for n, ok, _ in points if not ok]
     tail = f"first non-finite: {bad[0]}" if bad else "all finite"
     return ", ".join(parts) + "; " + tail
+
+
+class PointsView:
+    """Lookup by name over a check-point collector's parallel ``names``,
+    ``finite`` and ``max_abs`` (both frameworks' ``CheckPoints``).
+
+    Example:
+        >>> class Points(PointsView):
+        ...     names, finite, max_abs = ("x", "loss"), (True, False), (2.0, 0.0)
+        >>> p = Points()
+        >>> p["loss"], "x" in p, len(p)
+        ({'finite': False, 'max_abs': 0.0}, True, 2)
+    """
+
+    names: tuple[str, ...]
+    finite: Any
+    max_abs: Any
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        """``{"finite": flag, "max_abs": value}`` of the point ``name``.
+
+        Raises:
+          KeyError: no point has that name (the message lists the names).
+        """
+        if name not in self.names:
+            raise KeyError(
+                f"no check point {name!r}; the points are {list(self.names)}"
+            )
+        i = self.names.index(name)
+        return {"finite": self.finite[i], "max_abs": self.max_abs[i]}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"CheckPoints(names={self.names!r})"

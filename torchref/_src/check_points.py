@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from _stablecore.diagnostics import PointsView
 from _stablecore.diagnostics import check_name as _check_name
 from _stablecore.diagnostics import format_points as _format_points
 from _stablecore.diagnostics import record_entries as _record_entries
@@ -20,7 +21,7 @@ from _stablecore.diagnostics import record_points as _record_points
 __all__ = ["CheckPoints", "check_points", "check_record", "format_checks"]
 
 
-class CheckPoints:
+class CheckPoints(PointsView):
     """Named check points of a loss function, computed without a host sync.
 
     A check point is a value the loss marks (inputs, embeddings, logits, the
@@ -56,6 +57,8 @@ class CheckPoints:
         (('x', 'log', 'sum'), ['log', 'sum'])
         >>> print(diagnostics.format_checks(checks))
         x finite (max|x| 2), log NON-FINITE, sum NON-FINITE; first non-finite: log
+        >>> float(checks["x"]["max_abs"]), "log" in checks, len(checks)
+        (2.0, True, 3)
     """
 
     __slots__ = ("finite", "max_abs", "names")
@@ -116,35 +119,6 @@ class CheckPoints:
         """
         flags = _host_list(self.finite)
         return [n for n, ok in zip(self.names, flags, strict=True) if not ok]
-
-    def __getitem__(self, name: str) -> dict[str, Any]:
-        """``{"finite": flag, "max_abs": value}`` of the point ``name``.
-
-        Raises:
-            KeyError: no point has that name (the message lists the names).
-
-        Example:
-            >>> import torch
-            >>> from torchref import diagnostics
-            >>> c = diagnostics.check_points(loss=torch.tensor(2.0))
-            >>> "loss" in c, float(c["loss"]["max_abs"])
-            (True, 2.0)
-        """
-        if name not in self.names:
-            raise KeyError(
-                f"no check point {name!r}; the points are {list(self.names)}"
-            )
-        i = self.names.index(name)
-        return {"finite": self.finite[i], "max_abs": self.max_abs[i]}
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.names
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __repr__(self) -> str:
-        return f"CheckPoints(names={self.names!r})"
 
 
 def _host_list(values: tuple[torch.Tensor, ...]) -> list[float]:
