@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import warnings
 from typing import Any, Protocol
 
 from _stablecore.bad_data import BadBatches
@@ -89,6 +90,7 @@ class FitLoop:
     ):  # fmt: skip
         self.a, self.policy = adapter, policy
         self.book = PolicyState(policy)
+        self.warned_chance = False
         self.book.load(resumed.get("fit_state"), start)
         if "snapshot" not in resumed:  # the snapshot is the state resumed
             self.book.snapshot_at = start
@@ -256,6 +258,7 @@ class FitLoop:
             return
         location = self.a.locate(pending, rec)
         if location is False:  # this step cannot be located
+            self.warn_cannot_tell_chance()
             return
         self.book.located += 1
         rec["location"] = None if location is None else location._asdict()
@@ -265,6 +268,19 @@ class FitLoop:
             entry = {"position": rec["step"], "reason": "reproduced"}
             entry.update(phase=location.phase, path=location.path)
             self.list_bad(rec, [entry])
+
+    def warn_cannot_tell_chance(self) -> None:
+        """``on_chance="ignore"`` asked for, but the step cannot be located
+        (not a `TrainStep`): said once, and every non-finite step counts."""
+        if self.policy.on_chance != "ignore" or self.warned_chance:
+            return
+        self.warned_chance = True
+        warnings.warn(
+            'on_chance="ignore" has no effect here: this step cannot be '
+            "located (it is not a TrainStep), so chance cannot be told from "
+            "cause and every non-finite step counts",
+            stacklevel=2,
+        )
 
     def log(self, rec: dict[str, Any]) -> None:
         self.history.append(rec)

@@ -282,3 +282,30 @@ def test_a_killed_run_resumed_skips_the_batch_it_listed(framework, tmp_path):
     assert all(r["finite"] for r in hist)  # batch 4 never ran
     never, _ = _fit(framework, data[: worker.BAD] + data[worker.BAD + 1 :])
     np.testing.assert_array_equal(w, never)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_on_chance_ignore_says_when_it_cannot_act(framework):
+    # A plain step callable cannot be located: chance cannot be told from
+    # cause, so on_chance="ignore" says it has no effect (once) and the NaN
+    # counts as any other.
+    policy = ttrain.NanPolicy.stop(max_consecutive=1, on_chance="ignore")
+    data = _data(3, nan_at=(1,))
+    error = (jtrain if framework == "jax" else ttrain).NonFiniteError
+    with pytest.warns(UserWarning, match='on_chance="ignore" has no effect') as got:
+        with pytest.raises(error) as info:
+            if framework == "jax":
+                state, step = _jax_step()
+                jtrain.fit(
+                    state, lambda s, b: step(s, b), [jnp.asarray(b) for b in data],
+                    log=None, nan_policy=policy,
+                )  # fmt: skip
+            else:
+                inner = _torch_step()
+                ttrain.fit(
+                    lambda b: inner(b), [torch.from_numpy(b) for b in data],
+                    log=None, nan_policy=policy,
+                )  # fmt: skip
+    assert info.value.step == 1
+    assert "reproduced" not in info.value.history[-1]
+    assert sum("on_chance" in str(w.message) for w in got) == 1
