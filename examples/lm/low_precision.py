@@ -53,6 +53,11 @@ if _ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from examples.harness.sections import (  # noqa: E402
+    json_section,
+    put_section,
+    rerun_command,
+)
 from examples.lm.task import TASK  # noqa: E402
 
 # (name, parameter and moment dtype, param_update)
@@ -354,34 +359,11 @@ def section(data: dict) -> str:
     ])  # fmt: skip
 
 
-def command(argv: list[str]) -> str:
-    """The command that gives the same rows: `argv` without ``--out`` and
-    ``--report`` (where they go, not what they are).
-
-    Example:
-        >>> command(["--steps", "9", "--out", "x.json", "--report=r.md"])
-        'python -m examples.lm.low_precision --steps 9'
-    """
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--out", "--report"):
-            skip = True
-        elif not arg.startswith(("--out=", "--report=")):
-            kept.append(arg)
-    return " ".join(["python -m examples.lm.low_precision", *kept])
-
-
 def report_section(out: str) -> str:
     """The task's `report_sections` (`examples.harness.parts.Task`):
-    `section` of ``low_precision.json`` in the folder ``out``, ``""`` when
-    there is none."""
-    path = os.path.join(out, "low_precision.json")
-    if not os.path.exists(path):
-        return ""
-    with open(path, encoding="utf-8") as f:
-        return section(json.load(f))
+    `section` of ``low_precision.json`` in the folder ``out``, ``""`` when there is
+    none."""
+    return json_section(out, "low_precision.json", section)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     from examples.harness import environment
 
     data = {
-        "command": command(sys.argv[1:] if argv is None else argv),
+        "command": rerun_command(
+            "examples.lm.low_precision", sys.argv[1:] if argv is None else argv
+        ),
         "config": config.as_dict(),
         "rows": rows,
         "environment": environment.record(),
@@ -415,8 +399,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(data, f, indent=2)
             f.write("\n")
     if args.report:
-        from examples.harness.sections import put_section
-
         put_section(args.report, TASK.name, section(data))
     return 0
 

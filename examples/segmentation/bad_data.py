@@ -63,6 +63,11 @@ if _ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from examples.harness.sections import (  # noqa: E402
+    json_section,
+    put_section,
+    rerun_command,
+)
 from examples.segmentation import data  # noqa: E402
 from examples.segmentation.task import TASK  # noqa: E402
 
@@ -365,32 +370,9 @@ def loss_gap(result: dict) -> float | None:
 
 def report_section(out: str) -> str:
     """The task's `report_sections` (`examples.harness.parts.Task`):
-    `section` of ``bad_data.json`` in the folder ``out``, ``""`` when there
-    is none."""
-    path = os.path.join(out, "bad_data.json")
-    if not os.path.exists(path):
-        return ""
-    with open(path, encoding="utf-8") as f:
-        return section(json.load(f))
-
-
-def command(argv: list[str]) -> str:
-    """The command that gives the same result: `argv` without ``--out`` and
-    ``--report``.
-
-    Example:
-        >>> command(["--framework", "jax", "--out", "x.json", "--report=r.md"])
-        'python -m examples.segmentation.bad_data --framework jax'
-    """
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--out", "--report"):
-            skip = True
-        elif not arg.startswith(("--out=", "--report=")):
-            kept.append(arg)
-    return " ".join(["python -m examples.segmentation.bad_data", *kept])
+    `section` of ``bad_data.json`` in the folder ``out``, ``""`` when there is
+    none."""
+    return json_section(out, "bad_data.json", section)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     from examples.harness import environment
 
     result = {
-        "command": command(sys.argv[1:] if argv is None else argv),
+        "command": rerun_command(
+            "examples.segmentation.bad_data", sys.argv[1:] if argv is None else argv
+        ),
         "config": config.as_dict(),
         "void": {str(k): list(v) for k, v in VOID.items()},
         "microbatches": MICROBATCHES,
@@ -428,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=2)
             f.write("\n")
     if args.report:
-        from examples.harness.sections import put_section
-
         put_section(args.report, TASK.name, text)
     return 0
 
