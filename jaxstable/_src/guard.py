@@ -11,6 +11,7 @@ checks the other transformations share.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ def skip_non_finite(
     *,
     max_consecutive: int | None = None,
     check_update: bool = True,
+    _proven: Callable[[Any, Any, Any], bool] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so that no non-finite value is ever written by an update.
 
@@ -80,6 +82,9 @@ def skip_non_finite(
       check_update: also skip when the update, the new parameters or the new
         optimizer state are non-finite (default True). False checks the
         gradients only (the flag alone decides).
+      _proven: internal (`stable_optimizer`): ``_proven(grads, inner_state,
+        params)`` True at trace time where the check provably cannot fail
+        (`update_bound.UpdateBound`); its recompute pass is then left out.
 
     Returns:
       A `optax.GradientTransformationExtraArgs` whose ``update`` accepts
@@ -127,8 +132,11 @@ def skip_non_finite(
         def update(updates, inner_state, params):
             return inner.update(updates, inner_state, params, **extra_args)
 
+        check = check_update
+        if check and _proven is not None and params is not None:
+            check = "proven" if _proven(updates, state.inner_state, params) else True
         new_updates, new_inner, ok = guarded_update(
-            update, updates, state.inner_state, params, grads_ok, check_update
+            update, updates, state.inner_state, params, grads_ok, check
         )
         bad = jnp.logical_not(ok).astype(jnp.int32)
         consecutive = jnp.where(ok, 0, state.consecutive + 1).astype(jnp.int32)

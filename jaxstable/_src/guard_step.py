@@ -30,7 +30,7 @@ def guarded_update(
     inner_state: Any,
     params: Any,
     grads_ok: jax.Array,
-    check_update: bool,
+    check_update: bool | str,
 ) -> tuple[Any, Any, jax.Array]:
     """``update(updates, inner_state, params)`` where it may be applied.
 
@@ -39,10 +39,12 @@ def guarded_update(
     new_inner, ok)`` with the update zeroed and the state kept where not
     ``ok`` (and, with ``check_update``, any element that is not finite kept
     too, `keep_finite`). Without ``check_update`` the gradients' flag alone
-    decides.
+    decides. ``check_update="proven"`` (`update_bound.UpdateBound` proved
+    at trace time that `writes_finite` can only be True) leaves that pass
+    out and keeps the elementwise `keep_finite` selects.
     """
     ok = grads_ok
-    if check_update:
+    if check_update is True:
         written_ok = writes_finite(update, updates, inner_state, params)
         ok = jnp.logical_and(grads_ok, written_ok)
     new_updates, new_inner = update(updates, inner_state, params)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import optax
 
-from jaxstable._src.clipping import clip_by_global_norm
+from jaxstable._src.clipping import clip_by_global_norm, concrete_float
 from jaxstable._src.guard import check_bool, check_optimizer
 from jaxstable._src.guard import skip_non_finite as _skip
+from jaxstable._src.update_bound import UpdateBound
 
 __all__ = ["stable_optimizer"]
 
@@ -37,6 +40,11 @@ def stable_optimizer(
       clip_eps: torch's eps in the clip coefficient.
       check_update: passed to `skip_non_finite`: also skip a step whose update
         or new optimizer state is non-finite although its gradients are not.
+        With a clip, where `UpdateBound` proves at trace time that the
+        clipped update cannot write a non-finite value (float32/float64
+        SGD, momentum, Adam, AdamW, Lion, RMSprop... with finite, moderate
+        hyper-parameters and schedules), the check's recompute pass is left
+        out of the step: it could only say "finite".
 
     Returns:
       A `optax.GradientTransformationExtraArgs`.
@@ -63,5 +71,21 @@ def stable_optimizer(
         else optax.with_extra_args_support(optimizer)
     )
     if skip_non_finite:
-        tx = _skip(tx, max_consecutive=max_consecutive, check_update=check_update)
+        tx = _skip(
+            tx,
+            max_consecutive=max_consecutive,
+            check_update=check_update,
+            _proven=_clipped_bound(optimizer, max_grad_norm),
+        )
     return tx
+
+
+def _clipped_bound(optimizer: optax.GradientTransformation, max_norm: Any):
+    """``proven(grads, inner_state, params)`` for ``chain(clip, optimizer)``:
+    `UpdateBound` on the optimizer's part of the state; None without a
+    clip (unbounded gradients prove nothing)."""
+    norm = concrete_float(max_norm) if max_norm is not None else None
+    if norm is None:
+        return None
+    bound = UpdateBound(optimizer, norm)
+    return lambda grads, state, params: bound.proven(grads, state[1], params)
