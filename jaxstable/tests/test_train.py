@@ -115,17 +115,21 @@ def test_plain_optax_optimizer_is_guarded_by_the_step():
     )
 
 
-def test_compiled_step_has_no_conditional_and_one_finiteness_reduction():
-    state, batch = _state(), _batch(0)
+@pytest.mark.parametrize("eps, checks", [(1e-8, 0), (0.0, 1)])
+def test_compiled_step_has_no_conditional_and_one_finiteness_reduction(eps, checks):
+    tx = transforms.stable_optimizer(optax.adam(1e-2, eps=eps), max_grad_norm=1.0)
+    state, batch = _state(tx), _batch(0)
     lowered = _STEP.lower(state, batch)
     assert not has_conditional(lowered)
     # One is_finite on the gradients' scaled sum of squares (the single
     # all_finite over the gradients, the norm's own reduction) and one on the
     # (scalar) loss: together the one flag reused by the skip and the loss
-    # scale; one on the grown scalar scale inside DynamicLossScale.adjust, and
-    # one on the update check's sum of ``leaf * 0`` over everything the step
-    # writes (new params, Adam's mu and nu): no is_finite per leaf.
-    assert lowered.as_text().count("is_finite") == 1 + 1 + 1 + 1
+    # scale; one on the grown scalar scale inside DynamicLossScale.adjust;
+    # and, where `UpdateBound` cannot prove the update finite (eps=0: 0 / 0
+    # where a gradient is 0), one on the update check's sum of ``leaf * 0``
+    # over everything the step writes (new params, Adam's mu and nu): no
+    # is_finite per leaf.
+    assert lowered.as_text().count("is_finite") == 1 + 1 + 1 + checks
 
 
 def test_step_runs_under_transfer_guard_without_retracing():
