@@ -134,7 +134,8 @@ def skip_non_finite(
 
         check = check_update
         if check and _proven is not None and params is not None:
-            check = "proven" if _proven(updates, state.inner_state, params) else True
+            proven = _proven(updates, state.inner_state, params, **extra_args)
+            check = "proven" if proven else True
         new_updates, new_inner, ok = guarded_update(
             update, updates, state.inner_state, params, grads_ok, check
         )

@@ -88,4 +88,6 @@ def _clipped_bound(optimizer: optax.GradientTransformation, max_norm: Any):
     if norm is None:
         return None
     bound = UpdateBound(optimizer, norm)
-    return lambda grads, state, params: bound.proven(grads, state[1], params)
+    return lambda grads, state, params, **extra: bound.proven(
+        grads, state[1], params, **extra
+    )

@@ -145,7 +145,7 @@ class _Program:
         comparison ``x < k`` (and the like) is re-evaluated with ``x`` so
         refined (optax's saturating count: ``where(c < max, c + 1, max)``)."""
         pred, cases = ins[0], list(ins[1:])
-        reach = range(int(pred.b[0]), int(pred.b[1]) + 1)
+        reach = range(max(int(pred.b[0]), 0), min(int(pred.b[1]), len(cases) - 1) + 1)
         cond = self._condition(eqn.ins[0]) if narrow and len(cases) == 2 else None
         out = None
         for i in reach:
@@ -255,36 +255,40 @@ class UpdateBound:
         self.max_norm = max_norm
         self.reason = ""
 
-    def proven(self, grads: Any, state: Any, params: Any) -> bool:
+    def proven(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> bool:
         """Whether the guarded update cannot write a non-finite value (see
-        the class docstring); ``reason`` says why not when it is False."""
+        the class docstring); ``reason`` says why not when it is False.
+        ``extra_args`` (optax's ``value=`` and the like) are traced too, as
+        any value of their dtype."""
         try:
-            self._prove(grads, state, params)
+            self._prove(grads, state, params, extra_args)
         except Unprovable as err:
             self.reason = str(err)
             return False
         self.reason = ""
         return True
 
-    def _prove(self, grads: Any, state: Any, params: Any) -> None:
+    def _prove(self, grads: Any, state: Any, params: Any, extra: dict) -> None:
         bound = float(self.max_norm) * _NORM_MARGIN
         if params is None or not bound < 2.0**50:
             raise Unprovable("no parameters, or no finite clip bound")
         _check_leaves(grads, state, params)
-        spec = jax.tree_util.tree_map(_spec, (grads, state, params))
-        grads_s, state_s, params_s = spec
-        init = _Program(jax.make_jaxpr(self.optimizer.init)(params_s))
+        spec = jax.tree_util.tree_map(_spec, (grads, state, params, extra))
+        grads_s, state_s, params_s, _ = spec
+        opt = optax.with_extra_args_support(self.optimizer)
+        init = _Program(_jaxpr(opt.init, params_s))
         symbols = [
             Val(b=(0.0, 0.0), a=(1.0, 1.0), sym=i) for i in range(len(init.inputs))
         ]
         box = init.run(symbols)
-        update = _Program(jax.make_jaxpr(self.optimizer.update)(*spec))
+        update = _Program(_jaxpr(lambda g, s, p, e: opt.update(g, s, p, **e), *spec))
         n_grads, n_state = len(jax.tree_util.tree_leaves(grads_s)), len(box)
         if len(update.outputs) != n_grads + n_state:
             raise Unprovable("the update's state is not shaped like init's")
         grad_vals = [Val(b=(-bound, bound)) for _ in range(n_grads)]
+        extra_vals = [_any_value(x.dtype) for x in jax.tree_util.tree_leaves(extra)]
         for rounds in range(_ROUNDS):
-            out = update.run(grad_vals + box + symbols)
+            out = update.run(grad_vals + box + symbols + extra_vals)
             new = out[n_grads:]
             if all(_inside(n, b) for n, b in zip(new, box, strict=True)):
                 break
@@ -297,6 +301,26 @@ class UpdateBound:
         for i, u in enumerate(out[:n_grads]):
             if not u.free and u.sym != i:
                 raise Unprovable(f"update leaf {i} depends on another parameter")
+
+
+def _jaxpr(fn: Any, *args: Any) -> Any:
+    """``fn`` traced; a transformation that cannot be traced on its own
+    (one that needs an argument the step does not pass) proves nothing."""
+    try:
+        return jax.make_jaxpr(fn)(*args)
+    except Exception as err:  # any failure to trace: not proved
+        raise Unprovable(f"could not trace the optimizer: {err}") from err
+
+
+def _any_value(dtype: Any) -> Val:
+    """Any value of ``dtype`` (a float bound past `_SAFE`: refused once used)."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        return Val(b=(-top, top))
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return Val(b=(int(info.min), int(info.max)), kind="i")
+    return Val(b=(0, 1), kind="b")
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
