@@ -254,19 +254,25 @@ class UpdateBound:
         self.optimizer = optimizer
         self.max_norm = max_norm
         self.reason = ""
+        # shapes and dtypes -> reason ("" where proved): an eager caller
+        # (``tx.update`` outside jit) traces the optimizer once, not per step.
+        self._done: dict[Any, str] = {}
 
     def proven(self, grads: Any, state: Any, params: Any, **extra_args: Any) -> bool:
         """Whether the guarded update cannot write a non-finite value (see
         the class docstring); ``reason`` says why not when it is False.
         ``extra_args`` (optax's ``value=`` and the like) are traced too, as
         any value of their dtype."""
-        try:
-            self._prove(grads, state, params, extra_args)
-        except Unprovable as err:
-            self.reason = str(err)
-            return False
-        self.reason = ""
-        return True
+        leaves, tree = jax.tree_util.tree_flatten((grads, state, params, extra_args))
+        key = (tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+        if key not in self._done:
+            try:
+                self._prove(grads, state, params, extra_args)
+                self._done[key] = ""
+            except Unprovable as err:
+                self._done[key] = str(err)
+        self.reason = self._done[key]
+        return not self.reason
 
     def _prove(self, grads: Any, state: Any, params: Any, extra: dict) -> None:
         bound = float(self.max_norm) * _NORM_MARGIN

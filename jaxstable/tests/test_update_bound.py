@@ -187,3 +187,24 @@ def test_an_unproved_optimizer_keeps_the_check():
     u, state = jax.jit(tx.update)(jnp.array([1.0, 0.0]), tx.init(params), params)
     assert u.tolist() == [0.0, 0.0]
     assert int(state.non_finite_updates) == 1
+
+
+def test_an_eager_update_traces_the_optimizer_once(monkeypatch):
+    # Outside jit every `tx.update` call runs the proof's trace: it is kept
+    # per shapes and dtypes, so a loop of eager steps pays for it once.
+    calls = []
+    real = jax.make_jaxpr
+
+    def counting(fn, *a, **k):
+        calls.append(fn)
+        return real(fn, *a, **k)
+
+    monkeypatch.setattr(jax, "make_jaxpr", counting)
+    tx = transforms.stable_optimizer(optax.adam(1e-3), max_grad_norm=1.0)
+    params = jnp.ones(3)
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update(jnp.full(3, 0.1), state, params)
+    assert len(calls) == 2  # init and update, once each
+    _, state = tx.update(jnp.full(3, 0.1), state, params, value=jnp.zeros([]))
+    assert len(calls) == 4  # new extra args: traced again
