@@ -18,11 +18,8 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 
 from torchref._src.clipping import all_finite_t, is_dtensor, to_host
-from torchref._src.update_check import (
-    DeviceSelect,
-    UpdateBound,
-    refuse_sharded_update_check,
-)
+from torchref._src.update_bound import UpdateBound
+from torchref._src.update_check import DeviceSelect, refuse_sharded_update_check
 
 __all__ = ["GuardedStep"]
 
