@@ -117,33 +117,51 @@ class DeviceSelect:
     """Keeps a copy of some tensors and puts it back where a flag says.
 
     ``take(tensors)`` copies them into one flat buffer per (device, dtype),
-    allocated once and kept from step to step (one `torch.cat` each: the
-    one extra copy). ``put_back(keep_old)`` sets ``t = keep_old ? saved :
-    t`` with one in-place `torch.where` per tensor on a view of the flat
-    buffer: no temporary, no host sync (`torch.where` selects, so a NaN the
-    step wrote never mixes in; an arithmetic blend ``t*(1-k) + saved*k``
-    would keep it: NaN * 0 is NaN). ``restore()`` copies everything back
-    (a host that already knows), one `torch._foreach_copy_` per group.
+    allocated once and kept from step to step (one `torch._foreach_copy_`
+    each into views of it, made once too: the one extra copy).
+    ``put_back(keep_old)`` sets ``t = keep_old ? saved : t`` with one
+    in-place `torch.where` per tensor on a view of the flat buffer: no
+    temporary, no host sync (`torch.where` selects, so a NaN the step wrote
+    never mixes in; an arithmetic blend ``t*(1-k) + saved*k`` would keep
+    it: NaN * 0 is NaN). ``restore()`` copies everything back (a host that
+    already knows), one `torch._foreach_copy_` per group.
     """
 
     def __init__(self) -> None:
         self._flat: dict[Any, torch.Tensor] = {}
         self._groups: dict[Any, list[torch.Tensor]] = {}
+        # Per group: the shapes the flat buffer is laid out for, and its
+        # views in those shapes (a split costs more than the copy itself).
+        self._views: dict[Any, tuple[list[torch.Size], list[torch.Tensor]]] = {}
 
     @torch.no_grad()
     def take(self, tensors: list[torch.Tensor]) -> None:
         self._groups = by_device_dtype([t.detach() for t in tensors])
         for key, group in self._groups.items():
-            n = sum(t.numel() for t in group)
-            old = self._flat.get(key)
-            if old is None or old.numel() != n:
-                old = self._flat.pop(key, None)
-                del old  # freed first: never two copies at once
-                self._flat[key] = torch.empty(n, dtype=key[1], device=key[0])
-            buf = self._flat[key]
-            torch.cat([t.reshape(-1) for t in group], out=buf)
+            torch._foreach_copy_(self._laid_out(key, group), group)
         for key in [k for k in self._flat if k not in self._groups]:
             del self._flat[key]  # a group no longer stepped keeps no copy
+            del self._views[key]
+
+    def _laid_out(self, key: Any, group: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of the flat buffer of `key` in the shapes of `group`; the
+        buffer is allocated again only when its size changes."""
+        shapes = [t.shape for t in group]
+        if key in self._views and self._views[key][0] == shapes:
+            return self._views[key][1]
+        n = sum(t.numel() for t in group)
+        self._views.pop(key, None)  # the views hold the old buffer too
+        old = self._flat.get(key)
+        if old is None or old.numel() != n:
+            old = self._flat.pop(key, None)
+            del old  # freed first: never two copies at once
+            self._flat[key] = torch.empty(n, dtype=key[1], device=key[0])
+        parts = self._flat[key].split([t.numel() for t in group])
+        self._views[key] = (
+            shapes,
+            [v.view(s) for v, s in zip(parts, shapes, strict=True)],
+        )
+        return self._views[key][1]
 
     def retarget(self, tensors: list[torch.Tensor]) -> bool:
         """Puts the copy back into `tensors` instead of the ones taken (a
@@ -157,9 +175,7 @@ class DeviceSelect:
         return True
 
     def _saved(self, key: Any) -> list[torch.Tensor]:
-        group = self._groups[key]
-        parts = self._flat[key].split([t.numel() for t in group])
-        return [v.view(t.shape) for v, t in zip(parts, group, strict=True)]
+        return self._views[key][1]
 
     @torch.no_grad()
     def put_back(self, keep_old: torch.Tensor) -> None:
