@@ -131,65 +131,69 @@ class UpdateBound:
     """
 
     def __init__(self) -> None:
+        # id(p) -> (its state's tensors as `_versions` recorded them, a1, a2)
         self._known: dict[int, tuple[tuple, float, float]] = {}
         self._pre: dict[int, tuple[tuple[float, float], Any]] = {}
 
     def proven(self, optimizer, params: list, m: float | None) -> bool:
-        """Whether this step cannot write a non-finite value (see above)."""
+        """Whether this step cannot write a non-finite value (see above).
+
+        Nothing is cached from a step to the next but the state's bounds,
+        kept with its tensors' identities and version counters: every
+        dtype (``p.data = ...`` changes one in place), every rule and
+        every state's tensors are looked at again, in one pass."""
         self._pre = {}
         kind = _PROVABLE.get(type(optimizer))
         if kind is None or m is None or not 0.0 <= m <= 2.0**50:
             return False
-        if not _dense_wide(optimizer, params):
+        found = _scan(optimizer.state, params, self._known)
+        if found is None:  # a tensor that is not dense float32/float64
             return False
-        owner = {}
+        rule_of: dict[int, Any] = {}
         for g in optimizer.param_groups:
-            rule = _rule(kind, g, m)
-            owner.update((id(p), rule) for p in g["params"])
+            rule_of.update(dict.fromkeys(map(id, g["params"]), _rule(kind, g, m)))
         # Only a state a rule could prove is worth a read.
-        self._learn(optimizer, [p for p in params if owner[id(p)] is not None])
-        ok = True
-        for p in params:
-            rule, a = owner[id(p)], self._bounds(optimizer, p)
+        learned = self._learn(
+            optimizer,
+            [p for p, a in found if a is None and rule_of[id(p)] is not None],
+        )
+        ok, fits = True, {}
+        for p, a in found:
+            rule = rule_of[id(p)]
+            a = learned.get(id(p)) if a is None else a
             if rule is None or a is None:
                 ok = False
                 continue
             self._pre[id(p)] = (a, rule[0])
-            ok = ok and rule[1](*a)
+            if ok:  # each distinct (rule, bounds) is evaluated once
+                key = (id(rule), a)
+                if key not in fits:
+                    fits[key] = rule[1](*a)
+                ok = fits[key]
         return ok
 
     def record(self, optimizer, params: list) -> None:
         """After the step `proven` looked at: each state's bounds grown by
         it (an upper bound whether it was applied or selected back), or
         forgotten where nothing was proved."""
+        states, known, grown = optimizer.state, self._known, {}
         for p in params:
-            pre, state = self._pre.get(id(p)), optimizer.state.get(p)
+            pre, state = self._pre.get(id(p)), states.get(p)
             if pre is None or not state:
-                self._known.pop(id(p), None)
+                known.pop(id(p), None)
                 continue
             a, grow = pre
-            self._known[id(p)] = (_versions(state), *grow(*a))
+            key = (id(grow), a)
+            if key not in grown:
+                grown[key] = grow(*a)
+            known[id(p)] = (_versions(state), *grown[key])
         self._pre = {}
 
-    def _bounds(self, optimizer, p) -> tuple[float, float] | None:
-        state = optimizer.state.get(p)
-        if not state:
-            return (0.0, 0.0)
-        known = self._known.get(id(p))
-        if known is None or not _unchanged(known[0], state):
-            return None
-        return known[1:]
-
-    def _learn(self, optimizer, params: list) -> None:
+    def _learn(self, optimizer, unknown: list) -> dict[int, tuple[float, float]]:
         """State written outside this guard: its largest magnitudes, read
         in one transfer, become its bounds (inf for a non-finite one)."""
-        unknown = [
-            p
-            for p in params
-            if optimizer.state.get(p) and self._bounds(optimizer, p) is None
-        ]
         if not unknown:
-            return
+            return {}
         found = [
             (p, k, optimizer.state[p][k])
             for p in unknown
@@ -204,22 +208,52 @@ class UpdateBound:
             bounds[id(p)][i] = max(bounds[id(p)][i], v * 1.001)
         for p in unknown:
             self._known[id(p)] = (_versions(optimizer.state[p]), *bounds[id(p)])
+        return {i: (a1, a2) for i, (a1, a2) in bounds.items()}
 
 
-def _dense_wide(optimizer, params: list) -> bool:
-    """Every parameter, gradient and state tensor dense float32/float64."""
-    wide = (torch.float32, torch.float64)
-    return all(
-        t.dtype in wide and not t.is_sparse
-        for p in params
-        for t in [p, p.grad, *_state_tensors(optimizer, p)]
-    )
+_WIDE = (torch.float32, torch.float64)
+_NO_STATE = (0.0, 0.0)
 
 
-def _state_tensors(optimizer, p) -> list[torch.Tensor]:
-    return [
-        v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)
-    ]
+def _scan(states: dict, params: list, known: dict) -> list | None:
+    """``[(p, bounds)]``: ``(0, 0)`` for no state, the recorded bounds of a
+    state that holds the very tensors recorded, unwritten since, else None;
+    None for all where a parameter, gradient or state tensor is not dense
+    float32/float64."""
+    out = []
+    for p in params:
+        g = p.grad
+        if p.dtype not in _WIDE or g.dtype not in _WIDE or p.is_sparse or g.is_sparse:
+            return None
+        state = states.get(p)
+        if not state:
+            out.append((p, _NO_STATE))
+            continue
+        rec = known.get(id(p))
+        same = _check_state(state, None if rec is None else rec[0])
+        if same is None:
+            return None
+        out.append((p, rec[1:] if same else None))
+    return out
+
+
+def _check_state(state: dict[str, Any], recorded: tuple | None) -> bool | None:
+    """Whether `state` holds the very tensors `_versions` recorded (False
+    for no record), in order and unwritten since; None where one is not
+    dense float32/float64."""
+    same, i = recorded is not None, 0
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.dtype not in _WIDE or v.is_sparse:
+            return None
+        if same and i < len(recorded):  # type: ignore[arg-type]
+            rk, ref, version = recorded[i]  # type: ignore[index]
+            same = k == rk and ref() is v and v._version == version
+        else:
+            same = False
+        i += 1
+    return same and i == len(recorded)  # type: ignore[arg-type]
 
 
 def _versions(state: dict[str, Any]) -> tuple:
@@ -229,14 +263,4 @@ def _versions(state: dict[str, Any]) -> tuple:
         (k, weakref.ref(v), v._version)
         for k, v in state.items()
         if isinstance(v, torch.Tensor)
-    )
-
-
-def _unchanged(recorded: tuple, state: dict[str, Any]) -> bool:
-    """Whether `state` holds the very tensors `_versions` recorded, unwritten
-    since."""
-    now = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
-    return len(now) == len(recorded) and all(
-        k == rk and ref() is v and v._version == version
-        for (k, v), (rk, ref, version) in zip(now, recorded, strict=True)
     )
