@@ -120,8 +120,9 @@ def module_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
             return list(model.buffers())
         seen_modules.add(module)
         for b in module._buffers.values():
-            if b is not None and b not in seen:
-                seen.add(b)
+            # By id: a tensor's __hash__ is a python call (the same identity).
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
                 out.append(b)
         stack.extend(m for m in reversed(module._modules.values()) if m is not None)
     return out
