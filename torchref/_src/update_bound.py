@@ -9,8 +9,10 @@ from step to step.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
-from typing import Any
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import torch
 
@@ -134,6 +136,9 @@ class UpdateBound:
         # id(p) -> (its state's tensors as `_versions` recorded them, a1, a2)
         self._known: dict[int, tuple[tuple, float, float]] = {}
         self._pre: dict[int, tuple[tuple[float, float], Any]] = {}
+        # The last step's parameters, all proved, as one `_Flat` record (in
+        # place of their `_known` entries): checked in bulk the next step.
+        self._flat: _Flat | None = None
 
     def proven(self, optimizer, params: list, m: float | None) -> bool:
         """Whether this step cannot write a non-finite value (see above).
@@ -145,13 +150,18 @@ class UpdateBound:
         self._pre = {}
         kind = _PROVABLE.get(type(optimizer))
         if kind is None or m is None or not 0.0 <= m <= 2.0**50:
-            return False
-        found = _scan(optimizer.state, params, self._known)
-        if found is None:  # a tensor that is not dense float32/float64
+            self._unflatten()
             return False
         rule_of: dict[int, Any] = {}
         for g in optimizer.param_groups:
             rule_of.update(dict.fromkeys(map(id, g["params"]), _rule(kind, g, m)))
+        fast = self._proven_flat(optimizer.state, params, rule_of)
+        if fast is not None:
+            return fast
+        self._unflatten()
+        found = _scan(optimizer.state, params, self._known)
+        if found is None:  # a tensor that is not dense float32/float64
+            return False
         # Only a state a rule could prove is worth a read.
         learned = self._learn(
             optimizer,
@@ -176,6 +186,12 @@ class UpdateBound:
         """After the step `proven` looked at: each state's bounds grown by
         it (an upper bound whether it was applied or selected back), or
         forgotten where nothing was proved."""
+        old, self._flat = self._flat, _Flat.of(optimizer.state, params, self._pre)
+        if old is not None and (self._flat is None or self._flat.ids != old.ids):
+            self._known.update(old.entries())  # kept for those not stepped now
+        if self._flat is not None:
+            self._pre = {}
+            return
         states, known, grown = optimizer.state, self._known, {}
         for p in params:
             pre, state = self._pre.get(id(p)), states.get(p)
@@ -188,6 +204,33 @@ class UpdateBound:
                 grown[key] = grow(*a)
             known[id(p)] = (_versions(state), *grown[key])
         self._pre = {}
+
+    def _proven_flat(self, states, params: list, rule_of: dict) -> bool | None:
+        """`proven` in bulk where the state holds what the last step's
+        `_Flat` record says and every parameter has a rule; None (look
+        one by one) anywhere else."""
+        flat = self._flat
+        tensors = None if flat is None else flat.same(states, params)
+        if tensors is None:
+            return None
+        rules = list(map(rule_of.__getitem__, flat.ids))
+        if None in rules:
+            return None
+        grads = list(map(_GRAD, params))
+        tensors += params + grads
+        if not set(map(_DTYPE, tensors)) <= _WIDE_SET or any(map(_SPARSE, tensors)):
+            self._flat = None  # forgotten, as `record` forgets them
+            return False
+        pairs = list(zip(flat.bounds, map(_FIRST, rules), strict=True))
+        self._pre = dict(zip(flat.ids, pairs, strict=True))
+        # Each distinct (rule, bounds) once: a group's parameters share them.
+        return all(rule[1](*a) for rule, a in set(zip(rules, flat.bounds, strict=True)))
+
+    def _unflatten(self) -> None:
+        """The `_Flat` record as `_known` entries, one per parameter."""
+        if self._flat is not None:
+            self._known.update(self._flat.entries())
+            self._flat = None
 
     def _learn(self, optimizer, unknown: list) -> dict[int, tuple[float, float]]:
         """State written outside this guard: its largest magnitudes, read
@@ -212,7 +255,76 @@ class UpdateBound:
 
 
 _WIDE = (torch.float32, torch.float64)
+_WIDE_SET = frozenset(_WIDE)
 _NO_STATE = (0.0, 0.0)
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_SPARSE = operator.attrgetter("is_sparse")
+_VERSION = operator.attrgetter("_version")
+_FIRST = operator.itemgetter(0)
+_DEREF = weakref.ref.__call__
+
+
+class _Flat(NamedTuple):
+    """Every stepped parameter's state after a step in which all of them
+    were proved, in lists (compared in bulk, not one by one): the same
+    identities, versions and bounds as their `_known` entries."""
+
+    ids: list[int]  # id of each parameter, in order
+    keys: list[tuple]  # each state's keys
+    refs: list[Any]  # weak references to every state tensor, in order
+    versions: list[int]  # their version counters
+    bounds: list[tuple[float, float]]  # each state's (a1, a2)
+
+    @classmethod
+    def of(cls, states, params: list, pre: dict) -> _Flat | None:
+        """The record of `params` after the step (bounds grown by it); None
+        where one was not proved, has no state or holds a non-tensor."""
+        ids = list(map(id, params))
+        entries = list(map(pre.get, ids))
+        if None in entries:
+            return None
+        try:
+            found = list(map(states.get, params))  # no [p]: a defaultdict
+            keys = list(map(tuple, found))
+            values = [v for state in found for v in state.values()]
+            versions = list(map(_VERSION, values))  # a non-tensor has none
+            refs = list(map(weakref.ref, values))
+        except (TypeError, AttributeError):  # no state, a non-tensor value
+            return None
+        if not all(keys) or not all(map(isinstance, values, repeat(torch.Tensor))):
+            return None
+        grown = {(a, grow): grow(*a) for a, grow in set(entries)}
+        return cls(ids, keys, refs, versions, list(map(grown.__getitem__, entries)))
+
+    def same(self, states, params: list) -> list | None:
+        """The state tensors of `params` where they are the very ones
+        recorded, under the same keys, unwritten since; else None."""
+        if list(map(id, params)) != self.ids:
+            return None
+        found = list(map(states.get, params))
+        try:
+            if list(map(tuple, found)) != self.keys:
+                return None
+        except TypeError:  # a parameter without state
+            return None
+        values = [v for state in found for v in state.values()]
+        if len(values) != len(self.refs) or not all(
+            map(operator.is_, values, map(_DEREF, self.refs))
+        ):
+            return None
+        return values if list(map(_VERSION, values)) == self.versions else None
+
+    def entries(self):
+        """``(id(p), (_versions(state), a1, a2))`` of each parameter."""
+        at = 0
+        for pid, keys, bounds in zip(self.ids, self.keys, self.bounds, strict=True):
+            n = len(keys)
+            tensors = zip(
+                keys, self.refs[at : at + n], self.versions[at : at + n], strict=True
+            )
+            yield pid, (tuple(tensors), *bounds)
+            at += n
 
 
 def _scan(states: dict, params: list, known: dict) -> list | None:

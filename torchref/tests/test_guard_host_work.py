@@ -250,3 +250,51 @@ def test_the_step_signature_is_read_once_per_step_function(monkeypatch):
 
     adam.step = step
     assert not guard_step._takes_found_inf(adam)
+
+
+def test_a_parameter_left_out_for_a_while_keeps_its_bounds(monkeypatch):
+    # Bounds are kept for parameters not stepped this time (no gradient)
+    # and need no read when they are stepped again; looking at a parameter
+    # with no state adds no entry to the optimizer's state (a defaultdict).
+    reads = []
+    real = update_bound.to_host
+    monkeypatch.setattr(
+        update_bound, "to_host", lambda v: reads.append(len(v)) or real(v)
+    )
+    opt, params, bound = _proved_adam(n=3)
+    reads.clear()
+    for stepped in (params[:2], params[:2], params):
+        params[2].grad = torch.full_like(params[2], 0.5) if len(stepped) == 3 else None
+        assert bound.proven(opt, stepped, 1.0)
+        opt.step()  # leaves a parameter without a gradient alone
+        bound.record(opt, stepped)
+    assert bound.proven(opt, params, 1.0)
+    assert reads == []
+    fresh = torch.nn.Parameter(torch.ones(2))
+    fresh.grad = torch.ones(2)
+    opt.add_param_group({"params": [fresh]})
+    assert bound.proven(opt, [*params, fresh], 1.0)
+    bound.record(opt, [*params, fresh])
+    assert fresh not in opt.state and reads == []
+
+
+def test_the_bounds_grow_the_same_checked_in_bulk_or_one_by_one():
+    # The bulk record of a step where every parameter was proved and the
+    # one-by-one entries hold the same bounds and the same tensors.
+    opt, params, bound = _proved_adam(n=4)
+    for _ in range(3):
+        assert bound.proven(opt, params, 1.0)
+        opt.step()
+        bound.record(opt, params)
+    assert bound._flat is not None
+    flat = dict(bound._flat.entries())
+    bound._unflatten()
+    assert bound._flat is None
+    for p in params:
+        versions, *bounds = bound._known[id(p)]
+        assert flat[id(p)] == (versions, *bounds)
+        state = opt.state[p]
+        assert [(k, ref(), v) for k, ref, v in versions] == [
+            (k, t, t._version) for k, t in state.items()
+        ]
+    assert bound.proven(opt, params, 1.0)  # one by one now, the same answer
