@@ -221,10 +221,14 @@ class UpdateBound:
         if not set(map(_DTYPE, tensors)) <= _WIDE_SET or any(map(_SPARSE, tensors)):
             self._flat = None  # forgotten, as `record` forgets them
             return False
-        pairs = list(zip(flat.bounds, map(_FIRST, rules), strict=True))
-        self._pre = dict(zip(flat.ids, pairs, strict=True))
-        # Each distinct (rule, bounds) once: a group's parameters share them.
-        return all(rule[1](*a) for rule, a in set(zip(rules, flat.bounds, strict=True)))
+        grows = zip(flat.bounds, map(_FIRST, rules), strict=True)
+        self._pre = dict(zip(flat.ids, grows, strict=True))
+        # Each distinct (rule, bounds) once: a group's parameters share them
+        # (the very same objects: keyed by id, no tuple of floats hashed).
+        pairs = list(zip(rules, flat.bounds, strict=True))
+        keys = zip(map(id, rules), map(id, flat.bounds), strict=True)
+        distinct = dict(zip(keys, pairs, strict=True))
+        return all(rule[1](*a) for rule, a in distinct.values())
 
     def _unflatten(self) -> None:
         """The `_Flat` record as `_known` entries, one per parameter."""

@@ -136,7 +136,7 @@ class DeviceSelect:
 
     @torch.no_grad()
     def take(self, tensors: list[torch.Tensor]) -> None:
-        self._groups = by_device_dtype([t.detach() for t in tensors])
+        self._groups = by_device_dtype(_detached(tensors))
         for key, group in self._groups.items():
             torch._foreach_copy_(self._laid_out(key, group), group)
         for key in [k for k in self._flat if k not in self._groups]:
@@ -167,7 +167,7 @@ class DeviceSelect:
         """Puts the copy back into `tensors` instead of the ones taken (a
         module that assigned new buffers); False (nothing changed) when
         their shapes or dtypes do not match those taken one for one."""
-        groups = by_device_dtype([t.detach() for t in tensors])
+        groups = by_device_dtype(_detached(tensors))
         shapes = {k: [t.shape for t in g] for k, g in groups.items()}
         if shapes != {k: [t.shape for t in g] for k, g in self._groups.items()}:
             return False
@@ -202,6 +202,12 @@ class DeviceSelect:
             was = torch.isfinite(self._flat[key])
             flags.append((was & ~torch.isfinite(now)).any().to(home_device(group)))
         return torch.stack(flags).any() if flags else None
+
+
+def _detached(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, detached where they require a gradient (a buffer needs
+    no new tensor object a step)."""
+    return [t.detach() if t.requires_grad else t for t in tensors]
 
 
 def _foreach_copy_by_device(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
