@@ -114,17 +114,20 @@ def module_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     stack = [model]
     while stack:
         module = stack.pop()
-        if module in seen_modules:
+        if module is None or module in seen_modules:  # None: an emptied slot
             continue
-        if not _plain(type(module)):
+        cls = type(module)
+        if cls not in _PLAIN and not _plain(cls):
             return list(model.buffers())
         seen_modules.add(module)
-        for b in module._buffers.values():
-            # By id: a tensor's __hash__ is a python call (the same identity).
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                out.append(b)
-        stack.extend(m for m in reversed(module._modules.values()) if m is not None)
+        if module._buffers:
+            for b in module._buffers.values():
+                # By id: a tensor's __hash__ is a python call (same identity).
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    out.append(b)
+        if module._modules:
+            stack.extend(reversed(module._modules.values()))
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchref._src.clipping import by_device_dtype, home_device, is_dtensor
+from torchref._src.clipping import by_device_dtype, is_dtensor
 from torchref._src.loss_scale_math import all_finite
 
 __all__ = ["DeviceSelect", "StepUndo"]
@@ -200,7 +200,8 @@ class DeviceSelect:
                 continue
             now = torch.cat([t.reshape(-1) for t in group])
             was = torch.isfinite(self._flat[key])
-            flags.append((was & ~torch.isfinite(now)).any().to(home_device(group)))
+            # A group's tensors share its device: key[0] is their home.
+            flags.append((was & ~torch.isfinite(now)).any().to(key[0]))
         return torch.stack(flags).any() if flags else None
 
 
