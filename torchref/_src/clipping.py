@@ -34,15 +34,18 @@ def norm_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             continue
         if t.is_sparse:
             t = (t if t.is_coalesced() else t.coalesce())._values()
-        out.append(t.detach())
+        # A gradient needs no detach (a new tensor object each, per leaf).
+        out.append(t.detach() if t.requires_grad else t)
     return out
 
 
-def _total_norm(ts: list[torch.Tensor]) -> torch.Tensor:
-    """get_total_norm, with fp16/bf16 leaves reduced in float32 first."""
+def _total_norm(ts: list[torch.Tensor], groups: dict | None = None) -> torch.Tensor:
+    """get_total_norm, with fp16/bf16 leaves reduced in float32 first
+    (`groups`: `by_device_dtype(ts)` where the caller has it)."""
     if not ts:
         return torch.zeros((), dtype=torch.float32)
-    if not any(t.dtype in _LOW_PRECISION for t in ts):
+    groups = by_device_dtype(ts) if groups is None else groups
+    if not any(dtype in _LOW_PRECISION for _, dtype in groups):
         return get_total_norm(ts)
     per_leaf = [
         torch.linalg.vector_norm(t, 2, dtype=torch.float32)
@@ -78,7 +81,26 @@ def home_device(tensors: list[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def finite_norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _home_of(groups: dict) -> torch.device:
+    """`home_device` of the tensors `by_device_dtype` grouped (its keys keep
+    the order in which each device first came)."""
+    for device, _ in groups:
+        if device.type != "cpu":
+            return device
+    return next(iter(groups))[0] if groups else torch.device("cpu")
+
+
+def _on(norms: list[torch.Tensor], device: Any, home: torch.device) -> list:
+    """Per-leaf norms as plain tensors on `home` (a DTensor's global value);
+    as they are where nothing moves (one call per leaf saved)."""
+    if device == home and not any(map(is_dtensor, norms)):
+        return list(norms)
+    return [_local(n).to(home) for n in norms]
+
+
+def finite_norms(
+    ts: list[torch.Tensor], groups: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(finite, norm64)`` of dense floating tensors, on the device.
 
     One read pass per (device, dtype) group: `torch._foreach_norm` in float64.
@@ -86,11 +108,13 @@ def finite_norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     overflow (3.4e38**2 = 1.2e77 per element), so the float64 norm is finite
     exactly when every element is: it is the finiteness flag AND the exact
     norm where the float32 one overflowed. float64/complex128 leaves, whose
-    squares can overflow, add a max-|x| pass for the flag.
+    squares can overflow, add a max-|x| pass for the flag. `groups`:
+    `by_device_dtype(ts)` where the caller has it.
     """
-    home = home_device(ts)
+    groups = by_device_dtype(ts) if groups is None else groups
+    home = _home_of(groups)
     narrow, wide, flags = [], [], []
-    for (_, dtype), group in by_device_dtype(ts).items():
+    for (device, dtype), group in groups.items():
         if dtype.is_complex:
             group = [torch.view_as_real(t) for t in group]
             dtype = group[0].dtype
@@ -99,11 +123,11 @@ def finite_norms(ts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
             nonempty = [t for t in group if t.numel()]
             if nonempty:
                 norms = torch._foreach_norm(nonempty, float("inf"))
-                flags += [_local(n).to(home) for n in norms]
-            wide += [_local(n).to(home) for n in torch._foreach_norm(group, 2)]
+                flags += _on(norms, device, home)
+            wide += _on(torch._foreach_norm(group, 2), device, home)
         else:
             norms = torch._foreach_norm(group, 2, dtype=torch.float64)
-            narrow += [_local(n).to(home) for n in norms]
+            narrow += _on(norms, device, home)
     norm64 = torch.linalg.vector_norm(torch.stack(narrow + wide))
     if not flags:
         # Leaf norms are at most ~1e43: their float64 squares add up finite.
@@ -119,10 +143,15 @@ def norm_and_finite(
     overflowed with every element finite it is the float64 norm `norm64`
     (None for no tensors) cast down; `finite` is a 0-d bool tensor."""
     ts = norm_inputs(tensors)
-    total = _total_norm(ts)
+    return _norm_and_finite(ts, by_device_dtype(ts))
+
+
+def _norm_and_finite(ts: list[torch.Tensor], groups: dict) -> tuple[Any, Any, Any]:
+    """`norm_and_finite` of `norm_inputs` `ts`, grouped as `by_device_dtype`."""
+    total = _total_norm(ts, groups)
     if not ts:
         return total, torch.ones((), dtype=torch.bool), None
-    finite, norm64 = finite_norms(ts)
+    finite, norm64 = finite_norms(ts, groups)
     total = _local(total).to(norm64.device)
     # Where torch's norm is not finite the float64 one is the same inf/nan
     # for a non-finite element, and the true norm where float32 overflowed.
@@ -204,7 +233,9 @@ def clip_in_place(
     multiplied in, so a later report still names the bad leaves. One
     `_foreach_mul_` per (device, dtype); no host sync.
     """
-    norm, finite, norm64 = norm_and_finite(grads if tensors_in is None else tensors_in)
+    ts = norm_inputs(grads if tensors_in is None else tensors_in)
+    groups = by_device_dtype(ts)
+    norm, finite, norm64 = _norm_and_finite(ts, groups)
     dense = [g for g in grads if (g.is_floating_point() or g.is_complex())]
     if norm64 is None or not dense:
         return norm, finite
@@ -212,20 +243,26 @@ def clip_in_place(
     wide = torch.clamp(max_norm / (norm64 + eps), max=1.0).to(coef.dtype)
     coef = torch.where(torch.isfinite(norm), coef, wide)
     ok = finite if apply is None else finite & apply.to(finite.device)
-    _scale_in_place(dense, torch.where(ok, coef, 1.0))
+    # The norm's own groups where it is the gradients'.
+    same = tensors_in is None
+    _scale_in_place(dense, torch.where(ok, coef, 1.0), groups if same else None)
     return norm, finite
 
 
-def _scale_in_place(dense: list[torch.Tensor], coef: torch.Tensor) -> None:
+def _scale_in_place(
+    dense: list[torch.Tensor], coef: torch.Tensor, groups: dict | None = None
+) -> None:
     """``g *= coef`` for dense floating/complex gradients: one
-    `_foreach_mul_` per (device, dtype), sparse ones by their values."""
-    for (device, _), group in by_device_dtype(
-        [g for g in dense if not g.is_sparse]
-    ).items():
+    `_foreach_mul_` per (device, dtype), sparse ones by their values
+    (`groups`: `by_device_dtype` of their `norm_inputs`, where known: the
+    dense ones themselves where none is sparse)."""
+    sparse = [g for g in dense if g.is_sparse]
+    if groups is None or sparse:
+        groups = by_device_dtype([g for g in dense if not g.is_sparse])
+    for (device, _), group in groups.items():
         torch._foreach_mul_(group, coef.to(device))
-    for g in dense:
-        if g.is_sparse:  # no foreach kernel; scaling the values scales the sum
-            g.mul_(coef.to(g.device))
+    for g in sparse:  # no foreach kernel; scaling the values scales the sum
+        g.mul_(coef.to(g.device))
 
 
 def norm_read_on_host(
@@ -241,13 +278,15 @@ def norm_read_on_host(
     gradient on the CPU) is skipped; None (nothing done) where the norm is
     not finite: the caller takes the exact device path."""
     ts = norm_inputs(grads)
-    norm = _local(_total_norm(ts))  # a sharded norm: its global value
+    groups = by_device_dtype(ts)
+    norm = _local(_total_norm(ts, groups))  # a sharded norm: its global value
     *values, value = to_host([*others, norm])
     if not math.isfinite(value):
         return None
     dense = [g for g in grads if (g.is_floating_point() or g.is_complex())]
     if clip is not None and values[0] and dense:
-        _scale_in_place(dense, torch.clamp(clip.max_norm / (norm + clip.eps), max=1.0))
+        coef = torch.clamp(clip.max_norm / (norm + clip.eps), max=1.0)
+        _scale_in_place(dense, coef, groups)
     return norm, value, values
 
 

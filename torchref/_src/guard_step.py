@@ -12,17 +12,15 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import weakref
 from typing import Any
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
 from torchref._src.clipping import all_finite_t, is_dtensor, to_host
-from torchref._src.update_check import (
-    DeviceSelect,
-    UpdateBound,
-    refuse_sharded_update_check,
-)
+from torchref._src.update_bound import UpdateBound
+from torchref._src.update_check import DeviceSelect, refuse_sharded_update_check
 
 __all__ = ["GuardedStep"]
 
@@ -31,8 +29,26 @@ def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` skips on the device from a ``found_inf``
     attribute, as `GradScaler.step` hands it to fused Adam/AdamW/SGD."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and (
-        "grad_scaler" not in inspect.signature(optimizer.step).parameters
+        not _takes_grad_scaler(optimizer.step)
     )
+
+
+# step function -> whether it takes a ``grad_scaler`` argument (a signature
+# costs more than the rest of the guard's host work on a small step).
+_TAKES_GRAD_SCALER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _takes_grad_scaler(step: Any) -> bool:
+    func = getattr(step, "__func__", step)  # a bound method: its function
+    try:
+        return _TAKES_GRAD_SCALER[func]
+    except (KeyError, TypeError):  # not seen, or no weak reference to it
+        takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[func] = takes
+    except TypeError:
+        pass
+    return takes
 
 
 def _stepped_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

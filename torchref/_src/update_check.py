@@ -4,23 +4,20 @@ torch cannot tell before a step has written it whether the step is finite
 (Adam's float16 second moment underflowing to 0, ``eps=0``), so the guards
 keep the values before it: `DeviceSelect` (one copy, selected back on the
 device with `torch.where`), `StepUndo` (the closure path, decided on the
-host). `UpdateBound` proves, on the host, where no copy can be needed: the
-update rules of SGD, Adam and AdamW under a bound on the gradients.
+host). Where no copy can be needed is proved in `update_bound`.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import weakref
 from typing import Any
 
 import torch
 
-from torchref._src.clipping import by_device_dtype, home_device, is_dtensor, to_host
+from torchref._src.clipping import by_device_dtype, is_dtensor
 from torchref._src.loss_scale_math import all_finite
 
-__all__ = ["DeviceSelect", "StepUndo", "UpdateBound"]
+__all__ = ["DeviceSelect", "StepUndo"]
 
 
 class StepUndo:
@@ -120,39 +117,57 @@ class DeviceSelect:
     """Keeps a copy of some tensors and puts it back where a flag says.
 
     ``take(tensors)`` copies them into one flat buffer per (device, dtype),
-    allocated once and kept from step to step (one `torch.cat` each: the
-    one extra copy). ``put_back(keep_old)`` sets ``t = keep_old ? saved :
-    t`` with one in-place `torch.where` per tensor on a view of the flat
-    buffer: no temporary, no host sync (`torch.where` selects, so a NaN the
-    step wrote never mixes in; an arithmetic blend ``t*(1-k) + saved*k``
-    would keep it: NaN * 0 is NaN). ``restore()`` copies everything back
-    (a host that already knows), one `torch._foreach_copy_` per group.
+    allocated once and kept from step to step (one `torch._foreach_copy_`
+    each into views of it, made once too: the one extra copy).
+    ``put_back(keep_old)`` sets ``t = keep_old ? saved : t`` with one
+    in-place `torch.where` per tensor on a view of the flat buffer: no
+    temporary, no host sync (`torch.where` selects, so a NaN the step wrote
+    never mixes in; an arithmetic blend ``t*(1-k) + saved*k`` would keep
+    it: NaN * 0 is NaN). ``restore()`` copies everything back (a host that
+    already knows), one `torch._foreach_copy_` per group.
     """
 
     def __init__(self) -> None:
         self._flat: dict[Any, torch.Tensor] = {}
         self._groups: dict[Any, list[torch.Tensor]] = {}
+        # Per group: the shapes the flat buffer is laid out for, and its
+        # views in those shapes (a split costs more than the copy itself).
+        self._views: dict[Any, tuple[list[torch.Size], list[torch.Tensor]]] = {}
 
     @torch.no_grad()
     def take(self, tensors: list[torch.Tensor]) -> None:
-        self._groups = by_device_dtype([t.detach() for t in tensors])
+        self._groups = by_device_dtype(_detached(tensors))
         for key, group in self._groups.items():
-            n = sum(t.numel() for t in group)
-            old = self._flat.get(key)
-            if old is None or old.numel() != n:
-                old = self._flat.pop(key, None)
-                del old  # freed first: never two copies at once
-                self._flat[key] = torch.empty(n, dtype=key[1], device=key[0])
-            buf = self._flat[key]
-            torch.cat([t.reshape(-1) for t in group], out=buf)
+            torch._foreach_copy_(self._laid_out(key, group), group)
         for key in [k for k in self._flat if k not in self._groups]:
             del self._flat[key]  # a group no longer stepped keeps no copy
+            del self._views[key]
+
+    def _laid_out(self, key: Any, group: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of the flat buffer of `key` in the shapes of `group`; the
+        buffer is allocated again only when its size changes."""
+        shapes = [t.shape for t in group]
+        if key in self._views and self._views[key][0] == shapes:
+            return self._views[key][1]
+        n = sum(t.numel() for t in group)
+        self._views.pop(key, None)  # the views hold the old buffer too
+        old = self._flat.get(key)
+        if old is None or old.numel() != n:
+            old = self._flat.pop(key, None)
+            del old  # freed first: never two copies at once
+            self._flat[key] = torch.empty(n, dtype=key[1], device=key[0])
+        parts = self._flat[key].split([t.numel() for t in group])
+        self._views[key] = (
+            shapes,
+            [v.view(s) for v, s in zip(parts, shapes, strict=True)],
+        )
+        return self._views[key][1]
 
     def retarget(self, tensors: list[torch.Tensor]) -> bool:
         """Puts the copy back into `tensors` instead of the ones taken (a
         module that assigned new buffers); False (nothing changed) when
         their shapes or dtypes do not match those taken one for one."""
-        groups = by_device_dtype([t.detach() for t in tensors])
+        groups = by_device_dtype(_detached(tensors))
         shapes = {k: [t.shape for t in g] for k, g in groups.items()}
         if shapes != {k: [t.shape for t in g] for k, g in self._groups.items()}:
             return False
@@ -160,9 +175,7 @@ class DeviceSelect:
         return True
 
     def _saved(self, key: Any) -> list[torch.Tensor]:
-        group = self._groups[key]
-        parts = self._flat[key].split([t.numel() for t in group])
-        return [v.view(t.shape) for v, t in zip(parts, group, strict=True)]
+        return self._views[key][1]
 
     @torch.no_grad()
     def put_back(self, keep_old: torch.Tensor) -> None:
@@ -187,231 +200,15 @@ class DeviceSelect:
                 continue
             now = torch.cat([t.reshape(-1) for t in group])
             was = torch.isfinite(self._flat[key])
-            flags.append((was & ~torch.isfinite(now)).any().to(home_device(group)))
+            # A group's tensors share its device: key[0] is their home.
+            flags.append((was & ~torch.isfinite(now)).any().to(key[0]))
         return torch.stack(flags).any() if flags else None
 
 
-# An update whose every intermediate and step is below 2**100 in magnitude
-# cannot overflow a float32 parameter: p + d with |p| <= 3.4e38 and |d| <
-# 2**103 (half a unit in the last place of float32's largest binade) rounds
-# to at most float32's max. 8x of margin for the rounding of the bounds.
-_SAFE = 2.0**100
-_PROVABLE = {
-    torch.optim.SGD: "sgd",
-    torch.optim.Adam: "adam",
-    torch.optim.AdamW: "adam",
-}
-_MOMENTS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-
-def _number(x: Any, lo: float, hi: float) -> bool:
-    """A python number in [lo, hi] (a tensor hyper-parameter is not proved)."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and lo <= x <= hi
-
-
-def _sgd_rule(group: dict[str, Any], m: float):
-    lr, mu = group["lr"], group.get("momentum", 0)
-    damp = group.get("dampening", 0)
-    if group.get("weight_decay") != 0 or not (
-        _number(mu, 0.0, _SAFE) and _number(damp, -_SAFE, _SAFE)
-    ):
-        return None
-
-    def grow(a1: float, a2: float) -> tuple[float, float]:
-        # The first step's buffer is the gradient; |1 - d| <= 1 + |d|.
-        return (max(a1, mu * a1 + (1 + abs(damp)) * m) if mu else 0.0), 0.0
-
-    def fits(a1: float, a2: float) -> bool:
-        n1 = grow(a1, a2)[0]
-        return n1 <= _SAFE and lr * (m + n1) <= _SAFE  # Nesterov's g + mu * buf
-
-    return grow, fits
-
-
-def _adam_rule(group: dict[str, Any], m: float):
-    lr, eps, wd = group["lr"], group.get("eps"), group.get("weight_decay")
-    b1, b2 = (*group.get("betas", ()), None, None)[:2]
-    if group.get("capturable") or not (
-        _number(b1, 0.0, 1 - 1e-6)
-        and _number(b2, 0.0, 1 - 1e-6)
-        and _number(eps, 2.0**-100, _SAFE)
-        and m <= 2.0**50
-    ):
-        return None
-    decoupled = group.get("decoupled_weight_decay", False)
-    if not (wd == 0 or (decoupled and _number(lr * wd, 0.0, 1.0))):
-        return None
-
-    def grow(a1: float, a2: float) -> tuple[float, float]:
-        return max(a1, m) * 1.001, max(a2, m * m) * 1.001  # convex blends
-
-    def fits(a1: float, a2: float) -> bool:
-        n1, n2 = grow(a1, a2)
-        step = lr * n1 / ((1.0 - b1) * eps)  # lr / (1 - b1**t) * m1 / eps
-        return max(step, n1 / eps, n2 / (1.0 - b2)) <= _SAFE
-
-    return grow, fits
-
-
-def _rule(kind: str, group: dict[str, Any], m: float):
-    """``(grow, fits)`` of one parameter group under a bound `m` on every
-    |gradient| entry: ``grow(a1, a2)`` bounds the state after the step from
-    bounds before it, ``fits(a1, a2)`` says every value the step computes
-    stays below `_SAFE`; None where nothing is proved (see `UpdateBound`)."""
-    if not _number(group.get("lr"), 0.0, _SAFE) or group.get("differentiable"):
-        return None
-    return (_sgd_rule if kind == "sgd" else _adam_rule)(group, m)
-
-
-class UpdateBound:
-    """Proves on the host, per step, that an undo copy cannot be needed.
-
-    The step takes no copy (and makes no update check) where ALL of these
-    hold; anywhere else it copies and checks as before:
-
-    - the optimizer is exactly `torch.optim.SGD`, `Adam` or `AdamW` (a
-      subclass may change `step`); every parameter with a gradient, the
-      gradient and every tensor of its state are dense float32 or float64;
-      the hyper-parameters are python numbers (a tensor lr is not read),
-      finite, ``differentiable`` and ``capturable`` off;
-    - every gradient entry is at most ``m``: the clip's ``max_norm`` (a
-      clipped gradient's norm is at most it; a non-finite gradient skips
-      the step anyway), or on the host path ``min(norm, max_norm)`` with
-      the norm read in the same transfer as the flag;
-    - SGD: ``weight_decay == 0`` (an L2 term ``wd * p`` is as large as the
-      parameter, which is not read), momentum >= 0: the buffer's bound
-      grows as ``a' = momentum * a + (1 + |dampening|) * m`` (the first
-      buffer is the gradient) and the step is at most ``lr * (m + a')``
-      (Nesterov's ``g + momentum * buf`` included);
-    - Adam/AdamW: ``eps > 0``, betas in [0, 1), ``m <= 2**50`` (``g**2`` and
-      the second moment stay far below float32's max), weight decay 0 or
-      decoupled with ``0 <= lr * wd <= 1`` (``p * (1 - lr * wd)`` does not
-      grow): the moments are convex blends, ``|m1| <= max(a1, m)``, ``v <=
-      max(a2, m**2)``; the step ``lr / (1 - b1**t) * m1 / (sqrt(v_hat) +
-      eps)`` is at most ``lr * a1 / ((1 - b1) * eps)`` and ``v_hat <= a2 /
-      (1 - b2)``. float16/bfloat16 state is never proved: there ``eps =
-      1e-8`` is 0 and ``(1 - b2) * g**2`` underflows, the ``m / 0`` case;
-    - every bound, the step and each intermediate stay below 2**100: then
-      ``p + step`` rounds to at most float32's max (a step below half an
-      ulp of 3.4e38 cannot carry a finite parameter past it), so a finite
-      parameter stays finite.
-
-    The bounds ``(a1, a2)`` of each parameter's state are kept from the
-    step that created it, with its tensors' version counters: a state
-    written by anything else (``load_state_dict``, user code) is read once
-    (its largest magnitudes, one transfer) and bounded from there.
-    """
-
-    def __init__(self) -> None:
-        self._known: dict[int, tuple[tuple, float, float]] = {}
-        self._pre: dict[int, tuple[tuple[float, float], Any]] = {}
-
-    def proven(self, optimizer, params: list, m: float | None) -> bool:
-        """Whether this step cannot write a non-finite value (see above)."""
-        self._pre = {}
-        kind = _PROVABLE.get(type(optimizer))
-        if kind is None or m is None or not 0.0 <= m <= 2.0**50:
-            return False
-        if not _dense_wide(optimizer, params):
-            return False
-        owner = {}
-        for g in optimizer.param_groups:
-            rule = _rule(kind, g, m)
-            owner.update((id(p), rule) for p in g["params"])
-        # Only a state a rule could prove is worth a read.
-        self._learn(optimizer, [p for p in params if owner[id(p)] is not None])
-        ok = True
-        for p in params:
-            rule, a = owner[id(p)], self._bounds(optimizer, p)
-            if rule is None or a is None:
-                ok = False
-                continue
-            self._pre[id(p)] = (a, rule[0])
-            ok = ok and rule[1](*a)
-        return ok
-
-    def record(self, optimizer, params: list) -> None:
-        """After the step `proven` looked at: each state's bounds grown by
-        it (an upper bound whether it was applied or selected back), or
-        forgotten where nothing was proved."""
-        for p in params:
-            pre, state = self._pre.get(id(p)), optimizer.state.get(p)
-            if pre is None or not state:
-                self._known.pop(id(p), None)
-                continue
-            a, grow = pre
-            self._known[id(p)] = (_versions(state), *grow(*a))
-        self._pre = {}
-
-    def _bounds(self, optimizer, p) -> tuple[float, float] | None:
-        state = optimizer.state.get(p)
-        if not state:
-            return (0.0, 0.0)
-        known = self._known.get(id(p))
-        if known is None or not _unchanged(known[0], state):
-            return None
-        return known[1:]
-
-    def _learn(self, optimizer, params: list) -> None:
-        """State written outside this guard: its largest magnitudes, read
-        in one transfer, become its bounds (inf for a non-finite one)."""
-        unknown = [
-            p
-            for p in params
-            if optimizer.state.get(p) and self._bounds(optimizer, p) is None
-        ]
-        if not unknown:
-            return
-        found = [
-            (p, k, optimizer.state[p][k])
-            for p in unknown
-            for k in _MOMENTS
-            if isinstance(optimizer.state[p].get(k), torch.Tensor)
-        ]
-        values = to_host([t.detach().abs().amax().double() for _, _, t in found])
-        bounds = {id(p): [0.0, 0.0] for p in unknown}
-        for (p, k, _), v in zip(found, values, strict=True):
-            i = 1 if k.endswith("sq") else 0
-            v = v if math.isfinite(v) else math.inf
-            bounds[id(p)][i] = max(bounds[id(p)][i], v * 1.001)
-        for p in unknown:
-            self._known[id(p)] = (_versions(optimizer.state[p]), *bounds[id(p)])
-
-
-def _dense_wide(optimizer, params: list) -> bool:
-    """Every parameter, gradient and state tensor dense float32/float64."""
-    wide = (torch.float32, torch.float64)
-    return all(
-        t.dtype in wide and not t.is_sparse
-        for p in params
-        for t in [p, p.grad, *_state_tensors(optimizer, p)]
-    )
-
-
-def _state_tensors(optimizer, p) -> list[torch.Tensor]:
-    return [
-        v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)
-    ]
-
-
-def _versions(state: dict[str, Any]) -> tuple:
-    """Which tensors a state holds (weak references: a tensor loaded in
-    place of a freed one may reuse its id) and how often each was written."""
-    return tuple(
-        (k, weakref.ref(v), v._version)
-        for k, v in state.items()
-        if isinstance(v, torch.Tensor)
-    )
-
-
-def _unchanged(recorded: tuple, state: dict[str, Any]) -> bool:
-    """Whether `state` holds the very tensors `_versions` recorded, unwritten
-    since."""
-    now = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
-    return len(now) == len(recorded) and all(
-        k == rk and ref() is v and v._version == version
-        for (k, v), (rk, ref, version) in zip(now, recorded, strict=True)
-    )
+def _detached(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, detached where they require a gradient (a buffer needs
+    no new tensor object a step)."""
+    return [t.detach() if t.requires_grad else t for t in tensors]
 
 
 def _foreach_copy_by_device(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

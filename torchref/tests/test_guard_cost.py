@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchref import transforms as tr
-from torchref._src import clipping, guard, guard_step, update_check
+from torchref._src import clipping, guard, guard_step, update_bound, update_check
 from torchref.train import TrainStep
 
 
@@ -173,7 +173,7 @@ def test_a_proved_update_takes_no_copy(monkeypatch):
 
 
 def _bound(opt, params, m):
-    return update_check.UpdateBound().proven(opt, params, m)
+    return update_bound.UpdateBound().proven(opt, params, m)
 
 
 def _adam_step(**kw):
@@ -216,7 +216,7 @@ def test_update_bound_reads_a_loaded_state_once_and_bounds_it():
     # moments are bounded from their values, huge ones are not proved.
     opt, params = _adam_step(lr=1e-3)
     opt.step()
-    bound = update_check.UpdateBound()
+    bound = update_bound.UpdateBound()
     assert bound.proven(opt, params, 1.0)
     bound.record(opt, params)
     assert bound.proven(opt, params, 1.0)  # known now, nothing read
@@ -358,7 +358,7 @@ def test_device_path_reads_nothing_and_a_loaded_state_once(monkeypatch):
         reads.append(len(values))
         return real(values)
 
-    for module in (clipping, update_check, guard_step, guard):
+    for module in (clipping, update_bound, guard_step, guard):
         monkeypatch.setattr(module, "to_host", counting)
     monkeypatch.setattr(step_impl, "to_host", counting)
     x, y = torch.ones(2, 3), torch.zeros(2, 1)
