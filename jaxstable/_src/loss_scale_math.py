@@ -210,6 +210,8 @@ def unscale_tree(tree: Any, scale: Any) -> Any:
     # x * (inv * after), that is x times the subnormal 2**-127 = 0 (seen with
     # jax.jit(loss_scale.unscale)); the barrier keeps the two products.
     inv, after = jax.lax.optimization_barrier((inv, after))
+    # Once per step: fused, the division ran again for every element.
+    inv, after = computed_once((inv, after))
     return jax.tree_util.tree_map(lambda x: scale_leaf(x, inv, after), tree)
 
 
@@ -232,6 +234,29 @@ def opaque(x: Any) -> Any:
     clipped gradient of 2.5e38 came out 0 instead of 1).
     """
     return jax.lax.optimization_barrier(x)
+
+
+def computed_once(x: Any) -> Any:
+    """The float32 scalars of `x`, each computed once per step, not per element.
+
+    XLA fuses a scalar made of cheap operations (compares, selects, shifts)
+    into every elementwise kernel that reads it, where XLA:CPU evaluates it
+    again for each element (its inputs are loads the kernel cannot hoist):
+    the unscale factor's 24-step division ran inside every gradient, Adam
+    moment and parameter kernel (the small GPT-2 benchmark's embedding norm
+    kernel took 7x its time).
+    An integer division by a divisor XLA cannot prove constant is expensive
+    in its cost model, so it is never duplicated into several consumers: it
+    runs once and its result is read. ``bits // ((bits >> 31) | 1)`` is
+    ``bits // 1``, the same bits for every value (NaN and inf included).
+    """
+
+    def once(v: Any) -> Any:
+        bits = jax.lax.bitcast_convert_type(jnp.asarray(v, jnp.float32), jnp.uint32)
+        one = (bits >> 31) | jnp.uint32(1)
+        return jax.lax.bitcast_convert_type(bits // one, jnp.float32)
+
+    return jax.tree_util.tree_map(once, x)
 
 
 def _add_pairs(a: Any, b: Any) -> tuple[jax.Array, jax.Array]:
