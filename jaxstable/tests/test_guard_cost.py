@@ -115,10 +115,12 @@ def test_one_fused_reduction_per_gradient_and_per_written_shape(compiled):
     # scaled sum), and the update check is one (sum, max) reduction per
     # shape written, w1 and w2 (each shared by the new params and Adam's two
     # moments; b1's 1-D values are summed directly). Each keeps its leading
-    # axis: 32 and 64 rows, summed by one-operand reductions afterwards.
+    # axis: 32 and 64 rows, summed by one-operand reductions afterwards; the
+    # gradients' rows as 4 partial sums each (`loss_scale_math.lane_rows`:
+    # XLA:CPU vectorises that loop across them).
     text = compiled["guarded"].as_text()
-    two = re.findall(r"= \(f32\[(\d+)\]\S*, f32\[\d+\]\S*\) reduce\(", text)
-    assert sorted(two, key=int) == ["32", "32", "64", "64"]
+    pair = r"= \(f32\[(\d+(?:,\d+)?)\]\S*, f32\[[\d,]+\]\S*\) reduce\("
+    assert sorted(re.findall(pair, text)) == ["32", "32,4", "64", "64,4"]
     # is_finite only ever tests a reduced scalar, never an array.
     assert not re.search(r"= pred\[\d[\d,]*\]\S* is-finite\(", text)
 
