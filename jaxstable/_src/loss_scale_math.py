@@ -240,11 +240,10 @@ def computed_once(x: Any) -> Any:
     """The float32 scalars of `x`, each computed once per step, not per element.
 
     XLA fuses a scalar made of cheap operations (compares, selects, shifts)
-    into every elementwise kernel that reads it, where XLA:CPU evaluates it
-    again for each element (its inputs are loads the kernel cannot hoist):
-    the unscale factor's 24-step division ran inside every gradient, Adam
-    moment and parameter kernel (the small GPT-2 benchmark's embedding norm
-    kernel took 7x its time).
+    into every elementwise kernel that reads it, and XLA:CPU evaluates it
+    again for each element: the unscale factor's 24-step division ran
+    inside every gradient, Adam moment and parameter kernel (the small GPT-2
+    benchmark's embedding norm kernel took 7x its time).
     An integer division by a divisor XLA cannot prove constant is expensive
     in its cost model, so it is never duplicated into several consumers: it
     runs once and its result is read. ``bits // ((bits >> 31) | 1)`` is
