@@ -15,7 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstable._src.loss_scale_math import NORM_SCALE, opaque, sums_of_squares
+from jaxstable._src.loss_scale_math import (
+    NORM_SCALE,
+    computed_once,
+    opaque,
+    sums_of_squares,
+)
 
 __all__ = ["clip_by_global_norm", "global_norm"]
 
@@ -201,7 +206,10 @@ def _clip_factors(
     element, with two multiplies instead of three and two selects (the
     update check and each written leaf recompute the clipped gradient).
     `opaque` keeps XLA from folding the two factors into one, which is
-    subnormal, so flushed to 0, for a norm above 8.5e37.
+    subnormal, so flushed to 0, for a norm above 8.5e37, and
+    `computed_once` makes each factor once per step (fused, the selects that
+    choose them ran again for every element of every gradient, moment and
+    parameter).
     """
     one = jnp.ones([], jnp.float32)
     unclipped = scaled_coef >= jnp.float32(_NORM_UNSCALE)
@@ -210,4 +218,4 @@ def _clip_factors(
         overflow, jnp.where(unclipped, one, jnp.float32(NORM_SCALE)), norm_coef
     )
     second = jnp.where(scaled, scaled_coef, one)
-    return opaque((first, second))
+    return computed_once(opaque((first, second)))
