@@ -173,6 +173,7 @@ class _Shared(torch.nn.Module):
         self.register_buffer("none", None)
         self.register_buffer("mask", torch.ones(2))
         self.b[1].register_buffer("alias", self.mask)  # the same tensor twice
+        self.register_module("gone", None)  # an emptied submodule slot
 
 
 class _OwnBuffers(torch.nn.Module):
