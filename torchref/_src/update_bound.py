@@ -2,8 +2,8 @@
 
 `UpdateBound` proves, where it can, that the guards need no undo copy
 (`update_check`) for this step: the update rules of SGD, Adam and AdamW
-under a bound on the gradients, with bounds on the optimizer state kept
-from step to step.
+(`update_bound_rules`) under a bound on the gradients, with bounds on the
+optimizer state kept from step to step.
 """
 
 from __future__ import annotations
@@ -17,80 +17,13 @@ from typing import Any, NamedTuple
 import torch
 
 from torchref._src.clipping import to_host
+from torchref._src.update_bound_rules import PROVABLE
+from torchref._src.update_bound_rules import rule as group_rule
 
 __all__ = ["UpdateBound"]
 
 
-# An update whose every intermediate and step is below 2**100 in magnitude
-# cannot overflow a float32 parameter: p + d with |p| <= 3.4e38 and |d| <
-# 2**103 (half a unit in the last place of float32's largest binade) rounds
-# to at most float32's max. 8x of margin for the rounding of the bounds.
-_SAFE = 2.0**100
-_PROVABLE = {
-    torch.optim.SGD: "sgd",
-    torch.optim.Adam: "adam",
-    torch.optim.AdamW: "adam",
-}
 _MOMENTS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-
-def _number(x: Any, lo: float, hi: float) -> bool:
-    """A python number in [lo, hi] (a tensor hyper-parameter is not proved)."""
-    return isinstance(x, int | float) and not isinstance(x, bool) and lo <= x <= hi
-
-
-def _sgd_rule(group: dict[str, Any], m: float):
-    lr, mu = group["lr"], group.get("momentum", 0)
-    damp = group.get("dampening", 0)
-    if group.get("weight_decay") != 0 or not (
-        _number(mu, 0.0, _SAFE) and _number(damp, -_SAFE, _SAFE)
-    ):
-        return None
-
-    def grow(a1: float, a2: float) -> tuple[float, float]:
-        # The first step's buffer is the gradient; |1 - d| <= 1 + |d|.
-        return (max(a1, mu * a1 + (1 + abs(damp)) * m) if mu else 0.0), 0.0
-
-    def fits(a1: float, a2: float) -> bool:
-        n1 = grow(a1, a2)[0]
-        return n1 <= _SAFE and lr * (m + n1) <= _SAFE  # Nesterov's g + mu * buf
-
-    return grow, fits
-
-
-def _adam_rule(group: dict[str, Any], m: float):
-    lr, eps, wd = group["lr"], group.get("eps"), group.get("weight_decay")
-    b1, b2 = (*group.get("betas", ()), None, None)[:2]
-    if group.get("capturable") or not (
-        _number(b1, 0.0, 1 - 1e-6)
-        and _number(b2, 0.0, 1 - 1e-6)
-        and _number(eps, 2.0**-100, _SAFE)
-        and m <= 2.0**50
-    ):
-        return None
-    decoupled = group.get("decoupled_weight_decay", False)
-    if not (wd == 0 or (decoupled and _number(lr * wd, 0.0, 1.0))):
-        return None
-
-    def grow(a1: float, a2: float) -> tuple[float, float]:
-        return max(a1, m) * 1.001, max(a2, m * m) * 1.001  # convex blends
-
-    def fits(a1: float, a2: float) -> bool:
-        n1, n2 = grow(a1, a2)
-        step = lr * n1 / ((1.0 - b1) * eps)  # lr / (1 - b1**t) * m1 / eps
-        return max(step, n1 / eps, n2 / (1.0 - b2)) <= _SAFE
-
-    return grow, fits
-
-
-def _rule(kind: str, group: dict[str, Any], m: float):
-    """``(grow, fits)`` of one parameter group under a bound `m` on every
-    |gradient| entry: ``grow(a1, a2)`` bounds the state after the step from
-    bounds before it, ``fits(a1, a2)`` says every value the step computes
-    stays below `_SAFE`; None where nothing is proved (see `UpdateBound`)."""
-    if not _number(group.get("lr"), 0.0, _SAFE) or group.get("differentiable"):
-        return None
-    return (_sgd_rule if kind == "sgd" else _adam_rule)(group, m)
 
 
 class UpdateBound:
@@ -148,13 +81,13 @@ class UpdateBound:
         dtype (``p.data = ...`` changes one in place), every rule and
         every state's tensors are looked at again, in one pass."""
         self._pre = {}
-        kind = _PROVABLE.get(type(optimizer))
+        kind = PROVABLE.get(type(optimizer))
         if kind is None or m is None or not 0.0 <= m <= 2.0**50:
             self._unflatten()
             return False
         rule_of: dict[int, Any] = {}
         for g in optimizer.param_groups:
-            rule_of.update(dict.fromkeys(map(id, g["params"]), _rule(kind, g, m)))
+            rule_of.update(dict.fromkeys(map(id, g["params"]), group_rule(kind, g, m)))
         fast = self._proven_flat(optimizer.state, params, rule_of)
         if fast is not None:
             return fast

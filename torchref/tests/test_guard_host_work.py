@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchref import transforms as tr
-from torchref._src import guard_step, update_bound, update_check
+from torchref._src import guard_step, update_bound, update_bound_rules, update_check
 from torchref._src.step_state import module_buffers
 
 
@@ -147,13 +147,13 @@ def test_each_distinct_rule_and_bound_is_evaluated_once(monkeypatch):
     # 40 parameters of one group share their bounds: one `fits` a step, not
     # one per parameter (the host work that grew with the leaf count).
     calls = []
-    real = update_bound._adam_rule
+    real = update_bound_rules._adam_rule
 
     def counting(group, m):
         grow, fits = real(group, m)
         return grow, lambda *a: calls.append(a) or fits(*a)
 
-    monkeypatch.setattr(update_bound, "_adam_rule", counting)
+    monkeypatch.setattr(update_bound_rules, "_adam_rule", counting)
     opt, params, bound = _proved_adam(n=40)
     calls.clear()
     assert bound.proven(opt, params, 1.0)
