@@ -506,8 +506,9 @@ def skip_non_finite(
         decide_on: ``"auto"`` (default), ``"device"`` (no host sync) or
             ``"host"`` (one sync, no copy where the update is proved
             finite); ``"auto"`` is ``"device"`` for an optimizer that
-            takes ``found_inf`` (fused), else ``"host"``. Also an
-            attribute (``opt.decide_on``).
+            takes ``found_inf`` (fused) off the CPU, else ``"host"`` (on
+            the CPU a read is no transfer). Also an attribute
+            (``opt.decide_on``).
 
     Returns:
         A `SkipNonFinite` wrapper.

@@ -219,9 +219,10 @@ class TrainStep(DeferredRecords, StepStateDict):
         decide_on: ``"auto"`` (default), ``"device"`` or ``"host"``: where
             the skip is decided (see 6); ``"auto"`` is ``"device"`` for an
             optimizer that takes GradScaler's ``found_inf`` (fused: it
-            skips in its kernel, no copy, no sync), else ``"host"`` (one
-            read per step, as GradScaler.step; no copy where the update is
-            proved finite). ``"device"`` keeps a non-fused optimizer free
+            skips in its kernel, no copy, no sync) off the CPU, else
+            ``"host"`` (one read per step, as GradScaler.step, which on
+            the CPU is no transfer; no copy where the update is proved
+            finite). ``"device"`` keeps a non-fused optimizer free
             of host syncs at the price of one copy. Also an attribute
             (``step.decide_on``).
 

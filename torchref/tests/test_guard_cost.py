@@ -455,14 +455,18 @@ def test_host_path_still_undoes_a_non_finite_update(dtype, make, grad):
 
 
 def test_auto_decides_on_the_device_for_a_fused_optimizer_else_on_the_host():
-    # "auto": a fused optimizer takes GradScaler's found_inf and skips in
-    # its kernel (no copy, no read); any other reads the flag once per step,
-    # as GradScaler.step does, which on the CPU costs no transfer and saves
-    # the copy and select of the device path (bench_guard_paths.py).
+    # "auto": on an accelerator a fused optimizer takes GradScaler's
+    # found_inf and skips in its kernel (no copy, no read); any other reads
+    # the flag once per step, as GradScaler.step does. On the CPU a read is
+    # no transfer, and every optimizer, fused too, takes the host path (no
+    # copy, no select, no float64 pass: bench_guard_paths.py, bench_models.py).
     w = torch.nn.Parameter(torch.ones(3))
     fused = tr.skip_non_finite(torch.optim.Adam([w], lr=0.1, fused=True))
     plain = tr.skip_non_finite(torch.optim.Adam([w], lr=0.1))
-    assert not fused._guarded.on_host(fused.optimizer)
+    assert fused._guarded.on_host(fused.optimizer)  # on the CPU
+    meta = torch.nn.Parameter(torch.ones(3, device="meta"))
+    fused_meta = torch.optim.Adam([meta], lr=0.1, fused=True)
+    assert not fused._guarded.on_host(fused_meta)  # off the CPU: in its kernel
     assert plain._guarded.on_host(plain.optimizer)
     plain.decide_on = "device"
     assert not plain._guarded.on_host(plain.optimizer)
