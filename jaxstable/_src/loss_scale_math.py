@@ -284,39 +284,6 @@ def leading_rows(values: tuple, reducer: Any) -> tuple:
     return jax.lax.reduce(values, zeros, reducer, tuple(range(1, values[0].ndim)))
 
 
-# The partial results per row of `lane_rows`: vector widths of float32 on
-# XLA:CPU (AVX's 8, SSE's 4), each taken only for rows of at least 16 times
-# as many elements, so the partial results add at most 1/16 of a leaf to the
-# bytes written (and read back by `row_total`).
-LANES = (8, 4)
-
-
-def lane_rows(values: tuple, reducer: Any) -> tuple:
-    """`leading_rows`, with each row reduced to a few partial results.
-
-    A row of ``size`` elements, a multiple of ``lanes`` (one of `LANES`, the
-    widest with ``size >= 16 * lanes``), is reduced as ``[rows, size / lanes,
-    lanes]`` over its middle axis: XLA:CPU's loop over a multi-operand
-    reduce is scalar when it reduces the minor axis (every output element
-    has its own accumulator) and vectorised across the ``lanes`` minor
-    elements here (the norm and finiteness of the small GPT-2 benchmark's
-    148 gradients: 333 us against 906 us, where optax's norm alone takes
-    about 450 us). The leading axis stays whole (see `leading_rows`) and the
-    partial results are flat rows for `row_total`. Other rows are reduced as
-    in `leading_rows`.
-    """
-    first = values[0]
-    size = int(np.prod(first.shape[1:])) if first.ndim > 1 else 0
-    lanes = next((k for k in LANES if size % k == 0 and size >= 16 * k), None)
-    if lanes is None:
-        return leading_rows(values, reducer)
-    shape = (first.shape[0], size // lanes, lanes)
-    zeros = tuple(jnp.zeros([], v.dtype) for v in values)
-    shaped = tuple(v.reshape(shape) for v in values)
-    reduced = jax.lax.reduce(shaped, zeros, reducer, (1,))
-    return tuple(r.reshape(-1) for r in reduced)
-
-
 def row_total(rows: list[jax.Array]) -> jax.Array:
     """The sum of every element of ``rows`` (1-D arrays): rows of one length
     are added first, then each length is summed once."""
@@ -344,10 +311,10 @@ def _squares(x: Any) -> tuple[jax.Array, jax.Array]:
 
 def sums_of_squares(leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
     """``(sum |x|**2, sum |x * 2**-90|**2)`` over all of ``leaves`` (inexact
-    arrays, at least one), reading each leaf once (`lane_rows`).
+    arrays, at least one), reading each leaf once (`leading_rows`).
     `all_finite`, `transforms.global_norm` and the clip all build this same
     computation on the gradients, so XLA keeps one."""
-    rows = [lane_rows(_squares(x), _add_pairs) for x in leaves]
+    rows = [leading_rows(_squares(x), _add_pairs) for x in leaves]
     return row_total([p for p, _ in rows]), row_total([q for _, q in rows])
 
 

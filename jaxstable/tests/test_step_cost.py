@@ -85,13 +85,3 @@ def test_no_scalar_factor_is_recomputed_per_element(loss_scale):
     # The unscale factor (DynamicLossScale) and the clip's two factors are
     # computed once per step and read by the kernels.
     assert scalar_choices_in_array_kernels(_compiled_text(loss_scale)) == 0
-
-
-def test_the_gradient_norm_reduces_rows_to_vector_lanes():
-    # One two-operand reduction per 2-D gradient (its squares and its scaled
-    # squares), each row of 64 reduced to 4 partial sums: XLA:CPU's loop is
-    # vectorised across them, where reducing a row to one value is scalar
-    # (3x the time on the small GPT-2 benchmark's gradients).
-    text = _compiled_text(None)
-    pair = r"= \((f32\[[\d,]*\])\S*, f32\[[\d,]*\]\S*\) reduce\("
-    assert sorted(re.findall(pair, text)) == ["f32[32,4]", "f32[64,4]"]
