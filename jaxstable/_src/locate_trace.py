@@ -43,19 +43,10 @@ from jaxstable._src.locate_origins import (
     would_be,
 )
 from jaxstable._src.locate_scopes import MARK, module_scopes
+from jaxstable._src.update_bound_rules import CALL_PRIMITIVES
 
 # Higher-order primitives whose body is evaluated op by op (recursively).
-_CALLS = {
-    "pjit",
-    "jit",
-    "closed_call",
-    "core_call",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    "remat",
-    "checkpoint",
-}
+_CALLS = CALL_PRIMITIVES
 # Control flow: evaluated at once while its values are finite, op by op in
 # its body otherwise (so the op inside the body is named).
 _BODIES = {"cond", "while", "scan"}

@@ -26,6 +26,7 @@ import optax
 from jax.extend import core
 
 from jaxstable._src.update_bound_rules import (
+    CALL_PRIMITIVES,
     Unprovable,
     Val,
     const_val,
@@ -44,19 +45,6 @@ _ROUNDS = 64
 # Transformations whose state a user writes between steps (a learning rate
 # set by hand): a bound proved from ``init`` says nothing about those values.
 _WRITTEN_OUTSIDE = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-# Calls whose body is inlined (control flow is not: `lax.cond` or a loop
-# in an update makes it unprovable).
-_CALLS = {
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    "remat",
-    "checkpoint",
-}
 
 
 @dataclasses.dataclass
@@ -103,7 +91,7 @@ class _Program:
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
             sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if name in _CALLS and sub is not None:
+            if name in CALL_PRIMITIVES and sub is not None:
                 body, body_consts = (
                     getattr(sub, "jaxpr", sub),
                     getattr(sub, "consts", []),

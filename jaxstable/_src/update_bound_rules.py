@@ -18,8 +18,32 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Unprovable", "Val", "const_val", "primitive_rule", "refine", "union"]
+__all__ = [
+    "CALL_PRIMITIVES",
+    "Unprovable",
+    "Val",
+    "const_val",
+    "primitive_rule",
+    "refine",
+    "union",
+]
 
+# Higher-order primitives that call one body, which a reader of the jaxpr
+# inlines (control flow is not among them: `lax.cond` or a loop in an
+# update makes it unprovable; `locate` evaluates those separately).
+CALL_PRIMITIVES = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat",
+        "checkpoint",
+    }
+)
 # Every bound a proof accepts stays below this (float32's max is ~2**128): a
 # parameter ``p`` written as ``c * p + d`` with ``|c| <= 1`` and ``|d| <=
 # 2**100`` stays finite (see `UpdateBound`).
