@@ -73,9 +73,11 @@ CUDA `torch.cuda.max_memory_allocated`); JAX, the compiled step's
 `memory_analysis()` (arguments + outputs + temporaries, no donation) and
 XLA's cost analysis ("bytes accessed").
 
-The committed full run took 38 minutes at a load average of 10 from other
-jobs on 2 cores (71% of it XLA compiling the JAX steps); the torch rows
-alone (``--only torch``) about 10 minutes there.
+The committed rows come from two runs, ``--only jax --rounds 21`` and
+``--only torch --rounds 21`` (about 5 and 3 minutes on a quiet 2-core
+machine): in one process that interleaved both frameworks, the torch steps
+between the JAX ones made the JAX guarded step 1.17x optax's on the U-Net
+at batch 16, against 1.01x in a process of its own.
 
 Run: python benchmarks/bench_models.py   (writes benchmarks/results/)
      python benchmarks/bench_models.py --only torch   (torch rows only; the
@@ -754,15 +756,14 @@ def merge_previous(payload: dict, path: Path, only: str) -> None:
     old = json.loads(path.read_text())
     if "real_shape_cost" in old:
         payload.setdefault("real_shape_cost", old["real_shape_cost"])
-    # Models this run did not measure keep their rows from the last one.
-    measured = set(payload["models"])
-    kept = [r for r in old["rows"] if r["model"] not in measured]
+    # The (model, batch) rows this run has not measured (yet: the results
+    # are written after every row) keep theirs from the last one.
+    measured = {(r["model"], r["batch"]) for r in payload["rows"]}
+    kept = [r for r in old["rows"] if (r["model"], r["batch"]) not in measured]
     if kept:
         for name in dict.fromkeys(r["model"] for r in kept):
-            payload["models"][name] = old["models"][name]
-        payload["rows"] = [
-            r for r in old["rows"] if r["model"] not in measured
-        ] + payload["rows"]
+            payload["models"].setdefault(name, old["models"][name])
+        payload["rows"] = kept + payload["rows"]
         payload["rows"].sort(key=lambda r: (list(SHAPES).index(r["model"]), r["batch"]))
         payload["device"]["kept_from_earlier_run"] = {
             "models": sorted({r["model"] for r in kept}),

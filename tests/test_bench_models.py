@@ -28,3 +28,43 @@ def test_bench_models_quick_writes_torch_ratios_and_peak_memory(tmp_path):
     assert row["ratios"]["torch"]["adamw_foreach"]["time"] > 0
     md = (tmp_path / "bench_models_cpu_quick.md").read_text()
     assert "one machine" in md and "| vit_small | 2 | adamw_foreach |" in md
+
+
+def test_a_run_of_one_framework_keeps_the_other_frameworks_rows(tmp_path):
+    # The results are written after every row (a GPU lease may stop a
+    # run): a model's batches not measured yet, and the other framework's
+    # numbers of those measured, stay as the last run left them.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_models
+    finally:
+        sys.path.pop(0)
+
+    def row(batch, fw):
+        other = "torch" if fw == "jax" else "jax"
+        return {
+            "model": "resnet18",
+            "batch": batch,
+            fw: {"v": fw},
+            other: {},
+            "ratios": {fw: {"adamw": fw}, other: {}},
+            "measured": {fw: "then"},
+        }
+
+    old = {
+        "device": {"date": "then"},
+        "models": {"resnet18": {"params": 1}},
+        "rows": [row(2, "jax"), row(16, "jax")],
+    }
+    path = tmp_path / "bench_models_cpu.json"
+    path.write_text(json.dumps(old))
+    new = {
+        "device": {},
+        "models": {"resnet18": {"params": 1}},
+        "rows": [row(2, "torch")],
+    }
+    bench_models.merge_previous(new, path, "torch")
+    got = {r["batch"]: r for r in new["rows"]}
+    assert sorted(got) == [2, 16]  # batch 16 not measured yet: kept
+    assert got[2]["jax"] == {"v": "jax"} and got[2]["torch"] == {"v": "torch"}
+    assert got[16]["jax"] == {"v": "jax"}
