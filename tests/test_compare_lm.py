@@ -28,9 +28,12 @@ from examples.lm import (
 )
 from examples.lm.task import TASK
 
-# end-to-end runs: queued first, compiled with fewer XLA optimisations
-# (conftest.py); the runs fail at the same steps from the same causes
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fewer_xla_optimizations")]
+# end-to-end runs: queued first. Compiled with XLA's usual optimisations,
+# as users run them: with fewer (conftest.py's fewer_xla_optimizations)
+# the float32 stable JAX run's last bits differ once the proved update
+# check leaves its pass out, and its trajectory meets a loss spike at step
+# 34 (5.6 against ~3.1) that the spike guard skips; at -O2 it meets none.
+pytestmark = [pytest.mark.slow]
 
 QUICK = TASK.get_config(**TASK.quick)
 
