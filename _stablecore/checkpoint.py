@@ -6,6 +6,7 @@ under."""
 
 from __future__ import annotations
 
+import abc
 import itertools
 import os
 import threading
@@ -91,7 +92,7 @@ def fsync_tree(root: str) -> None:
     fsync_dir(os.path.dirname(root))
 
 
-class ManagerBase:
+class ManagerBase(abc.ABC):
     """What both frameworks' ``CheckpointManager`` share: the settings
     (checked), the latest and the best step over the subclass's ``steps()``
     and ``score(step)`` (a float, or None when the checkpoint has no such
@@ -126,14 +127,17 @@ class ManagerBase:
         self.best_mode = best_mode
         self.async_save = bool(async_save)
 
+    @abc.abstractmethod
     def steps(self) -> list[int]:
-        raise NotImplementedError
+        """Each framework's own (see the class docstring)."""
 
+    @abc.abstractmethod
     def score(self, step: int) -> float | None:
-        raise NotImplementedError
+        """Each framework's own (see the class docstring)."""
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Each framework's own (see the class docstring)."""
 
     def latest_step(self) -> int | None:
         """The highest global step on disk, or None."""
