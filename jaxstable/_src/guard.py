@@ -33,7 +33,7 @@ def skip_non_finite(
     *,
     max_consecutive: int | None = None,
     check_update: bool = True,
-    _proven: Callable[[Any, Any, Any], bool] | None = None,
+    _proven: Callable[..., bool] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so that no non-finite value is ever written by an update.
 

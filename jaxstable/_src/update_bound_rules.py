@@ -266,7 +266,9 @@ def _compare(op: str):
 
 def _reduce_sum(x: Val, dtype=None, *, size: int) -> Val:
     lo, hi = _free(x)
-    return Val(b=(lo * size, hi * size), kind=x.kind)
+    if x.kind != "f":  # an integer sum past its dtype wraps
+        return _int_result("i", (lo * size, hi * size), dtype)
+    return Val(b=(lo * size, hi * size))
 
 
 def _dot(x: Val, y: Val, dtype=None, *, size: int) -> Val:
@@ -280,7 +282,12 @@ def _clamp(lo: Val, x: Val, hi: Val, dtype=None) -> Val:
 
 
 def _logic(x: Val, y: Val, dtype=None) -> Val:
-    return Val(b=(0, 1) if x.kind == "b" else _hull(x.b, y.b), kind=x.kind)
+    """Boolean and/or: 0 or 1. Bitwise on integers: any value of the dtype
+    (``4 | 3`` is 7, past both)."""
+    if x.kind == "b":
+        return Val(b=(0, 1), kind="b")
+    info = np.iinfo(dtype)
+    return Val(b=(int(info.min), int(info.max)), kind="i")
 
 
 # Each primitive's interval rule: rule(*input Vals, dtype, **static params).
@@ -430,7 +437,8 @@ def _gathering_rule(eqn: Any, ins: list[Val], dtype: Any) -> Val:
     if prim in ("reduce_max", "reduce_min", "dynamic_slice", "gather"):
         return Val(b=_free(ins[0]), kind=ins[0].kind)
     if prim == "reduce_sum":
-        return _reduce_sum(ins[0], size=math.prod(shape[a] for a in params["axes"]))
+        size = math.prod(shape[a] for a in params["axes"])
+        return _reduce_sum(ins[0], dtype, size=size)
     if prim == "dot_general":
         (contract, _), _ = params["dimension_numbers"]
         return _dot(ins[0], ins[1], size=math.prod(shape[a] for a in contract[0]))

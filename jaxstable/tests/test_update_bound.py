@@ -76,7 +76,7 @@ def test_complex_parameters_and_unbounded_clips_are_not_proved():
     assert not bound.proven(PARAMS, optax.sgd(0.1).init(PARAMS), None)
 
 
-def _rule(prim, *vals, ins=None, **params):
+def _rule(prim, *vals, ins=None, dtype=jnp.float32, **params):
     eqn = types.SimpleNamespace(
         prim=prim,
         ins=ins or list(range(len(vals))),
@@ -84,7 +84,7 @@ def _rule(prim, *vals, ins=None, **params):
         in_shapes=[(3,)] * len(vals),
         out_shapes=[(3,)],
     )
-    return primitive_rule(eqn, list(vals), jnp.float32)
+    return primitive_rule(eqn, list(vals), dtype)
 
 
 def test_rules_refuse_a_divisor_or_root_that_may_reach_their_edge():
@@ -114,6 +114,15 @@ def test_rules_keep_a_parameter_only_where_its_elements_stay():
         _rule("sqrt", p)
     with pytest.raises(Unprovable, match="two parameters"):
         _rule("add", p, Val(b=(0.0, 0.0), a=(1.0, 1.0), sym=1))
+
+
+def test_integer_rules_cover_bitwise_or_and_wrapping_sums():
+    four, three = Val(b=(4, 4), kind="i"), Val(b=(3, 3), kind="i")
+    lo, hi = _rule("or", four, three, dtype=jnp.int32).b
+    assert lo <= 7 <= hi  # 4 | 3 is 7, past both inputs
+    big = Val(b=(0, 2**30), kind="i")
+    lo, hi = _rule("reduce_sum", big, axes=(0,), dtype=jnp.int32).b
+    assert lo < 0  # three of 2**30 wrap past int32's max
 
 
 def test_a_saturating_count_stays_in_its_dtype():
